@@ -1,0 +1,54 @@
+"""jaxdp: data-parallel training with gradient accumulation for JAX.
+
+The batch is split over a one-axis device mesh; every optimizer step averages
+gradients with ONE all-reduce issued after the last micro-batch, exactly like
+PyTorch DDP with ``no_sync()``. Everything not re-exported here is private.
+"""
+
+from ._accumulate import AccumState as AccumState
+from ._inspect import AllReduce as AllReduce
+from ._inspect import all_reduces as all_reduces
+from ._inspect import format_report as format_report
+from ._layout import BatchSizes as BatchSizes
+from ._layout import batch_sizes as batch_sizes
+from ._layout import epoch_batches as epoch_batches
+from ._layout import micro_batches as micro_batches
+from ._mesh import DATA_AXIS as DATA_AXIS
+from ._mesh import data_mesh as data_mesh
+from ._mesh import emulate_cpu_devices as emulate_cpu_devices
+from ._sampler import DistributedSampler as DistributedSampler
+from ._sampler import numpy_permutation as numpy_permutation
+from ._step import TrainState as TrainState
+from ._step import TrainStep as TrainStep
+from ._step import make_train_step as make_train_step
+from ._sync import ReplicaMismatchError as ReplicaMismatchError
+from ._sync import SyncState as SyncState
+from ._sync import all_reduce_mean as all_reduce_mean
+from ._sync import check_replicas as check_replicas
+from ._sync import sync_on_emit as sync_on_emit
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DATA_AXIS",
+    "AccumState",
+    "AllReduce",
+    "BatchSizes",
+    "DistributedSampler",
+    "ReplicaMismatchError",
+    "SyncState",
+    "TrainState",
+    "TrainStep",
+    "all_reduce_mean",
+    "all_reduces",
+    "batch_sizes",
+    "check_replicas",
+    "data_mesh",
+    "emulate_cpu_devices",
+    "epoch_batches",
+    "format_report",
+    "make_train_step",
+    "micro_batches",
+    "numpy_permutation",
+    "sync_on_emit",
+]

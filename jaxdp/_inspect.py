@@ -1,0 +1,133 @@
+"""Inspection of compiled steps: which all-reduces run, how often, how big.
+
+Reads the optimized HLO text of a compiled executable. An all-reduce at the
+top level runs once per call, one inside a ``while`` body runs once per
+iteration (XLA records the trip count of a ``lax.scan`` loop), and one inside
+a ``conditional`` branch runs at most once, only when that branch is taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from typing import Any
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*->.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_CALLEE = re.compile(
+    r"\b(condition|body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduce:
+    """One all-reduce instruction of a compiled program.
+
+    ``bytes`` is the payload of one execution (all operands: XLA's combiner
+    merges per-leaf all-reduces into one instruction with many operands).
+    ``executions`` is how often it runs per call of the program: the product of
+    the trip counts of the loops around it, as ``(min, max)``; inside a
+    conditional branch the minimum is 0.
+    """
+
+    name: str
+    bytes: int
+    shapes: tuple[str, ...]
+    context: tuple[str, ...]
+    executions: tuple[int, int]
+
+    @property
+    def in_loop(self) -> bool:
+        return any(c.startswith("while") for c in self.context)
+
+    @property
+    def in_conditional(self) -> bool:
+        return any(c.startswith("conditional") for c in self.context)
+
+
+def _array_bytes(type_text: str) -> tuple[int, tuple[str, ...]]:
+    total, shapes = 0, []
+    for dtype, dims in _ARRAY.findall(type_text):
+        if dtype not in _BYTES:
+            continue
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        total += count * _BYTES[dtype]
+        shapes.append(f"{dtype}[{dims}]")
+    return total, tuple(shapes)
+
+
+def _parse(hlo: str) -> tuple[str, dict[str, list[tuple[str, str, str, str]]]]:
+    """``(entry name, {computation: [(name, type, opcode, rest), ...]})``."""
+    computations: dict[str, list[tuple[str, str, str, str]]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            current = head.group(2)
+            computations[current] = []
+            entry = current if head.group(1) else entry
+            continue
+        inst = _INSTRUCTION.match(line)
+        if inst and current is not None:
+            computations[current].append(inst.group(2, 3, 4, 5))
+    if not entry:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return entry, computations
+
+
+def _walk(computations, name, context, low, high) -> Iterator[AllReduce]:
+    for inst, type_text, opcode, rest in computations.get(name, []):
+        if opcode in ("all-reduce", "all-reduce-start"):
+            size, shapes = _array_bytes(type_text)
+            yield AllReduce(inst, size, shapes, context, (low, high))
+            continue
+        if opcode == "while":
+            callees = dict(_CALLEE.findall(rest))
+            trip = _TRIP.search(rest)
+            n = int(trip.group(1)) if trip else None
+            label = f"while {inst} x{n if n is not None else '?'}"
+            # An unknown trip count is reported as -1 executions.
+            lo, hi = (low * n, high * n) if n is not None else (-1, -1)
+            yield from _walk(computations, callees["body"], (*context, label), lo, hi)
+            continue
+        branches = _BRANCHES.search(rest)
+        names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+        names += [c for k, c in _CALLEE.findall(rest)
+                  if k in ("true_computation", "false_computation")]
+        if opcode == "conditional":
+            for i, branch in enumerate(names):
+                yield from _walk(computations, branch, (*context, f"conditional {inst}[{i}]"),
+                                 0, high)
+            continue
+        for key, callee in _CALLEE.findall(rest):
+            if key in ("calls", "to_apply") and opcode in ("call", "fusion", "async-start"):
+                yield from _walk(computations, callee, context, low, high)
+
+
+def all_reduces(compiled_or_hlo: Any) -> list[AllReduce]:
+    """Every all-reduce of a compiled program, with bytes and executions per call.
+
+    Accepts ``jitted.lower(*args).compile()`` (for a jaxdp step:
+    ``step.compile(state, batch)``) or its ``as_text()``.
+    """
+    hlo = compiled_or_hlo if isinstance(compiled_or_hlo, str) else compiled_or_hlo.as_text()
+    entry, computations = _parse(hlo)
+    return list(_walk(computations, entry, (), 1, 1))
+
+
+def format_report(reduces: list[AllReduce]) -> str:
+    """A readable table of :func:`all_reduces`."""
+    lines = [f"{'all-reduce':<28} {'bytes':>12} {'runs/call':>10}  where"]
+    for r in reduces:
+        lo, hi = r.executions
+        runs = str(hi) if lo == hi else f"{lo}..{hi}"
+        lines.append(f"{r.name:<28} {r.bytes:>12,} {runs:>10}  {' > '.join(r.context) or 'top level'}")
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""Devices and the one-axis data mesh."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh
+
+DATA_AXIS = "data"
+"""Name of the mesh axis the batch is split over."""
+
+_FORCE_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def emulate_cpu_devices(num_devices: int) -> None:
+    """Makes the CPU backend expose ``num_devices`` devices.
+
+    Must run before JAX starts its backend (before the first array is made or
+    ``jax.devices()`` is called). Calling it again with the count the backend
+    already has is a no-op, so scripts and tests can both call it.
+
+    Raises:
+      ValueError: ``num_devices`` is not a positive integer.
+      RuntimeError: the backend already started with another device count.
+    """
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
+    # An XLA_FLAGS count wins over the config option inside XLA, so keep them
+    # consistent instead of letting one silently override the other.
+    flags = os.environ.get("XLA_FLAGS", "")
+    match = _FORCE_FLAG.search(flags)
+    if match and int(match.group(1)) != num_devices:
+        os.environ["XLA_FLAGS"] = _FORCE_FLAG.sub(
+            f"--xla_force_host_platform_device_count={num_devices}", flags
+        )
+    try:
+        jax.config.update("jax_num_cpu_devices", num_devices)
+    except RuntimeError:
+        have = len(jax.devices("cpu"))
+        if have != num_devices:
+            raise RuntimeError(
+                f"emulate_cpu_devices(num_devices={num_devices}) was called after "
+                f"the JAX backend started with {have} CPU device(s); call it right "
+                "after `import jax`, before any array is created, or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} "
+                "before starting Python"
+            ) from None
+
+
+def data_mesh(
+    num_devices: int | None = None,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    axis_name: str = DATA_AXIS,
+) -> Mesh:
+    """A one-axis mesh over the first ``num_devices`` devices (all by default).
+
+    Devices keep ``jax.devices()`` order, which is global and identical on
+    every process, so mesh position ``r`` is data-parallel rank ``r``.
+
+    Raises:
+      ValueError: ``num_devices`` is not positive or exceeds the devices there are.
+    """
+    available = list(jax.devices() if devices is None else devices)
+    if num_devices is None:
+        num_devices = len(available)
+    if num_devices < 1:
+        raise ValueError(f"num_devices={num_devices} must be at least 1")
+    if num_devices > len(available):
+        kind = available[0].platform if available else "none"
+        raise ValueError(
+            f"num_devices={num_devices} exceeds the {len(available)} available "
+            f"{kind} device(s); on CPU, emulate more with "
+            f"jaxdp.emulate_cpu_devices({num_devices}) before JAX starts"
+        )
+    if jax.process_count() > 1 and num_devices != len(available):
+        raise ValueError(
+            f"num_devices={num_devices} must use all {len(available)} devices "
+            f"when running on {jax.process_count()} processes"
+        )
+    return Mesh(available[:num_devices], (axis_name,))

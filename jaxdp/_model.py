@@ -1,0 +1,71 @@
+"""What is trained: a plain parameter pytree or a Flax NNX module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LossReduction = Literal["mean", "weighted"]
+
+
+def split_model(model: Any) -> tuple[Any, Any, Any]:
+    """``(graphdef, params, model_state)``; graphdef is None for a plain pytree.
+
+    For an NNX module the trainable part is its ``nnx.Param`` variables; every
+    other variable (batch statistics, rng counters) is ``model_state``.
+    """
+    if isinstance(model, nnx.Module):
+        graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+        return graphdef, params, model_state
+    return None, model, None
+
+
+def merge_model(graphdef: Any, params: Any, model_state: Any) -> Any:
+    """Inverse of :func:`split_model`."""
+    if graphdef is None:
+        return params
+    return nnx.merge(graphdef, params, model_state)
+
+
+def loss_parts(
+    loss_fn: Callable[..., Any], reduction: LossReduction, graphdef: Any, model_state: Any
+) -> Callable[[Any, Any], tuple[jax.Array, jax.Array]]:
+    """``parts(params, micro_batch) -> (value, weight)``, differentiable in params.
+
+    ``mean``: ``loss_fn`` returns the micro-batch's mean loss; weight is 1, so
+    the step averages micro-batch means (DDP's ``loss / accum_steps``).
+    ``weighted``: ``loss_fn`` returns ``(loss_sum, count)``; the step divides
+    the total sum by the total count over all micro-batches and devices.
+    """
+
+    def parts(params: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+        out = loss_fn(merge_model(graphdef, params, model_state), batch)
+        if reduction == "mean":
+            _check_scalar(out, "loss_fn's return value", reduction)
+            return out, jnp.ones([], out.dtype)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "loss_fn must return a (loss_sum, count) tuple with "
+                f"loss_reduction='weighted', got {type(out).__name__}"
+            )
+        value, count = out
+        _check_scalar(value, "loss_sum", reduction)
+        _check_scalar(count, "count", reduction)
+        return value, jnp.asarray(count).astype(value.dtype)
+
+    return parts
+
+
+def _check_scalar(x: Any, what: str, reduction: str) -> None:
+    shape = jnp.shape(x)
+    if shape != ():
+        raise ValueError(
+            f"{what} must be a scalar with loss_reduction={reduction!r}, got shape "
+            f"{shape}; reduce over the micro-batch inside loss_fn"
+        )
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating) and what != "count":
+        raise TypeError(f"{what} must be a floating-point scalar, got {jnp.result_type(x)}")

@@ -1,0 +1,102 @@
+"""A sampler with exactly the semantics of torch's DistributedSampler."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+Permutation = Callable[[int, int], Sequence[int]]
+"""``permutation(n, seed) -> a permutation of range(n)``."""
+
+
+def numpy_permutation(n: int, seed: int) -> np.ndarray:
+    """The default shuffle: numpy's PCG64 seeded with ``seed``.
+
+    torch.randperm cannot be reproduced without torch; pass ``permutation=``
+    a function wrapping ``torch.randperm(n, generator=g.manual_seed(seed))``
+    to get torch's exact order.
+    """
+    return np.random.default_rng(seed).permutation(n)
+
+
+class DistributedSampler:
+    """Indices of one data-parallel rank, as ``torch.utils.data.DistributedSampler``.
+
+    Per epoch: take ``permutation(dataset_size, seed + epoch)`` (or
+    ``range(dataset_size)`` without shuffle); without ``drop_last`` pad it by
+    wrapping its head until it divides by ``num_replicas``, with ``drop_last``
+    cut the tail instead; rank ``r`` takes the strided slice
+    ``[r : total_size : num_replicas]``. Every rank gets ``len(self)`` indices.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        *,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        permutation: Permutation = numpy_permutation,
+    ) -> None:
+        if dataset_size < 1:
+            raise ValueError(f"dataset_size={dataset_size} must be at least 1")
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas={num_replicas} must be at least 1")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"rank={rank} must be in [0, num_replicas - 1] = [0, {num_replicas - 1}]"
+            )
+        if drop_last and dataset_size < num_replicas:
+            raise ValueError(
+                f"dataset_size={dataset_size} with drop_last=True leaves no sample "
+                f"for num_replicas={num_replicas} ranks"
+            )
+        self.dataset_size = dataset_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.permutation = permutation
+        self.epoch = 0
+        if drop_last and dataset_size % num_replicas:
+            self.num_samples = math.ceil((dataset_size - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(dataset_size / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffles: epoch ``e`` uses the permutation of ``seed + e``."""
+        self.epoch = epoch
+
+    def epoch_order(self) -> np.ndarray:
+        """The padded (or cut) order of all ranks before the strided split."""
+        n = self.dataset_size
+        if self.shuffle:
+            order = np.asarray(self.permutation(n, self.seed + self.epoch), dtype=np.int64)
+            if sorted(order.tolist()) != list(range(n)):
+                raise ValueError(
+                    f"permutation(n={n}, seed={self.seed + self.epoch}) did not "
+                    f"return a permutation of range({n})"
+                )
+        else:
+            order = np.arange(n, dtype=np.int64)
+        if self.drop_last:
+            return order[: self.total_size]
+        padding = self.total_size - n
+        reps = math.ceil(padding / n) if padding else 0
+        return np.concatenate([order, np.tile(order, reps)[:padding]])
+
+    def indices(self) -> np.ndarray:
+        """This rank's indices for the current epoch, in order."""
+        return self.epoch_order()[self.rank : self.total_size : self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices().tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples

@@ -1,0 +1,285 @@
+"""The data-parallel train step builder."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._accumulate import AccumState, fused_update, learning_rate, multisteps_update
+from ._layout import BatchSizes, batch_sizes
+from ._model import LossReduction, loss_parts, merge_model, split_model
+from ._sync import check_replicas, sync_on_emit
+
+AccumulationPath = Literal["fused", "multisteps"]
+Strategy = Literal["shard_map", "pmap"]
+
+
+class TrainState(NamedTuple):
+    """Everything one optimizer step reads and writes.
+
+    Replicated on every device, except the per-device accumulators of the
+    ``multisteps`` path (``accum`` and MultiSteps' ``acc_grads``), which carry
+    a leading ``num_devices`` axis split over the mesh.
+    """
+
+    step: jax.Array  # optimizer updates applied so far
+    params: Any
+    opt_state: Any
+    accum: AccumState | None  # multisteps only
+    graphdef: Any  # NNX graph definition (static), None for a plain pytree
+    model_state: Any  # NNX non-parameter variables, None for a plain pytree
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """A compiled data-parallel training step; build it with :func:`make_train_step`.
+
+    ``init(params_or_module)`` places the state on the mesh; ``step(state,
+    batch)`` returns ``(new_state, metrics)``. The ``fused`` path takes a global
+    batch of ``num_devices * accum_steps * micro_batch_size`` rows per call and
+    applies one update; ``multisteps`` takes one global micro-batch of
+    ``num_devices * micro_batch_size`` rows per call and applies an update on
+    every ``accum_steps``-th call (``metrics["emitted"]``).
+    """
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    mesh: Mesh
+    accum_steps: int
+    path: AccumulationPath
+    strategy: Strategy
+    loss_reduction: LossReduction
+    accum_dtype: Any
+    donate: bool
+    _jitted: Callable[..., Any] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        donate = (0,) if self.donate else ()
+        object.__setattr__(self, "_jitted", jax.jit(self._global_step, donate_argnums=donate))
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.devices.size
+
+    @property
+    def axis_name(self) -> str:
+        return self.mesh.axis_names[0]
+
+    # ---- state ----------------------------------------------------------------
+
+    def init(self, params_or_module: Any) -> TrainState:
+        """Replicates params (or an NNX module's) and builds the optimizer state.
+
+        Checks that every replica holds the same parameters (raises
+        :class:`ReplicaMismatchError` naming the first differing leaf).
+        """
+        graphdef, params, model_state = split_model(params_or_module)
+        replicated = NamedSharding(self.mesh, P())
+        params, model_state = _place(params, replicated), _place(model_state, replicated)
+        check_replicas(params, self.mesh, name="params")
+        dtype = self._dtype(params)
+        opt = self._optimizer(dtype)
+        if self.path == "fused":
+            opt_state = jax.jit(opt.init, out_shardings=replicated)(params)
+            return TrainState(jnp.zeros([], jnp.int32), params, opt_state, None,
+                              graphdef, model_state)
+        per_device = NamedSharding(self.mesh, P(self.axis_name))
+
+        def init_multisteps(params):
+            state = opt.init(params)
+            stack = lambda x: jnp.zeros((self.num_devices, *x.shape), x.dtype)  # noqa: E731
+            return state._replace(acc_grads=jax.tree.map(stack, state.acc_grads))
+
+        specs = self._opt_specs(jax.eval_shape(init_multisteps, params))
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+        opt_state = jax.jit(init_multisteps, out_shardings=shardings)(params)
+        accum = AccumState(*(jax.device_put(jnp.zeros([self.num_devices], dtype), per_device)
+                             for _ in AccumState._fields))
+        return TrainState(jnp.zeros([], jnp.int32), params, opt_state, accum,
+                          graphdef, model_state)
+
+    def model(self, state: TrainState) -> Any:
+        """The trained parameters, or the NNX module with them merged in."""
+        return merge_model(state.graphdef, state.params, state.model_state)
+
+    # ---- stepping ---------------------------------------------------------------
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        self.sizes(batch)
+        batch = _place(batch, NamedSharding(self.mesh, P(self.axis_name)))
+        return self._jitted(state, batch)
+
+    def compile(self, state: TrainState, batch: Any) -> Any:
+        """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""
+        self.sizes(batch)
+        batch = _place(batch, NamedSharding(self.mesh, P(self.axis_name)))
+        return self._jitted.lower(state, batch).compile()
+
+    def sizes(self, batch: Any) -> BatchSizes:
+        """The batch identity of a batch for this step; raises if it does not fit."""
+        rows = {np.shape(x)[0] if np.ndim(x) else 0 for x in jax.tree.leaves(batch)}
+        if len(rows) != 1:
+            raise ValueError(f"every batch leaf needs the same leading size, got {sorted(rows)}")
+        (rows,) = rows
+        if self.path == "fused":
+            return batch_sizes(num_devices=self.num_devices, accum_steps=self.accum_steps,
+                               global_batch_size=rows)
+        micro = batch_sizes(num_devices=self.num_devices, global_batch_size=rows)
+        return micro._replace(accum_steps=self.accum_steps,
+                              global_batch_size=rows * self.accum_steps)
+
+    def _global_step(self, state: TrainState, batch: Any):
+        specs = self._state_specs(state)
+        if self.strategy == "pmap":
+            axes = jax.tree.map(lambda s: None if s == P() else 0, specs,
+                                is_leaf=lambda x: isinstance(x, P))
+            batch = jax.tree.map(lambda x: x.reshape(self.num_devices, -1, *x.shape[1:]), batch)
+            mapped = jax.pmap(self._local_step, self.axis_name, in_axes=(axes, 0),
+                              out_axes=(axes, None), devices=list(self.mesh.devices.flat))
+            return mapped(state, batch)
+        data = P(self.axis_name)
+        unstack = lambda x: x[0]  # noqa: E731
+        restack = lambda x: x[None]  # noqa: E731
+
+        def local(state, batch):
+            state, metrics = self._local_step(_map_per_device(state, unstack), batch)
+            return _map_per_device(state, restack), metrics
+
+        mapped = jax.shard_map(local, mesh=self.mesh, in_specs=(specs, data),
+                               out_specs=(specs, P()), check_vma=True)
+        return mapped(state, batch)
+
+    def _local_step(self, state: TrainState, batch: Any):
+        """One device's step; per-device leaves arrive without their device axis."""
+        parts = loss_parts(self.loss_fn, self.loss_reduction, state.graphdef, state.model_state)
+        dtype = self._dtype(state.params)
+        if self.strategy == "shard_map":
+            to_varying = lambda t: jax.lax.pcast(t, self.axis_name, to="varying")  # noqa: E731
+        else:
+            to_varying = lambda t: t  # noqa: E731  (pmap does not track replication)
+        if self.path == "fused":
+            micro = jax.tree.map(lambda x: x.reshape(self.accum_steps, -1, *x.shape[1:]), batch)
+            params, opt_state, metrics = fused_update(
+                parts, self._optimizer(dtype), state.params, state.opt_state, micro,
+                axis_name=self.axis_name, dtype=dtype, to_varying=to_varying)
+            step, accum = state.step + 1, state.accum
+        else:
+            params, opt_state, accum, metrics = multisteps_update(
+                parts, self._optimizer(dtype), state.params, state.opt_state, state.accum,
+                batch, accum_steps=self.accum_steps, dtype=dtype, to_varying=to_varying)
+            step = state.step + metrics["emitted"].astype(state.step.dtype)
+        lr = learning_rate(opt_state)
+        if lr is not None:
+            metrics["learning_rate"] = lr
+        return state._replace(step=step, params=params, opt_state=opt_state, accum=accum), metrics
+
+    # ---- helpers ----------------------------------------------------------------
+
+    def _dtype(self, params: Any) -> Any:
+        if self.accum_dtype is not None:
+            return jnp.dtype(self.accum_dtype)
+        wide = any(jnp.dtype(x.dtype) == jnp.float64 for x in jax.tree.leaves(params))
+        return jnp.dtype(jnp.float64 if wide else jnp.float32)
+
+    def _optimizer(self, dtype: Any) -> optax.GradientTransformation:
+        if self.path == "fused":
+            return self.optimizer
+        inner = optax.chain(sync_on_emit(self.axis_name, dtype=dtype), self.optimizer)
+        return optax.MultiSteps(inner, self.accum_steps, use_grad_mean=False,
+                                accumulator_dtype=dtype)
+
+    def _opt_specs(self, opt_state: Any) -> Any:
+        if self.path == "fused":
+            return jax.tree.map(lambda _: P(), opt_state)
+        specs = jax.tree.map(lambda _: P(), opt_state)
+        return specs._replace(acc_grads=jax.tree.map(lambda _: P(self.axis_name),
+                                                     opt_state.acc_grads))
+
+    def _state_specs(self, state: TrainState) -> TrainState:
+        replicated = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
+        accum = None if state.accum is None else AccumState(P(self.axis_name), P(self.axis_name))
+        return TrainState(P(), replicated(state.params), self._opt_specs(state.opt_state),
+                          accum, state.graphdef, replicated(state.model_state))
+
+
+def _map_per_device(state: TrainState, fn: Callable[[Any], Any]) -> TrainState:
+    if state.accum is None:
+        return state
+    opt_state = state.opt_state._replace(acc_grads=jax.tree.map(fn, state.opt_state.acc_grads))
+    return state._replace(opt_state=opt_state, accum=jax.tree.map(fn, state.accum))
+
+
+def _place(tree: Any, sharding: NamedSharding) -> Any:
+    """Puts host or device values on the mesh with ``sharding``.
+
+    Each process passes its own local data (for a replicated sharding: the whole
+    value), so this works unchanged across processes.
+    """
+
+    def place(x: Any) -> Any:
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.jit(lambda y: y, out_shardings=sharding)(x)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    return jax.tree.map(place, tree)
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    mesh: Mesh,
+    accum_steps: int = 1,
+    path: AccumulationPath = "fused",
+    strategy: Strategy = "shard_map",
+    loss_reduction: LossReduction = "mean",
+    accum_dtype: Any = None,
+    donate: bool = True,
+) -> TrainStep:
+    """Builds a data-parallel step with gradient accumulation.
+
+    Args:
+      loss_fn: ``loss_fn(params, micro_batch)`` (or ``loss_fn(module, ...)`` when
+        :meth:`TrainStep.init` gets an NNX module). Returns the micro-batch's
+        mean loss (``loss_reduction="mean"``) or ``(loss_sum, count)``
+        (``"weighted"``).
+      optimizer: any optax transformation; jaxdp applies it once per step.
+      mesh: a one-axis mesh (:func:`data_mesh`); the batch is split over it.
+      accum_steps: micro-batches per device per optimizer step.
+      path: ``"fused"`` (one call per step, ``lax.scan`` over micro-batches) or
+        ``"multisteps"`` (one call per micro-batch, ``optax.MultiSteps``).
+      strategy: ``"shard_map"`` or the legacy ``"pmap"``.
+      loss_reduction: ``"mean"``: the update follows the mean of the
+        ``num_devices * accum_steps`` micro-batch means (DDP with ``loss /
+        accum_steps``). ``"weighted"``: it follows ``sum of loss_sum / sum of
+        count`` over all micro-batches and devices, exact for unequal counts.
+      accum_dtype: accumulator dtype for gradients, loss and weights; default
+        float64 if any parameter is float64, else float32.
+      donate: donate the input state's buffers to the output (saves memory;
+        the state passed in must not be used again).
+
+    Gradients travel in one all-reduce per optimizer step, issued after the
+    last micro-batch (``no_sync`` on the others), together with the loss and
+    weight sums.
+    """
+    if not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps={accum_steps!r} must be a positive integer")
+    for name, value, allowed in (("path", path, ("fused", "multisteps")),
+                                 ("strategy", strategy, ("shard_map", "pmap")),
+                                 ("loss_reduction", loss_reduction, ("mean", "weighted"))):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r} must be one of {allowed}")
+    if len(mesh.axis_names) != 1:
+        raise ValueError(f"mesh must have one (data) axis, got axes {mesh.axis_names}")
+    return TrainStep(loss_fn, optimizer, mesh, accum_steps, path, strategy, loss_reduction,
+                     accum_dtype, donate)

@@ -1,0 +1,34 @@
+"""The one tree-compare helper and the tolerances it is used with."""
+
+from typing import Any
+
+import jax
+import numpy as np
+
+# Relative tolerances per dtype, elementwise.
+RTOL = {
+    # The issue's bound. Observed: a few 1e-15 (summation order differs between
+    # the scan over micro-batches, the all-reduce and one big batch).
+    "float64": 1e-12,
+}
+
+
+def assert_trees_close(actual: Any, expected: Any, *, rtol: float, atol: float = 0.0) -> None:
+    """Same structure, and every leaf within ``rtol`` (elementwise) of ``expected``."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+def max_rel_diff(actual: Any, expected: Any) -> float:
+    """Largest elementwise |a - b| / |b| over the trees (0/0 counts as 0)."""
+    worst = 0.0
+    for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        diff = np.abs(a - b)
+        worst = max(worst, float(np.max(np.where(diff == 0, 0.0, diff / np.abs(b)))))
+    return worst

@@ -1,0 +1,41 @@
+"""Acceptance 1: (N devices, K micro-batches) == one big batch on one device."""
+
+import pytest
+from helpers import RTOL, assert_trees_close
+from models import OPTIMIZERS, big_batch_reference, mlp_params, mse_loss, regression_data, train
+
+import jaxdp
+
+GLOBAL_BATCH = 64  # divisible by every num_devices * accum_steps below
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def batches():
+    x, y = regression_data(GLOBAL_BATCH * STEPS)
+    return [(x[i::STEPS], y[i::STEPS]) for i in range(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def reference(batches):
+    return {
+        name: big_batch_reference(mse_loss, make(), mlp_params(), batches)
+        for name, make in OPTIMIZERS.items()
+    }
+
+
+@pytest.mark.parametrize("strategy", ["shard_map", "pmap"])
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("accum_steps", [1, 2, 4])
+@pytest.mark.parametrize("num_devices", [1, 2, 4, 8])
+def test_data_parallel_accumulation_equals_big_batch(
+    batches, reference, num_devices, accum_steps, optimizer, path, strategy
+):
+    step = jaxdp.make_train_step(
+        mse_loss, OPTIMIZERS[optimizer](), mesh=jaxdp.data_mesh(num_devices),
+        accum_steps=accum_steps, path=path, strategy=strategy,
+    )
+    state, _ = train(step, mlp_params(), batches)
+    assert int(state.step) == STEPS
+    assert_trees_close(state.params, reference[optimizer], rtol=RTOL["float64"])
