@@ -50,7 +50,7 @@ def loss_parts(
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
                 "loss_fn must return a (loss_sum, count) tuple with "
-                f"loss_reduction='weighted', got {type(out).__name__}"
+                f"loss_reduction='weighted', got {_describe(out)}"
             )
         value, count = out
         _check_scalar(value, "loss_sum", reduction)
@@ -69,3 +69,9 @@ def _check_scalar(x: Any, what: str, reduction: str) -> None:
         )
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating) and what != "count":
         raise TypeError(f"{what} must be a floating-point scalar, got {jnp.result_type(x)}")
+
+
+def _describe(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"one array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return type(x).__name__

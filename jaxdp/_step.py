@@ -87,10 +87,10 @@ class TrainStep:
         check_replicas(params, self.mesh, name="params")
         dtype = self._dtype(params)
         opt = self._optimizer(dtype)
+        step = jax.device_put(jnp.zeros([], jnp.int32), replicated)
         if self.path == "fused":
             opt_state = jax.jit(opt.init, out_shardings=replicated)(params)
-            return TrainState(jnp.zeros([], jnp.int32), params, opt_state, None,
-                              graphdef, model_state)
+            return TrainState(step, params, opt_state, None, graphdef, model_state)
         per_device = NamedSharding(self.mesh, P(self.axis_name))
 
         def init_multisteps(params):
@@ -103,8 +103,7 @@ class TrainStep:
         opt_state = jax.jit(init_multisteps, out_shardings=shardings)(params)
         accum = AccumState(*(jax.device_put(jnp.zeros([self.num_devices], dtype), per_device)
                              for _ in AccumState._fields))
-        return TrainState(jnp.zeros([], jnp.int32), params, opt_state, accum,
-                          graphdef, model_state)
+        return TrainState(step, params, opt_state, accum, graphdef, model_state)
 
     def model(self, state: TrainState) -> Any:
         """The trained parameters, or the NNX module with them merged in."""

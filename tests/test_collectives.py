@@ -1,0 +1,96 @@
+"""Acceptance 3: one all-reduce of the gradients per optimizer step, whatever K."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from models import mlp_params, mse_loss, regression_data
+
+import jaxdp
+
+NUM_DEVICES, MICRO = 4, 2
+
+
+def gradient_bytes(params) -> int:
+    return sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+
+
+def compiled_step(path, strategy, accum_steps, params):
+    step = jaxdp.make_train_step(
+        mse_loss, optax.adamw(1e-3), mesh=jaxdp.data_mesh(NUM_DEVICES),
+        accum_steps=accum_steps, path=path, strategy=strategy,
+    )
+    state = step.init(params)
+    rows = NUM_DEVICES * MICRO * (accum_steps if path == "fused" else 1)
+    return step, state, regression_data(rows)
+
+
+@pytest.mark.parametrize("strategy", ["shard_map", "pmap"])
+@pytest.mark.parametrize("accum_steps", [1, 2, 4, 8])
+def test_fused_path_reduces_once_per_step(accum_steps, strategy):
+    params = mlp_params()
+    step, state, batch = compiled_step("fused", strategy, accum_steps, params)
+    reduces = jaxdp.all_reduces(step.compile(state, batch))
+    assert len(reduces) == 1, jaxdp.format_report(reduces)
+    (reduce,) = reduces
+    assert reduce.executions == (1, 1)
+    assert not reduce.in_loop and not reduce.in_conditional
+    # Gradients plus the loss and weight sums (two float64 scalars), one payload.
+    assert reduce.bytes == gradient_bytes(params) + 2 * 8
+
+
+@pytest.mark.parametrize("strategy", ["shard_map", "pmap"])
+@pytest.mark.parametrize("accum_steps", [1, 2, 4, 8])
+def test_multisteps_path_reduces_only_on_the_emitting_call(accum_steps, strategy):
+    params = mlp_params()
+    step, state, batch = compiled_step("multisteps", strategy, accum_steps, params)
+    reduces = jaxdp.all_reduces(step.compile(state, batch))
+    assert len(reduces) == 1, jaxdp.format_report(reduces)
+    (reduce,) = reduces
+    assert reduce.bytes == gradient_bytes(params) + 2 * 8
+    # Inside a conditional: at most once per call, and only on the branch taken
+    # when the replicated predicate says this call emits the update...
+    assert reduce.in_conditional and not reduce.in_loop
+    assert reduce.executions == (0, 1)
+    # ... which is exactly one call in every accum_steps.
+    emitted = []
+    for _ in range(2 * accum_steps):
+        state, metrics = step(state, batch)
+        emitted.append(bool(metrics["emitted"]))
+    assert emitted == ([False] * (accum_steps - 1) + [True]) * 2
+    assert int(state.step) == 2
+
+
+def test_inspection_counts_the_per_micro_batch_trap():
+    """A naive shard_map step (replicated params, no pcast) all-reduces inside the
+    scan: the inspection reports K executions of it per call."""
+    accum_steps = 4
+    mesh = jaxdp.data_mesh(NUM_DEVICES)
+    params = jax.tree.map(jnp.asarray, mlp_params())
+
+    def local(params, batch):
+        micro = jax.tree.map(lambda x: x.reshape(accum_steps, -1, *x.shape[1:]), batch)
+
+        def body(acc, mb):
+            return jax.tree.map(jnp.add, acc, jax.grad(mse_loss)(params, mb)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, _ = jax.lax.scan(body, zeros, micro)
+        return grads
+
+    naive = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    batch = jax.device_put(regression_data(NUM_DEVICES * accum_steps * MICRO),
+                           NamedSharding(mesh, P("data")))
+    reduces = jaxdp.all_reduces(naive.lower(params, batch).compile())
+    per_call = sum(r.executions[1] * r.bytes for r in reduces)
+    assert all(r.in_loop for r in reduces)
+    assert per_call == accum_steps * gradient_bytes(params)
+
+
+def test_report_names_each_all_reduce():
+    step, state, batch = compiled_step("fused", "shard_map", 2, mlp_params())
+    text = jaxdp.format_report(jaxdp.all_reduces(step.compile(state, batch)))
+    assert "top level" in text and f"{gradient_bytes(mlp_params()) + 16:,}" in text

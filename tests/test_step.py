@@ -1,0 +1,94 @@
+"""The step compiles once, takes NNX modules, and reports its metrics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import RTOL, assert_trees_close
+from models import big_batch_reference, mlp_params, mse_loss, regression_data, train
+
+import jaxdp
+
+
+@pytest.mark.parametrize("strategy", ["shard_map", "pmap"])
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+def test_compiled_once_over_steps(path, strategy):
+    traces = []
+
+    def counting_loss(params, batch):
+        traces.append(1)  # runs only while JAX traces
+        return mse_loss(params, batch)
+
+    step = jaxdp.make_train_step(counting_loss, optax.adamw(1e-3), mesh=jaxdp.data_mesh(4),
+                                 accum_steps=2, path=path, strategy=strategy)
+    rows = 16 if path == "fused" else 8
+    state = step.init(mlp_params())
+    for i in range(6):
+        state, _ = step(state, regression_data(rows, seed=i))
+    traced_once = len(traces)
+    assert step._jitted._cache_size() == 1
+    for i in range(3):
+        state, _ = step(state, regression_data(rows, seed=10 + i))
+    assert len(traces) == traced_once
+    assert step._jitted._cache_size() == 1
+
+
+def test_metrics_are_big_batch_loss_grad_norm_and_learning_rate():
+    schedule = optax.linear_schedule(0.1, 0.0, transition_steps=10)
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+    step = jaxdp.make_train_step(mse_loss, opt, mesh=jaxdp.data_mesh(4), accum_steps=2)
+    params = jax.tree.map(jnp.asarray, mlp_params())
+    batch = regression_data(32)
+    _, metrics = step(step.init(mlp_params()), batch)
+    loss, grads = jax.value_and_grad(mse_loss)(params, batch)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL["float64"])
+    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=RTOL["float64"])
+    # inject_hyperparams records the rate it just used: schedule(0).
+    np.testing.assert_allclose(metrics["learning_rate"], 0.1)
+
+
+def test_multisteps_metrics_describe_the_last_update():
+    step = jaxdp.make_train_step(mse_loss, optax.sgd(0.1), mesh=jaxdp.data_mesh(2),
+                                 accum_steps=2, path="multisteps")
+    params = jax.tree.map(jnp.asarray, mlp_params())
+    batch = regression_data(8)
+    state, history = train(step, mlp_params(), [batch])
+    assert [bool(m["emitted"]) for m in history] == [False, True]
+    np.testing.assert_allclose(history[-1]["loss"], mse_loss(params, batch), rtol=RTOL["float64"])
+    assert "learning_rate" not in history[-1]  # plain sgd holds no rate in its state
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(8, 16, rngs=rngs, param_dtype=jnp.float64)
+        self.out = nnx.Linear(16, 3, rngs=rngs, param_dtype=jnp.float64)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.hidden(x)))
+
+
+def nnx_loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+def test_nnx_module_trains_like_its_parameter_pytree(path):
+    model = MLP(nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    batches = [regression_data(16, seed=s) for s in range(3)]
+
+    def pytree_loss(p, batch):
+        return nnx_loss(nnx.merge(graphdef, p), batch)
+
+    expected = big_batch_reference(pytree_loss, optax.adam(1e-2), params, batches)
+    step = jaxdp.make_train_step(nnx_loss, optax.adam(1e-2), mesh=jaxdp.data_mesh(4),
+                                 accum_steps=2, path=path)
+    state, _ = train(step, model, batches)
+    trained = step.model(state)
+    assert isinstance(trained, MLP)
+    assert_trees_close(nnx.state(trained, nnx.Param), expected, rtol=RTOL["float64"])
+    # The caller's module is left as it was.
+    assert_trees_close(nnx.state(model, nnx.Param), params, rtol=0)
