@@ -13,8 +13,23 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*->.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
@@ -100,12 +115,14 @@ def _walk(computations, name, context, low, high) -> Iterator[AllReduce]:
             continue
         branches = _BRANCHES.search(rest)
         names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
-        names += [c for k, c in _CALLEE.findall(rest)
-                  if k in ("true_computation", "false_computation")]
+        names += [
+            c for k, c in _CALLEE.findall(rest) if k in ("true_computation", "false_computation")
+        ]
         if opcode == "conditional":
             for i, branch in enumerate(names):
-                yield from _walk(computations, branch, (*context, f"conditional {inst}[{i}]"),
-                                 0, high)
+                yield from _walk(
+                    computations, branch, (*context, f"conditional {inst}[{i}]"), 0, high
+                )
             continue
         for key, callee in _CALLEE.findall(rest):
             if key in ("calls", "to_apply") and opcode in ("call", "fusion", "async-start"):
@@ -129,5 +146,7 @@ def format_report(reduces: list[AllReduce]) -> str:
     for r in reduces:
         lo, hi = r.executions
         runs = str(hi) if lo == hi else f"{lo}..{hi}"
-        lines.append(f"{r.name:<28} {r.bytes:>12,} {runs:>10}  {' > '.join(r.context) or 'top level'}")
+        lines.append(
+            f"{r.name:<28} {r.bytes:>12,} {runs:>10}  {' > '.join(r.context) or 'top level'}"
+        )
     return "\n".join(lines)

@@ -92,8 +92,13 @@ def epoch_batches(
     per_rank = []
     for rank in range(n):
         sampler = DistributedSampler(
-            dataset_size, num_replicas=n, rank=rank, shuffle=shuffle, seed=seed,
-            drop_last=drop_last, permutation=permutation,
+            dataset_size,
+            num_replicas=n,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            permutation=permutation,
         )
         sampler.set_epoch(epoch)
         per_rank.append(sampler.indices())

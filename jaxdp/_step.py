@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -16,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from ._accumulate import AccumState, fused_update, learning_rate, multisteps_update
 from ._layout import BatchSizes, batch_sizes
 from ._model import LossReduction, loss_parts, merge_model, split_model
-from ._sync import check_replicas, sync_on_emit
+from ._sync import check_replicas, mark_varying, sync_on_emit
 
 AccumulationPath = Literal["fused", "multisteps"]
 Strategy = Literal["shard_map", "pmap"]
@@ -95,14 +96,20 @@ class TrainStep:
 
         def init_multisteps(params):
             state = opt.init(params)
-            stack = lambda x: jnp.zeros((self.num_devices, *x.shape), x.dtype)  # noqa: E731
-            return state._replace(acc_grads=jax.tree.map(stack, state.acc_grads))
+            stacked = jax.tree.map(
+                lambda x: jnp.zeros((self.num_devices, *x.shape), x.dtype), state.acc_grads
+            )
+            return state._replace(acc_grads=stacked)
 
         specs = self._opt_specs(jax.eval_shape(init_multisteps, params))
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
         opt_state = jax.jit(init_multisteps, out_shardings=shardings)(params)
-        accum = AccumState(*(jax.device_put(jnp.zeros([self.num_devices], dtype), per_device)
-                             for _ in AccumState._fields))
+        accum = AccumState(
+            *(
+                jax.device_put(jnp.zeros([self.num_devices], dtype), per_device)
+                for _ in AccumState._fields
+            )
+        )
         return TrainState(step, params, opt_state, accum, graphdef, model_state)
 
     def model(self, state: TrainState) -> Any:
@@ -129,31 +136,39 @@ class TrainStep:
             raise ValueError(f"every batch leaf needs the same leading size, got {sorted(rows)}")
         (rows,) = rows
         if self.path == "fused":
-            return batch_sizes(num_devices=self.num_devices, accum_steps=self.accum_steps,
-                               global_batch_size=rows)
+            return batch_sizes(
+                num_devices=self.num_devices, accum_steps=self.accum_steps, global_batch_size=rows
+            )
         micro = batch_sizes(num_devices=self.num_devices, global_batch_size=rows)
-        return micro._replace(accum_steps=self.accum_steps,
-                              global_batch_size=rows * self.accum_steps)
+        return micro._replace(
+            accum_steps=self.accum_steps, global_batch_size=rows * self.accum_steps
+        )
 
     def _global_step(self, state: TrainState, batch: Any):
         specs = self._state_specs(state)
         if self.strategy == "pmap":
-            axes = jax.tree.map(lambda s: None if s == P() else 0, specs,
-                                is_leaf=lambda x: isinstance(x, P))
+            axes = jax.tree.map(
+                lambda s: None if s == P() else 0, specs, is_leaf=lambda x: isinstance(x, P)
+            )
             batch = jax.tree.map(lambda x: x.reshape(self.num_devices, -1, *x.shape[1:]), batch)
-            mapped = jax.pmap(self._local_step, self.axis_name, in_axes=(axes, 0),
-                              out_axes=(axes, None), devices=list(self.mesh.devices.flat))
+            mapped = jax.pmap(
+                self._local_step,
+                self.axis_name,
+                in_axes=(axes, 0),
+                out_axes=(axes, None),
+                devices=list(self.mesh.devices.flat),
+            )
             return mapped(state, batch)
         data = P(self.axis_name)
-        unstack = lambda x: x[0]  # noqa: E731
-        restack = lambda x: x[None]  # noqa: E731
 
         def local(state, batch):
-            state, metrics = self._local_step(_map_per_device(state, unstack), batch)
-            return _map_per_device(state, restack), metrics
+            # Per-device leaves arrive as this device's [1, ...] block.
+            state, metrics = self._local_step(_map_per_device(state, lambda x: x[0]), batch)
+            return _map_per_device(state, lambda x: x[None]), metrics
 
-        mapped = jax.shard_map(local, mesh=self.mesh, in_specs=(specs, data),
-                               out_specs=(specs, P()), check_vma=True)
+        mapped = jax.shard_map(
+            local, mesh=self.mesh, in_specs=(specs, data), out_specs=(specs, P()), check_vma=True
+        )
         return mapped(state, batch)
 
     def _local_step(self, state: TrainState, batch: Any):
@@ -161,19 +176,34 @@ class TrainStep:
         parts = loss_parts(self.loss_fn, self.loss_reduction, state.graphdef, state.model_state)
         dtype = self._dtype(state.params)
         if self.strategy == "shard_map":
-            to_varying = lambda t: jax.lax.pcast(t, self.axis_name, to="varying")  # noqa: E731
+            to_varying = functools.partial(mark_varying, axis_name=self.axis_name)
         else:
-            to_varying = lambda t: t  # noqa: E731  (pmap does not track replication)
+            to_varying = _identity  # pmap does not track replication
         if self.path == "fused":
             micro = jax.tree.map(lambda x: x.reshape(self.accum_steps, -1, *x.shape[1:]), batch)
             params, opt_state, metrics = fused_update(
-                parts, self._optimizer(dtype), state.params, state.opt_state, micro,
-                axis_name=self.axis_name, dtype=dtype, to_varying=to_varying)
+                parts,
+                self._optimizer(dtype),
+                state.params,
+                state.opt_state,
+                micro,
+                axis_name=self.axis_name,
+                dtype=dtype,
+                to_varying=to_varying,
+            )
             step, accum = state.step + 1, state.accum
         else:
             params, opt_state, accum, metrics = multisteps_update(
-                parts, self._optimizer(dtype), state.params, state.opt_state, state.accum,
-                batch, accum_steps=self.accum_steps, dtype=dtype, to_varying=to_varying)
+                parts,
+                self._optimizer(dtype),
+                state.params,
+                state.opt_state,
+                state.accum,
+                batch,
+                accum_steps=self.accum_steps,
+                dtype=dtype,
+                to_varying=to_varying,
+            )
             step = state.step + metrics["emitted"].astype(state.step.dtype)
         lr = learning_rate(opt_state)
         if lr is not None:
@@ -192,21 +222,35 @@ class TrainStep:
         if self.path == "fused":
             return self.optimizer
         inner = optax.chain(sync_on_emit(self.axis_name, dtype=dtype), self.optimizer)
-        return optax.MultiSteps(inner, self.accum_steps, use_grad_mean=False,
-                                accumulator_dtype=dtype)
+        return optax.MultiSteps(
+            inner, self.accum_steps, use_grad_mean=False, accumulator_dtype=dtype
+        )
 
     def _opt_specs(self, opt_state: Any) -> Any:
         if self.path == "fused":
             return jax.tree.map(lambda _: P(), opt_state)
         specs = jax.tree.map(lambda _: P(), opt_state)
-        return specs._replace(acc_grads=jax.tree.map(lambda _: P(self.axis_name),
-                                                     opt_state.acc_grads))
+        return specs._replace(
+            acc_grads=jax.tree.map(lambda _: P(self.axis_name), opt_state.acc_grads)
+        )
 
     def _state_specs(self, state: TrainState) -> TrainState:
-        replicated = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
+        def replicated(tree):
+            return jax.tree.map(lambda _: P(), tree)
+
         accum = None if state.accum is None else AccumState(P(self.axis_name), P(self.axis_name))
-        return TrainState(P(), replicated(state.params), self._opt_specs(state.opt_state),
-                          accum, state.graphdef, replicated(state.model_state))
+        return TrainState(
+            P(),
+            replicated(state.params),
+            self._opt_specs(state.opt_state),
+            accum,
+            state.graphdef,
+            replicated(state.model_state),
+        )
+
+
+def _identity(x: Any) -> Any:
+    return x
 
 
 def _map_per_device(state: TrainState, fn: Callable[[Any], Any]) -> TrainState:
@@ -273,12 +317,15 @@ def make_train_step(
     """
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps!r} must be a positive integer")
-    for name, value, allowed in (("path", path, ("fused", "multisteps")),
-                                 ("strategy", strategy, ("shard_map", "pmap")),
-                                 ("loss_reduction", loss_reduction, ("mean", "weighted"))):
+    for name, value, allowed in (
+        ("path", path, ("fused", "multisteps")),
+        ("strategy", strategy, ("shard_map", "pmap")),
+        ("loss_reduction", loss_reduction, ("mean", "weighted")),
+    ):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} must be one of {allowed}")
     if len(mesh.axis_names) != 1:
         raise ValueError(f"mesh must have one (data) axis, got axes {mesh.axis_names}")
-    return TrainStep(loss_fn, optimizer, mesh, accum_steps, path, strategy, loss_reduction,
-                     accum_dtype, donate)
+    return TrainStep(
+        loss_fn, optimizer, mesh, accum_steps, path, strategy, loss_reduction, accum_dtype, donate
+    )

@@ -14,6 +14,18 @@ from jax.sharding import PartitionSpec as P
 from ._mesh import DATA_AXIS
 
 
+def mark_varying(tree: Any, axis_name: str = DATA_AXIS) -> Any:
+    """Marks replicated values as per-device inside ``shard_map(check_vma=True)``.
+
+    Differentiating w.r.t. such values gives each device its LOCAL gradient;
+    w.r.t. the unmarked (invariant) values JAX would psum the gradient itself.
+    """
+    pcast = getattr(jax.lax, "pcast", None)
+    if pcast is not None:
+        return pcast(tree, axis_name, to="varying")
+    return jax.lax.pvary(tree, axis_name)  # the name before jax 0.10
+
+
 def all_reduce_mean(
     grad_sum: Any, loss_sum: jax.Array, weight: jax.Array, axis_name: str = DATA_AXIS
 ) -> tuple[Any, jax.Array]:
@@ -64,8 +76,11 @@ def sync_on_emit(
     def update(updates, state, params=None, *, emit, loss_sum, weight, **extra):
         del extra
         # Gradients leave in the parameters' dtypes, as in the fused path.
-        dtypes = jax.tree.map(lambda g: g.dtype, updates) if params is None else (
-            jax.tree.map(lambda p: p.dtype, params))
+        dtypes = (
+            jax.tree.map(lambda g: g.dtype, updates)
+            if params is None
+            else (jax.tree.map(lambda p: p.dtype, params))
+        )
 
         def reduce(operands):
             grads, loss = all_reduce_mean(*operands, axis_name)
@@ -123,9 +138,7 @@ def check_replicas(tree: Any, mesh: Mesh, *, name: str = "params") -> None:
 
     # check_vma=False: each device must read its OWN copy of a "replicated"
     # input; that is the thing being checked.
-    local = jax.shard_map(
-        differs, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False
-    )
+    local = jax.shard_map(differs, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
     flags = jax.jit(local)(*[leaf for _, leaf in leaves])
     for (path, _), flag in zip(leaves, flags, strict=True):
         per_device = np.asarray(flag)

@@ -58,9 +58,15 @@ def train(step: jaxdp.TrainStep, params, batches):
     and the metrics of every call."""
     state, history = step.init(params), []
     for batch in batches:
-        sizes = step.sizes(batch) if step.path == "fused" else jaxdp.batch_sizes(
-            num_devices=step.num_devices, accum_steps=step.accum_steps,
-            global_batch_size=len(jax.tree.leaves(batch)[0]))
+        sizes = (
+            step.sizes(batch)
+            if step.path == "fused"
+            else jaxdp.batch_sizes(
+                num_devices=step.num_devices,
+                accum_steps=step.accum_steps,
+                global_batch_size=len(jax.tree.leaves(batch)[0]),
+            )
+        )
         calls = [batch] if step.path == "fused" else jaxdp.micro_batches(batch, sizes)
         for call in calls:
             state, metrics = step(state, call)

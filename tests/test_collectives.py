@@ -20,8 +20,12 @@ def gradient_bytes(params) -> int:
 
 def compiled_step(path, strategy, accum_steps, params):
     step = jaxdp.make_train_step(
-        mse_loss, optax.adamw(1e-3), mesh=jaxdp.data_mesh(NUM_DEVICES),
-        accum_steps=accum_steps, path=path, strategy=strategy,
+        mse_loss,
+        optax.adamw(1e-3),
+        mesh=jaxdp.data_mesh(NUM_DEVICES),
+        accum_steps=accum_steps,
+        path=path,
+        strategy=strategy,
     )
     state = step.init(params)
     rows = NUM_DEVICES * MICRO * (accum_steps if path == "fused" else 1)
@@ -82,8 +86,9 @@ def test_inspection_counts_the_per_micro_batch_trap():
         return grads
 
     naive = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
-    batch = jax.device_put(regression_data(NUM_DEVICES * accum_steps * MICRO),
-                           NamedSharding(mesh, P("data")))
+    batch = jax.device_put(
+        regression_data(NUM_DEVICES * accum_steps * MICRO), NamedSharding(mesh, P("data"))
+    )
     reduces = jaxdp.all_reduces(naive.lower(params, batch).compile())
     per_call = sum(r.executions[1] * r.bytes for r in reduces)
     assert all(r.in_loop for r in reduces)

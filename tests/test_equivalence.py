@@ -33,8 +33,12 @@ def test_data_parallel_accumulation_equals_big_batch(
     batches, reference, num_devices, accum_steps, optimizer, path, strategy
 ):
     step = jaxdp.make_train_step(
-        mse_loss, OPTIMIZERS[optimizer](), mesh=jaxdp.data_mesh(num_devices),
-        accum_steps=accum_steps, path=path, strategy=strategy,
+        mse_loss,
+        OPTIMIZERS[optimizer](),
+        mesh=jaxdp.data_mesh(num_devices),
+        accum_steps=accum_steps,
+        path=path,
+        strategy=strategy,
     )
     state, _ = train(step, mlp_params(), batches)
     assert int(state.step) == STEPS

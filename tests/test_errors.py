@@ -23,13 +23,18 @@ def make(**kwargs):
 def test_global_batch_not_divisible_names_all_three_numbers():
     step = make()
     state = step.init(mlp_params())
-    with pytest.raises(ValueError, match=r"global_batch_size=30 .* num_devices \* accum_steps = 4 \* 2"):
+    with pytest.raises(
+        ValueError, match=r"global_batch_size=30 .* num_devices \* accum_steps = 4 \* 2"
+    ):
         step(state, regression_data(30))
 
 
 def test_batch_sizes_rejects_inconsistent_sizes():
-    with pytest.raises(ValueError, match=r"global_batch_size=30 must be a positive multiple of "
-                                         r"num_devices \* accum_steps = 4 \* 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"global_batch_size=30 must be a positive multiple of "
+        r"num_devices \* accum_steps = 4 \* 2",
+    ):
         jaxdp.batch_sizes(num_devices=4, accum_steps=2, global_batch_size=30)
     with pytest.raises(ValueError, match=r"micro_batch_size=3 contradicts global_batch_size=32"):
         jaxdp.batch_sizes(num_devices=4, accum_steps=2, global_batch_size=32, micro_batch_size=3)
@@ -43,8 +48,11 @@ def test_more_devices_than_exist():
 
 def test_emulating_another_count_after_the_backend_started():
     jaxdp.emulate_cpu_devices(8)  # the count the backend has: allowed
-    with pytest.raises(RuntimeError, match=r"emulate_cpu_devices\(num_devices=3\) .* started "
-                                           r"with 8 CPU device"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"emulate_cpu_devices\(num_devices=3\) .* started "
+        r"with 8 CPU device",
+    ):
         jaxdp.emulate_cpu_devices(3)
 
 
@@ -54,8 +62,13 @@ def test_emulate_before_the_backend_starts():
         jaxdp.emulate_cpu_devices(3)
         print(len(jax.devices()), jaxdp.data_mesh().devices.size)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PATH": "", "JAX_PLATFORMS": "cpu"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "", "JAX_PLATFORMS": "cpu"},
+    )
     assert out.stdout.split() == ["3", "3"]
 
 
@@ -68,7 +81,8 @@ def test_replicas_that_differ_name_the_leaf_and_devices():
     copies = [np.array(params["b0"]) for _ in range(4)]
     copies[2][0] += 1e-9
     bad_leaf = jax.make_array_from_single_device_arrays(
-        copies[0].shape, NamedSharding(mesh, P()),
+        copies[0].shape,
+        NamedSharding(mesh, P()),
         [jax.device_put(c, d) for c, d in zip(copies, mesh.devices.flat, strict=True)],
     )
     bad = dict(good, b0=bad_leaf)
@@ -82,39 +96,52 @@ def test_replicas_that_differ_name_the_leaf_and_devices():
 def test_replica_check_sees_sign_of_zero_and_nan():
     mesh = jaxdp.data_mesh(2)
     leaf = jax.make_array_from_single_device_arrays(
-        (2,), NamedSharding(mesh, P()),
+        (2,),
+        NamedSharding(mesh, P()),
         [jax.device_put(np.array([np.nan, 0.0]), d) for d in mesh.devices.flat],
     )
     jaxdp.check_replicas({"x": leaf}, mesh)  # NaN == NaN bitwise
     signed = jax.make_array_from_single_device_arrays(
-        (2,), NamedSharding(mesh, P()),
-        [jax.device_put(np.array(v), d) for v, d in zip([[0.0, 1.0], [-0.0, 1.0]],
-                                                        mesh.devices.flat, strict=True)],
+        (2,),
+        NamedSharding(mesh, P()),
+        [
+            jax.device_put(np.array(v), d)
+            for v, d in zip([[0.0, 1.0], [-0.0, 1.0]], mesh.devices.flat, strict=True)
+        ],
     )
     with pytest.raises(jaxdp.ReplicaMismatchError):
         jaxdp.check_replicas({"x": signed}, mesh)
 
 
 def test_non_scalar_loss():
-    step = jaxdp.make_train_step(lambda p, b: mse_loss(p, b)[None].repeat(3),
-                                 optax.sgd(0.1), mesh=jaxdp.data_mesh(2))
-    with pytest.raises(ValueError, match=r"loss_fn's return value must be a scalar .* shape \(3,\)"):
+    step = jaxdp.make_train_step(
+        lambda p, b: mse_loss(p, b)[None].repeat(3), optax.sgd(0.1), mesh=jaxdp.data_mesh(2)
+    )
+    with pytest.raises(
+        ValueError, match=r"loss_fn's return value must be a scalar .* shape \(3,\)"
+    ):
         step(step.init(mlp_params()), regression_data(4))
 
 
 def test_weighted_loss_must_return_sum_and_count():
-    step = jaxdp.make_train_step(mse_loss, optax.sgd(0.1), mesh=jaxdp.data_mesh(2),
-                                 loss_reduction="weighted")
-    with pytest.raises(TypeError, match=r"\(loss_sum, count\) tuple .* got one array of shape \(\)"):
+    step = jaxdp.make_train_step(
+        mse_loss, optax.sgd(0.1), mesh=jaxdp.data_mesh(2), loss_reduction="weighted"
+    )
+    with pytest.raises(
+        TypeError, match=r"\(loss_sum, count\) tuple .* got one array of shape \(\)"
+    ):
         step(step.init(mlp_params()), regression_data(4))
 
 
-@pytest.mark.parametrize(("option", "value", "rule"), [
-    ("accum_steps", 0, r"accum_steps=0 must be a positive integer"),
-    ("path", "async", r"path='async' must be one of \('fused', 'multisteps'\)"),
-    ("strategy", "pjit", r"strategy='pjit' must be one of"),
-    ("loss_reduction", "sum", r"loss_reduction='sum' must be one of"),
-])
+@pytest.mark.parametrize(
+    ("option", "value", "rule"),
+    [
+        ("accum_steps", 0, r"accum_steps=0 must be a positive integer"),
+        ("path", "async", r"path='async' must be one of \('fused', 'multisteps'\)"),
+        ("strategy", "pjit", r"strategy='pjit' must be one of"),
+        ("loss_reduction", "sum", r"loss_reduction='sum' must be one of"),
+    ],
+)
 def test_invalid_options(option, value, rule):
     with pytest.raises(ValueError, match=rule):
         make(**{option: value})

@@ -21,11 +21,23 @@ def torch_randperm(n: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("dataset_size", [8, 10, 11, 17])
 def test_matches_torch_distributed_sampler(dataset_size, world_size, shuffle, drop_last, epoch):
     for rank in range(world_size):
-        theirs = TorchSampler(range(dataset_size), num_replicas=world_size, rank=rank,
-                              shuffle=shuffle, seed=7, drop_last=drop_last)
-        ours = jaxdp.DistributedSampler(dataset_size, num_replicas=world_size, rank=rank,
-                                        shuffle=shuffle, seed=7, drop_last=drop_last,
-                                        permutation=torch_randperm)
+        theirs = TorchSampler(
+            range(dataset_size),
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=shuffle,
+            seed=7,
+            drop_last=drop_last,
+        )
+        ours = jaxdp.DistributedSampler(
+            dataset_size,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=shuffle,
+            seed=7,
+            drop_last=drop_last,
+            permutation=torch_randperm,
+        )
         theirs.set_epoch(epoch)
         ours.set_epoch(epoch)
         assert list(ours) == list(theirs)
@@ -53,15 +65,18 @@ def test_default_shuffle_is_a_seeded_permutation_that_changes_with_epoch():
 def test_device_micro_batches_hold_ddp_rank_micro_batches(num_devices, accum_steps, micro):
     """Device r's micro-batch j of step t == DDP rank r's (t*K + j)-th DataLoader batch."""
     dataset_size, epoch = 37, 2
-    sizes = jaxdp.batch_sizes(num_devices=num_devices, accum_steps=accum_steps,
-                              micro_batch_size=micro)
-    steps = jaxdp.epoch_batches(dataset_size, sizes, epoch=epoch, seed=5,
-                                permutation=torch_randperm)
+    sizes = jaxdp.batch_sizes(
+        num_devices=num_devices, accum_steps=accum_steps, micro_batch_size=micro
+    )
+    steps = jaxdp.epoch_batches(
+        dataset_size, sizes, epoch=epoch, seed=5, permutation=torch_randperm
+    )
     for rank in range(num_devices):
         sampler = TorchSampler(range(dataset_size), num_replicas=num_devices, rank=rank, seed=5)
         sampler.set_epoch(epoch)
-        loader = [b.tolist() for b in DataLoader(range(dataset_size), batch_size=micro,
-                                                 sampler=sampler)]
+        loader = [
+            b.tolist() for b in DataLoader(range(dataset_size), batch_size=micro, sampler=sampler)
+        ]
         for t, row in enumerate(steps):
             device = row.reshape(num_devices, accum_steps, micro)[rank]
             for j in range(accum_steps):

@@ -21,8 +21,14 @@ def test_compiled_once_over_steps(path, strategy):
         traces.append(1)  # runs only while JAX traces
         return mse_loss(params, batch)
 
-    step = jaxdp.make_train_step(counting_loss, optax.adamw(1e-3), mesh=jaxdp.data_mesh(4),
-                                 accum_steps=2, path=path, strategy=strategy)
+    step = jaxdp.make_train_step(
+        counting_loss,
+        optax.adamw(1e-3),
+        mesh=jaxdp.data_mesh(4),
+        accum_steps=2,
+        path=path,
+        strategy=strategy,
+    )
     rows = 16 if path == "fused" else 8
     state = step.init(mlp_params())
     for i in range(6):
@@ -50,8 +56,9 @@ def test_metrics_are_big_batch_loss_grad_norm_and_learning_rate():
 
 
 def test_multisteps_metrics_describe_the_last_update():
-    step = jaxdp.make_train_step(mse_loss, optax.sgd(0.1), mesh=jaxdp.data_mesh(2),
-                                 accum_steps=2, path="multisteps")
+    step = jaxdp.make_train_step(
+        mse_loss, optax.sgd(0.1), mesh=jaxdp.data_mesh(2), accum_steps=2, path="multisteps"
+    )
     params = jax.tree.map(jnp.asarray, mlp_params())
     batch = regression_data(8)
     state, history = train(step, mlp_params(), [batch])
@@ -84,8 +91,9 @@ def test_nnx_module_trains_like_its_parameter_pytree(path):
         return nnx_loss(nnx.merge(graphdef, p), batch)
 
     expected = big_batch_reference(pytree_loss, optax.adam(1e-2), params, batches)
-    step = jaxdp.make_train_step(nnx_loss, optax.adam(1e-2), mesh=jaxdp.data_mesh(4),
-                                 accum_steps=2, path=path)
+    step = jaxdp.make_train_step(
+        nnx_loss, optax.adam(1e-2), mesh=jaxdp.data_mesh(4), accum_steps=2, path=path
+    )
     state, _ = train(step, model, batches)
     trained = step.model(state)
     assert isinstance(trained, MLP)

@@ -55,13 +55,16 @@ def global_token_mean_grads(params, batch):
 
 def mean_of_micro_batch_means_grads(num_devices, accum_steps):
     """DDP with ``loss / accum_steps``: the mean over all micro-batches of their means."""
-    sizes = jaxdp.batch_sizes(num_devices=num_devices, accum_steps=accum_steps,
-                              global_batch_size=GLOBAL_BATCH)
+    sizes = jaxdp.batch_sizes(
+        num_devices=num_devices, accum_steps=accum_steps, global_batch_size=GLOBAL_BATCH
+    )
 
     def grads(params, batch):
         parts = [
-            tuple(leaf[j * sizes.micro_batch_size:(j + 1) * sizes.micro_batch_size]
-                  for leaf in batch)
+            tuple(
+                leaf[j * sizes.micro_batch_size : (j + 1) * sizes.micro_batch_size]
+                for leaf in batch
+            )
             for j in range(num_devices * accum_steps)
         ]
         per_micro = [jax.grad(token_mean)(params, part) for part in parts]
@@ -80,12 +83,18 @@ PATHS = ["fused", "multisteps"]
 def test_weighted_mode_equals_global_token_mean(num_devices, accum_steps, path, strategy):
     batches = token_data()
     step = jaxdp.make_train_step(
-        token_sum_and_count, sgd(), mesh=jaxdp.data_mesh(num_devices),
-        accum_steps=accum_steps, path=path, strategy=strategy, loss_reduction="weighted",
+        token_sum_and_count,
+        sgd(),
+        mesh=jaxdp.data_mesh(num_devices),
+        accum_steps=accum_steps,
+        path=path,
+        strategy=strategy,
+        loss_reduction="weighted",
     )
     state, _ = train(step, mlp_params(), batches)
-    assert_trees_close(state.params, reference(global_token_mean_grads, batches),
-                       rtol=RTOL["float64"])
+    assert_trees_close(
+        state.params, reference(global_token_mean_grads, batches), rtol=RTOL["float64"]
+    )
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -93,7 +102,10 @@ def test_weighted_mode_equals_global_token_mean(num_devices, accum_steps, path, 
 def test_mean_mode_is_mean_of_micro_batch_means(num_devices, accum_steps, path):
     batches = token_data()
     step = jaxdp.make_train_step(
-        token_mean, sgd(), mesh=jaxdp.data_mesh(num_devices), accum_steps=accum_steps,
+        token_mean,
+        sgd(),
+        mesh=jaxdp.data_mesh(num_devices),
+        accum_steps=accum_steps,
         path=path,
     )
     state, _ = train(step, mlp_params(), batches)
@@ -107,7 +119,10 @@ def test_mean_mode_is_mean_of_micro_batch_means(num_devices, accum_steps, path):
 def test_weighted_loss_metric_is_global_token_mean():
     batches = token_data()
     step = jaxdp.make_train_step(
-        token_sum_and_count, sgd(), mesh=jaxdp.data_mesh(4), accum_steps=2,
+        token_sum_and_count,
+        sgd(),
+        mesh=jaxdp.data_mesh(4),
+        accum_steps=2,
         loss_reduction="weighted",
     )
     state = step.init(mlp_params())
