@@ -84,7 +84,8 @@ class TrainStep:
         """
         graphdef, params, model_state = split_model(params_or_module)
         replicated = NamedSharding(self.mesh, P())
-        params, model_state = _place(params, replicated), _place(model_state, replicated)
+        params = _place(params, replicated, copy=self.donate)
+        model_state = _place(model_state, replicated, copy=self.donate)
         check_replicas(params, self.mesh, name="params")
         dtype = self._dtype(params)
         opt = self._optimizer(dtype)
@@ -260,18 +261,22 @@ def _map_per_device(state: TrainState, fn: Callable[[Any], Any]) -> TrainState:
     return state._replace(opt_state=opt_state, accum=jax.tree.map(fn, state.accum))
 
 
-def _place(tree: Any, sharding: NamedSharding) -> Any:
+def _place(tree: Any, sharding: NamedSharding, *, copy: bool = False) -> Any:
     """Puts host or device values on the mesh with ``sharding``.
 
-    Each process passes its own local data (for a replicated sharding: the whole
-    value), so this works unchanged across processes.
+    Host values are each process's local data (for a replicated sharding: the
+    whole value), so this works unchanged across processes. ``copy`` gives
+    device values fresh buffers, so donating the result never deletes arrays
+    the caller still holds.
     """
 
     def place(x: Any) -> Any:
-        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
-            return x
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return jax.jit(lambda y: y, out_shardings=sharding)(x)
+        if isinstance(x, jax.Array):
+            if not copy and x.sharding.is_equivalent_to(sharding, x.ndim):
+                return x
+            # Not device_put(may_alias=False): it still reuses the buffer of a
+            # shard that stays on the same device (jax 0.10.2).
+            return jax.jit(jnp.copy, out_shardings=sharding)(x)
         return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
     return jax.tree.map(place, tree)

@@ -1,7 +1,9 @@
 """Acceptance 1: (N devices, K micro-batches) == one big batch on one device."""
 
+import jax
+import numpy as np
 import pytest
-from helpers import RTOL, assert_trees_close
+from helpers import ATOL, RTOL, assert_trees_close
 from models import OPTIMIZERS, big_batch_reference, mlp_params, mse_loss, regression_data, train
 
 import jaxdp
@@ -43,3 +45,23 @@ def test_data_parallel_accumulation_equals_big_batch(
     state, _ = train(step, mlp_params(), batches)
     assert int(state.step) == STEPS
     assert_trees_close(state.params, reference[optimizer], rtol=RTOL["float64"])
+
+
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(("num_devices", "accum_steps"), [(1, 4), (2, 2), (8, 4)])
+def test_float32_within_named_tolerance(num_devices, accum_steps, optimizer, path):
+    x, y = regression_data(GLOBAL_BATCH * STEPS, dtype=np.float32)
+    batches = [(x[i::STEPS], y[i::STEPS]) for i in range(STEPS)]
+    params = mlp_params(dtype=np.float32)
+    expected = big_batch_reference(mse_loss, OPTIMIZERS[optimizer](), params, batches)
+    step = jaxdp.make_train_step(
+        mse_loss,
+        OPTIMIZERS[optimizer](),
+        mesh=jaxdp.data_mesh(num_devices),
+        accum_steps=accum_steps,
+        path=path,
+    )
+    state, _ = train(step, params, batches)
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(state.params))
+    assert_trees_close(state.params, expected, rtol=RTOL["float32"], atol=ATOL["float32"])

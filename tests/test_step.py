@@ -100,3 +100,22 @@ def test_nnx_module_trains_like_its_parameter_pytree(path):
     assert_trees_close(nnx.state(trained, nnx.Param), expected, rtol=RTOL["float64"])
     # The caller's module is left as it was.
     assert_trees_close(nnx.state(model, nnx.Param), params, rtol=0)
+
+
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+def test_donation_never_deletes_the_callers_arrays(path):
+    """With one device the caller's arrays already have the step's sharding;
+    init must still copy them, since the step donates its input state."""
+    mesh = jaxdp.data_mesh(1)
+    params = jax.device_put(
+        mlp_params(), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+    model = MLP(nnx.Rngs(0))
+    kernel = np.array(model.hidden.kernel[...])
+    for start, loss in ((params, mse_loss), (model, nnx_loss)):
+        step = jaxdp.make_train_step(loss, optax.sgd(0.1), mesh=mesh, path=path)
+        state = step.init(start)
+        for _ in range(2):
+            state, _ = step(state, regression_data(4))
+    assert_trees_close(params, mlp_params(), rtol=0)
+    np.testing.assert_array_equal(model.hidden.kernel[...], kernel)
