@@ -120,15 +120,16 @@ class TrainStep:
     # ---- stepping ---------------------------------------------------------------
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        self.sizes(batch)
-        batch = _place(batch, NamedSharding(self.mesh, P(self.axis_name)))
-        return self._jitted(state, batch)
+        return self._jitted(state, self._split_batch(batch))
 
     def compile(self, state: TrainState, batch: Any) -> Any:
         """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""
+        return self._jitted.lower(state, self._split_batch(batch)).compile()
+
+    def _split_batch(self, batch: Any) -> Any:
+        """Checks the batch identity, then splits the rows over the mesh."""
         self.sizes(batch)
-        batch = _place(batch, NamedSharding(self.mesh, P(self.axis_name)))
-        return self._jitted.lower(state, batch).compile()
+        return _place(batch, NamedSharding(self.mesh, P(self.axis_name)))
 
     def sizes(self, batch: Any) -> BatchSizes:
         """The batch identity of a batch for this step; raises if it does not fit."""
