@@ -66,6 +66,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="show a progress bar (default: only on a terminal)",
     )
+    p.set_defaults(run=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -84,15 +85,18 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# One entry per subcommand: a function that adds its parser to ``sub`` and
+# sets ``run`` (taking the parsed namespace, returning the exit status).
+SUBCOMMANDS = (_train_parser,)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxdp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _train_parser(sub)
+    for add_parser in SUBCOMMANDS:
+        add_parser(sub)
     args = parser.parse_args(argv)
-    if args.command == "train":
-        return _run_train(args)
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+    return args.run(args)
 
 
 if __name__ == "__main__":
