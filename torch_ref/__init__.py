@@ -1,0 +1,55 @@
+"""torch_ref: the PyTorch reference for jaxdp, plain DDP + gradient accumulation.
+
+Plain PyTorch as its documentation teaches it (DistributedSampler, DDP,
+``no_sync``, ``loss / accum_steps``); it never imports jaxdp or jax.
+"""
+
+from ._launch import load_results as load_results
+from ._launch import save_jobs as save_jobs
+from .models import CNN as CNN
+from .models import MLP as MLP
+from .models import MODELS as MODELS
+from .models import LinearModel as LinearModel
+from .models import Transformer as Transformer
+from .models import build_model as build_model
+from .models import compute_loss as compute_loss
+from .models import make_data as make_data
+from .models import numpy_state_dict as numpy_state_dict
+from .models import seed_data as seed_data
+from .optim import OptimConfig as OptimConfig
+from .optim import build_optimizer as build_optimizer
+from .train import Result as Result
+from .train import TrainConfig as TrainConfig
+from .train import check_job as check_job
+from .train import micro_batches_per_epoch as micro_batches_per_epoch
+from .train import steps_per_epoch as steps_per_epoch
+from .train import torch_permutation as torch_permutation
+from .train import train_ddp as train_ddp
+from .train import train_ddp_many as train_ddp_many
+from .train import train_ga as train_ga
+
+__all__ = [
+    "CNN",
+    "MLP",
+    "MODELS",
+    "LinearModel",
+    "OptimConfig",
+    "Result",
+    "TrainConfig",
+    "Transformer",
+    "build_model",
+    "build_optimizer",
+    "check_job",
+    "compute_loss",
+    "load_results",
+    "make_data",
+    "micro_batches_per_epoch",
+    "numpy_state_dict",
+    "save_jobs",
+    "seed_data",
+    "steps_per_epoch",
+    "torch_permutation",
+    "train_ddp",
+    "train_ddp_many",
+    "train_ga",
+]

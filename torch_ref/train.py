@@ -1,0 +1,305 @@
+"""The reference training loop: PyTorch DDP with gradient accumulation, as its docs teach it.
+
+One optimizer step ("window") on each of the ``W = num_devices`` ranks:
+
+1. The rank's ``DistributedSampler`` (``set_epoch(epoch)`` each epoch) feeds a
+   ``DataLoader(batch_size=micro_batch_size, drop_last=True)``: a partial
+   micro-batch at the end of a rank's share is dropped, never padded.
+2. ``K = accum_steps`` consecutive micro-batches form a window. The first
+   ``K - 1`` run forward AND backward inside ``model.no_sync()``, so their
+   gradients accumulate locally in ``.grad``; each backward is of
+   ``loss_j / K``. The last micro-batch's backward runs synced: DDP multiplies
+   each rank's gradient by ``1 / W`` and all-reduces with SUM, so every rank
+   holds ``(1 / (W K)) * sum over ranks and micro-batches of grad(loss_j)``.
+3. Optional ``clip_grad_norm_(max_grad_norm)`` on the synced gradients, then
+   ``optimizer.step()`` and ``optimizer.zero_grad(set_to_none=True)``.
+
+The last, incomplete window of an epoch (``r = micro-batches % K > 0``) follows
+``last_window``: ``"drop"`` (default) skips its ``r`` micro-batches without a
+forward, so every update averages exactly ``W K`` micro-batches (the same
+global batch size, which is what the learning rate was tuned for);
+``"step"`` runs them with ``loss / r`` and steps, so that update is the mean of
+the ``W r`` micro-batches it saw (weighted by its real size).
+
+The reported loss of a step is ``sum_j loss_j / k`` (``k`` = ``K``, or ``r``),
+averaged over ranks with one all_reduce after the step (for logging only).
+``train_ga`` is the same loop in one process without DDP: its sampler has
+``num_replicas=1``, so its order is the permutation itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from ._launch import launch, pin_cuda_precision
+from .models import build_model, check_model_name, compute_loss, numpy_state_dict, torch_dtype
+from .optim import OptimConfig, build_optimizer
+
+Data = tuple[np.ndarray, np.ndarray]
+State = dict[str, np.ndarray]
+Job = tuple["TrainConfig", Data, State]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. ``global_batch_size = num_devices * accum_steps * micro_batch_size``."""
+
+    model: str  # one of torch_ref.MODELS
+    optimizer: OptimConfig
+    micro_batch_size: int  # rows per forward/backward on one rank
+    num_devices: int = 1  # DDP world size (one process per rank)
+    accum_steps: int = 1  # K micro-batches per optimizer step on each rank
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many optimizer steps
+    shuffle: bool = True  # DistributedSampler's shuffle
+    seed: int = 0  # DistributedSampler's seed: epoch e uses torch_permutation(n, seed + e)
+    drop_last: bool = False  # DistributedSampler's: cut the tail instead of padding it
+    last_window: Literal["drop", "step"] = "drop"  # the epoch's incomplete window
+    dtype: str = "float64"  # parameters and floating data
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl, one GPU per rank, TF32 off)
+
+    def __post_init__(self) -> None:
+        check_model_name(self.model)
+        if not isinstance(self.optimizer, OptimConfig):
+            raise TypeError(f"optimizer={self.optimizer!r} must be an OptimConfig")
+        for name in ("micro_batch_size", "num_devices", "accum_steps", "epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps} must be at least 1 (or None)")
+        if self.last_window not in ("drop", "step"):
+            raise ValueError(f"last_window={self.last_window!r} must be 'drop' or 'step'")
+        torch_dtype(self.dtype)
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda'")
+
+
+@dataclass
+class Result:
+    """What one run returns (rank 0's view; every rank holds the same weights)."""
+
+    states: list[dict[str, np.ndarray]]  # state_dict (no "module." prefix) after EVERY step
+    losses: list[float]  # per step: mean over ranks of sum_j loss_j / k
+    final: dict[str, np.ndarray]  # the state_dict at the end
+
+
+def torch_permutation(n: int, seed: int) -> np.ndarray:
+    """The order ``DistributedSampler(shuffle=True)`` uses in epoch ``e`` when ``seed`` is
+    its ``seed + e``: ``torch.randperm(n)`` from a generator seeded with ``seed``."""
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return torch.randperm(n, generator=g).numpy()
+
+
+def micro_batches_per_epoch(config: TrainConfig, num_samples: int) -> int:
+    """Whole micro-batches each rank's loader yields per epoch (a partial one is dropped)."""
+    share = DistributedSampler(
+        range(num_samples),
+        num_replicas=config.num_devices,
+        rank=0,
+        shuffle=False,
+        drop_last=config.drop_last,
+    )
+    return len(share) // config.micro_batch_size
+
+
+def steps_per_epoch(config: TrainConfig, num_samples: int) -> int:
+    """Optimizer steps per epoch (before ``max_steps``): whole windows, plus the
+    incomplete one under ``last_window="step"``."""
+    full, rest = divmod(micro_batches_per_epoch(config, num_samples), config.accum_steps)
+    return full + (rest > 0 and config.last_window == "step")
+
+
+def check_job(config: TrainConfig, data: Data, initial_state: State) -> None:
+    """Raises ``ValueError`` for data or weights that do not fit ``config``, before any work."""
+    x, y = data
+    if len(x) != len(y):
+        raise ValueError(f"data: x has {len(x)} rows but y has {len(y)}")
+    if len(x) < config.num_devices:
+        raise ValueError(f"data has {len(x)} rows, fewer than num_devices={config.num_devices}")
+    if steps_per_epoch(config, len(x)) == 0:
+        raise ValueError(
+            f"data of {len(x)} rows gives each of num_devices={config.num_devices} ranks "
+            f"{micro_batches_per_epoch(config, len(x))} micro-batches of "
+            f"micro_batch_size={config.micro_batch_size}, fewer than accum_steps="
+            f"{config.accum_steps} with last_window='drop': no optimizer step"
+        )
+    expected = {k: tuple(v.shape) for k, v in build_model(config.model).state_dict().items()}
+    given = {k: tuple(np.shape(v)) for k, v in initial_state.items()}
+    if given != expected:
+        missing, unexpected = sorted(expected.keys() - given), sorted(given.keys() - expected)
+        shapes = {k: (given[k], expected[k]) for k in given.keys() & expected}
+        shapes = {k: pair for k, pair in shapes.items() if pair[0] != pair[1]}
+        raise ValueError(
+            f"initial_state does not fit model={config.model!r}: missing {missing}, "
+            f"unexpected {unexpected}, mis-shaped (given, expected) {shapes}"
+        )
+
+
+def train_ga(config: TrainConfig, data: Data, initial_state: State) -> Result:
+    """Gradient accumulation in this process, without DDP: the loop of the module docstring
+    with ``W = 1``. With ``device="cuda"`` this turns TF32 off process-wide."""
+    if config.num_devices != 1:
+        raise ValueError(
+            f"train_ga runs one process: num_devices={config.num_devices} must be 1 "
+            "(use train_ddp for several ranks)"
+        )
+    check_job(config, data, initial_state)
+    if config.device == "cuda":
+        pin_cuda_precision()
+    return _run(config, data, initial_state, rank=0, world_size=1, ddp=False)
+
+
+def train_ddp(
+    config: TrainConfig,
+    data: Data,
+    initial_state: State,
+    *,
+    launcher: Literal["spawn", "torchrun"] = "spawn",
+) -> Result:
+    """DDP over ``config.num_devices`` real processes (gloo on CPU, nccl on CUDA).
+
+    ``launcher="spawn"``: ``torch.multiprocessing.spawn``; ``"torchrun"``: a
+    ``torchrun --standalone --nproc-per-node W -m torch_ref JOBS RESULTS``
+    subprocess. Starting the processes costs seconds: batch runs with
+    ``train_ddp_many``.
+    """
+    return train_ddp_many([(config, data, initial_state)], launcher=launcher)[0]
+
+
+def train_ddp_many(
+    jobs: Sequence[Job], *, launcher: Literal["spawn", "torchrun"] = "spawn"
+) -> list[Result]:
+    """Runs every ``(config, data, initial_state)`` job, in order, inside ONE start of
+    ``W`` processes and one process group; all jobs must share ``num_devices`` and
+    ``device``. Returns one ``Result`` per job."""
+    if launcher not in ("spawn", "torchrun"):
+        raise ValueError(f"launcher={launcher!r} must be 'spawn' or 'torchrun'")
+    jobs = list(jobs)
+    if not jobs:
+        raise ValueError("jobs is empty")
+    layouts = sorted({(c.num_devices, c.device) for c, _, _ in jobs})
+    if len(layouts) > 1:
+        raise ValueError(f"jobs mix (num_devices, device) layouts {layouts}; run them apart")
+    world_size, device = layouts[0]
+    for job in jobs:
+        check_job(*job)
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"num_devices={world_size} needs one GPU per rank; "
+            f"{torch.cuda.device_count()} are visible"
+        )
+    return launch(_run_rank_jobs, jobs, world_size=world_size, launcher=launcher)
+
+
+def _run(
+    config: TrainConfig, data: Data, initial_state: State, *, rank: int, world_size: int, ddp: bool
+) -> Result:
+    """The loop of one rank: ``ddp`` wraps the model in DDP (a process group must be up)."""
+    device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
+    dtype = torch_dtype(config.dtype)
+    module = build_model(config.model, dtype=dtype)
+    module.load_state_dict(
+        {k: torch.as_tensor(v, dtype=dtype) for k, v in initial_state.items()}, strict=True
+    )
+    module.to(device)
+    model = module
+    if ddp:
+        model = DDP(module, device_ids=[device] if config.device == "cuda" else None)
+    optimizer = build_optimizer(model.parameters(), config.optimizer)
+    sampler, loader = _loader(config, data, dtype, rank=rank, world_size=world_size)
+    result = Result(states=[], losses=[], final={})
+    for window in _windows(config, sampler, loader):
+        loss = _train_window(config, model, optimizer, window, device)
+        if ddp:  # for logging only: the mean over ranks, one all_reduce after the step
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+            loss /= world_size
+        result.losses.append(loss.item())
+        if rank == 0:
+            result.states.append(numpy_state_dict(module))
+        if len(result.losses) == config.max_steps:
+            break
+    if rank == 0:
+        result.final = numpy_state_dict(module)
+    return result
+
+
+Batch = list[torch.Tensor]
+
+
+def _loader(
+    config: TrainConfig, data: Data, dtype: torch.dtype, *, rank: int, world_size: int
+) -> tuple[DistributedSampler, DataLoader]:
+    """This rank's sampler and loader; floating arrays are cast to ``dtype``."""
+    tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in data]
+    tensors = [t.to(dtype) if t.is_floating_point() else t for t in tensors]
+    dataset = TensorDataset(*tensors)
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=config.shuffle,
+        seed=config.seed,
+        drop_last=config.drop_last,
+    )
+    # drop_last=True here: a rank's partial micro-batch is dropped, never padded.
+    loader = DataLoader(
+        dataset, batch_size=config.micro_batch_size, sampler=sampler, drop_last=True
+    )
+    return sampler, loader
+
+
+def _windows(
+    config: TrainConfig, sampler: DistributedSampler, loader: DataLoader
+) -> Iterator[list[Batch]]:
+    """The accumulation windows of all epochs, in order: ``accum_steps`` micro-batches
+    each, and an epoch's incomplete last window only under ``last_window="step"``."""
+    for epoch in range(config.epochs):
+        sampler.set_epoch(epoch)  # reshuffles: epoch e uses the permutation of seed + e
+        window: list[Batch] = []
+        for batch in loader:
+            window.append(batch)
+            if len(window) == config.accum_steps:
+                yield window
+                window = []
+        if window and config.last_window == "step":
+            yield window
+
+
+def _train_window(
+    config: TrainConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    window: list[Batch],
+    device: torch.device,
+) -> torch.Tensor:
+    """One optimizer step on a window of ``k`` micro-batches; returns ``sum_j loss_j / k``."""
+    k = len(window)
+    total = torch.zeros((), dtype=torch_dtype(config.dtype), device=device)
+    for j, (x, y) in enumerate(window):
+        # Only the window's last backward all-reduces; the others accumulate
+        # locally, so no_sync() must cover forward AND backward.
+        sync = j == k - 1 or not isinstance(model, DDP)
+        with nullcontext() if sync else model.no_sync():
+            loss = compute_loss(config.model, model, x.to(device), y.to(device)) / k
+            loss.backward()
+        total += loss.detach()
+    if config.optimizer.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def _run_rank_jobs(rank: int, world_size: int, jobs: Sequence[Job]) -> list[Result]:
+    """Every job on this rank of an initialized process group, each with a fresh DDP model."""
+    return [_run(*job, rank=rank, world_size=world_size, ddp=True) for job in jobs]
