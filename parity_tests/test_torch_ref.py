@@ -121,6 +121,11 @@ def ga_equivalent(config: tr.TrainConfig, num_samples: int) -> tuple[np.ndarray,
     return np.concatenate(rows), ga
 
 
+# The tests that use ddp2 go to one pytest-xdist worker (bin/test runs --dist loadgroup),
+# so the processes start once per suite run.
+ddp2_group = pytest.mark.xdist_group("torch_ref_ddp2")
+
+
 @pytest.fixture(scope="module")
 def ddp2() -> dict[str, tr.Result]:
     """Every 2-rank spawn run of this file, inside one start of the processes."""
@@ -152,6 +157,7 @@ def test_seed_result_gradient_accumulation():
     assert result.losses[0] == pytest.approx(x.sum() / 2, rel=1e-15)
 
 
+@ddp2_group
 def test_seed_result_ddp_spawn(ddp2):
     result = ddp2["seed"]
     np.testing.assert_allclose(result.final["linear.weight"], SEED_FINAL, rtol=0, atol=SEED_ATOL)
@@ -160,6 +166,7 @@ def test_seed_result_ddp_spawn(ddp2):
     np.testing.assert_allclose(result.losses, ga.losses, rtol=FLOAT64_RTOL)
 
 
+@ddp2_group
 def test_seed_result_ddp_torchrun_equals_spawn(ddp2):
     jobs = [
         (seed_ddp_config(), tr.seed_data(), initial_state("linear")),
@@ -192,6 +199,7 @@ def test_torch_permutation_is_distributed_sampler_order(n, seed, epoch):
         assert list(sampler) == padded[rank::3].tolist()
 
 
+@ddp2_group
 @pytest.mark.parametrize("model", tr.MODELS)
 def test_ddp_equals_accumulation_over_the_same_micro_batches(ddp2, model):
     config = ddp_vs_ga_config(model)
@@ -207,6 +215,7 @@ def test_ddp_equals_accumulation_over_the_same_micro_batches(ddp2, model):
     assert any(not np.array_equal(ddp.final[k], v) for k, v in initial_state(model).items())
 
 
+@ddp2_group
 def test_ddp_last_window_step_equals_accumulation(ddp2):
     config = last_window_config()
     x, y = tr.make_data("mlp", 40)
