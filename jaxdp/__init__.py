@@ -27,6 +27,13 @@ from ._models import LinearModel as LinearModel
 from ._models import Transformer as Transformer
 from ._models import build_model as build_model
 from ._models import model_loss as model_loss
+from ._parity import OptimizerSpec as OptimizerSpec
+from ._parity import ParityConfig as ParityConfig
+from ._parity import ParityReport as ParityReport
+from ._parity import clip_grad_norm_like_torch as clip_grad_norm_like_torch
+from ._parity import format_parity as format_parity
+from ._parity import optax_like_torch as optax_like_torch
+from ._parity import run_parity as run_parity
 from ._sampler import DistributedSampler as DistributedSampler
 from ._sampler import numpy_permutation as numpy_permutation
 from ._step import TrainState as TrainState
@@ -51,6 +58,9 @@ __all__ = [
     "DistributedSampler",
     "EpochSchedule",
     "LinearModel",
+    "OptimizerSpec",
+    "ParityConfig",
+    "ParityReport",
     "ReplicaMismatchError",
     "SyncState",
     "TrainState",
@@ -61,16 +71,20 @@ __all__ = [
     "batch_sizes",
     "build_model",
     "check_replicas",
+    "clip_grad_norm_like_torch",
     "data_mesh",
     "emulate_cpu_devices",
     "epoch_batches",
     "epoch_schedule",
+    "format_parity",
     "format_report",
     "make_train_step",
     "micro_batches",
     "model_loss",
     "numpy_permutation",
+    "optax_like_torch",
     "params_to_torch",
+    "run_parity",
     "sync_on_emit",
     "torch_to_params",
 ]
