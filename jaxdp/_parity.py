@@ -10,6 +10,7 @@ weights and losses are compared after every optimizer step. ``torch`` and
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -376,6 +377,14 @@ def add_parity_command(sub: Any) -> None:
 
 def _run_parity_command(args: Any) -> int:
     from ._mesh import emulate_cpu_devices
+
+    try:
+        importlib.import_module("torch_ref")  # imports torch too
+    except ImportError as e:
+        raise SystemExit(
+            f"jaxdp parity needs PyTorch and torch_ref ({e}); on CPU install them with "
+            "pip install -e '.[torch]' -c constraints/cpu.txt"
+        ) from e
 
     emulate_cpu_devices(max(args.num_devices, 1))  # CPU only; before the backend starts
     jax.config.update("jax_enable_x64", args.dtype == "float64")
