@@ -68,13 +68,16 @@ class CNN(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention written out (no fused kernel), as nanoGPT's."""
+    """Multi-head causal self-attention written out (no fused kernel), as nanoGPT's;
+    query, value and output projections with bias, the key projection without."""
 
     def __init__(self, d_model: int, n_heads: int) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.query = nn.Linear(d_model, d_model)
-        self.key = nn.Linear(d_model, d_model)
+        # No key bias: it adds q.b to every logit of a row, which softmax cancels, so its
+        # true gradient is 0 and Adam would step on rounding noise (docs/decisions.md).
+        self.key = nn.Linear(d_model, d_model, bias=False)
         self.value = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
 
