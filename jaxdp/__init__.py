@@ -6,6 +6,9 @@ PyTorch DDP with ``no_sync()``. Everything not re-exported here is private.
 """
 
 from ._accumulate import AccumState as AccumState
+from ._checkpoint import Checkpoints as Checkpoints
+from ._checkpoint import CorruptCheckpointWarning as CorruptCheckpointWarning
+from ._checkpoint import Restored as Restored
 from ._inspect import AllReduce as AllReduce
 from ._inspect import all_reduces as all_reduces
 from ._inspect import format_report as format_report
@@ -27,6 +30,9 @@ from ._models import LinearModel as LinearModel
 from ._models import Transformer as Transformer
 from ._models import build_model as build_model
 from ._models import model_loss as model_loss
+from ._resume import CheckpointError as CheckpointError
+from ._resume import SamplerPosition as SamplerPosition
+from ._resume import resume_position as resume_position
 from ._sampler import DistributedSampler as DistributedSampler
 from ._sampler import numpy_permutation as numpy_permutation
 from ._step import TrainState as TrainState
@@ -48,10 +54,15 @@ __all__ = [
     "AccumState",
     "AllReduce",
     "BatchSizes",
+    "CheckpointError",
+    "Checkpoints",
+    "CorruptCheckpointWarning",
     "DistributedSampler",
     "EpochSchedule",
     "LinearModel",
     "ReplicaMismatchError",
+    "Restored",
+    "SamplerPosition",
     "SyncState",
     "TrainState",
     "TrainStep",
@@ -71,6 +82,7 @@ __all__ = [
     "model_loss",
     "numpy_permutation",
     "params_to_torch",
+    "resume_position",
     "sync_on_emit",
     "torch_to_params",
 ]
