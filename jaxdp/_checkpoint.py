@@ -61,9 +61,10 @@ class Checkpoints:
 
     ``save`` writes synchronously and atomically, then (``verify=True``) reads
     the checkpoint back and compares every leaf with the SHA-256 taken before
-    writing. ``keep`` bounds how many are kept, but a checkpoint is deleted only
-    once ``keep`` newer ones were verified in this process (written and read
-    back, or restored), so a corrupt newer checkpoint never costs an older one.
+    writing. ``keep`` bounds how many are kept (None: all), but a checkpoint is
+    deleted only behind a newer one verified in this process (written and read
+    back, or restored), so an unreadable newer checkpoint never costs an older
+    one. ``verify=False`` trusts the write.
     """
 
     def __init__(self, directory: str | pathlib.Path, *, keep: int | None = 3, verify: bool = True):
@@ -254,13 +255,12 @@ class Checkpoints:
         self._manager.reload()
 
     def _prune(self) -> None:
-        """Deletes checkpoints older than the ``keep`` newest verified ones."""
-        verified = sorted(self._verified, reverse=True)
-        if self.keep is None or len(verified) < self.keep:
+        """Deletes all but the ``keep`` newest, each only behind a verified newer one."""
+        if self.keep is None or not self._verified:
             return
-        oldest_kept = verified[self.keep - 1]
-        for samples in self.steps:
-            if samples < oldest_kept:
+        newest_verified = max(self._verified)
+        for samples in self.steps[: -self.keep]:
+            if samples < newest_verified:
                 self._manager.delete(samples)
                 self._verified.discard(samples)
 

@@ -258,7 +258,7 @@ def test_no_readable_checkpoint_is_a_clear_error(tmp_path, three):
 def test_keep_last_k(tmp_path, three):
     config = copy_of(three, tmp_path, resume=True, steps=15, checkpoint_every=3, keep=2)
     train(config)
-    # 1152 (restored, hence verified), then 1536 and 1920 written and read back.
+    # Each save (read back) deletes all but the two newest: 384 and 768, then 1152.
     assert jaxdp.Checkpoints(config.checkpoint_dir).steps == [1536, 1920]
 
 
