@@ -30,6 +30,13 @@ from ._models import LinearModel as LinearModel
 from ._models import Transformer as Transformer
 from ._models import build_model as build_model
 from ._models import model_loss as model_loss
+from ._parity import OptimizerSpec as OptimizerSpec
+from ._parity import ParityConfig as ParityConfig
+from ._parity import ParityReport as ParityReport
+from ._parity import clip_grad_norm_like_torch as clip_grad_norm_like_torch
+from ._parity import format_parity as format_parity
+from ._parity import optax_like_torch as optax_like_torch
+from ._parity import run_parity as run_parity
 from ._resume import CheckpointError as CheckpointError
 from ._resume import SamplerPosition as SamplerPosition
 from ._resume import resume_position as resume_position
@@ -60,6 +67,9 @@ __all__ = [
     "DistributedSampler",
     "EpochSchedule",
     "LinearModel",
+    "OptimizerSpec",
+    "ParityConfig",
+    "ParityReport",
     "ReplicaMismatchError",
     "Restored",
     "SamplerPosition",
@@ -72,17 +82,21 @@ __all__ = [
     "batch_sizes",
     "build_model",
     "check_replicas",
+    "clip_grad_norm_like_torch",
     "data_mesh",
     "emulate_cpu_devices",
     "epoch_batches",
     "epoch_schedule",
+    "format_parity",
     "format_report",
     "make_train_step",
     "micro_batches",
     "model_loss",
     "numpy_permutation",
+    "optax_like_torch",
     "params_to_torch",
     "resume_position",
+    "run_parity",
     "sync_on_emit",
     "torch_to_params",
 ]

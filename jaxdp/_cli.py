@@ -12,6 +12,8 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ._parity import add_parity_command
+
 DEFAULT_CPU_DEVICES = 4
 
 
@@ -166,7 +168,7 @@ def _stop_on_signals() -> Iterator[list[int | None]]:
 
 # One entry per subcommand: a function that adds its parser to ``sub`` and
 # sets ``run`` (taking the parsed namespace, returning the exit status).
-SUBCOMMANDS = (_train_parser,)
+SUBCOMMANDS = (_train_parser, add_parity_command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

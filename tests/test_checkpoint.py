@@ -14,6 +14,9 @@ from helpers import RTOL, assert_trees_close
 import jaxdp
 from jaxdp._train import TrainConfig, build, make_step, train
 
+# The module's runs share fixtures: one worker runs them all, each run once.
+pytestmark = pytest.mark.xdist_group("checkpoint")
+
 # 1438 training rows, global batch 128: 11 optimizer steps per epoch.
 BASE = TrainConfig(num_devices=4, accum_steps=2, micro_batch_size=16, progress=False)
 
