@@ -14,8 +14,16 @@ from helpers import RTOL, assert_trees_close
 import jaxdp
 from jaxdp._train import TrainConfig, build, make_step, train
 
-# The module's runs share fixtures: one worker runs them all, each run once.
-pytestmark = pytest.mark.xdist_group("checkpoint")
+pytestmark = [
+    # The module's runs share fixtures: one worker runs them all, each run once.
+    pytest.mark.xdist_group("checkpoint"),
+    # After a failed orbax read, tensorstore completes the other reads on a
+    # closed event loop. jaxdp silences that in the process hook, but pytest
+    # swaps the hook per test, so a late one can reach pytest's.
+    pytest.mark.filterwarnings(
+        "ignore:(?s).*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
+    ),
+]
 
 # 1438 training rows, global batch 128: 11 optimizer steps per epoch.
 BASE = TrainConfig(num_devices=4, accum_steps=2, micro_batch_size=16, progress=False)
