@@ -8,6 +8,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from ._plan_cli import add_parser as plan_parser
+
 DEFAULT_CPU_DEVICES = 4
 
 
@@ -87,7 +89,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 # One entry per subcommand: a function that adds its parser to ``sub`` and
 # sets ``run`` (taking the parsed namespace, returning the exit status).
-SUBCOMMANDS = (_train_parser,)
+SUBCOMMANDS = (_train_parser, plan_parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
