@@ -9,13 +9,24 @@ from ._accumulate import AccumState as AccumState
 from ._inspect import AllReduce as AllReduce
 from ._inspect import all_reduces as all_reduces
 from ._inspect import format_report as format_report
+from ._interop import params_to_torch as params_to_torch
+from ._interop import torch_to_params as torch_to_params
 from ._layout import BatchSizes as BatchSizes
+from ._layout import EpochSchedule as EpochSchedule
 from ._layout import batch_sizes as batch_sizes
 from ._layout import epoch_batches as epoch_batches
+from ._layout import epoch_schedule as epoch_schedule
 from ._layout import micro_batches as micro_batches
 from ._mesh import DATA_AXIS as DATA_AXIS
 from ._mesh import data_mesh as data_mesh
 from ._mesh import emulate_cpu_devices as emulate_cpu_devices
+from ._models import CNN as CNN
+from ._models import MLP as MLP
+from ._models import MODELS as MODELS
+from ._models import LinearModel as LinearModel
+from ._models import Transformer as Transformer
+from ._models import build_model as build_model
+from ._models import model_loss as model_loss
 from ._sampler import DistributedSampler as DistributedSampler
 from ._sampler import numpy_permutation as numpy_permutation
 from ._step import TrainState as TrainState
@@ -30,25 +41,36 @@ from ._sync import sync_on_emit as sync_on_emit
 __version__ = "0.1.0"
 
 __all__ = [
+    "CNN",
     "DATA_AXIS",
+    "MLP",
+    "MODELS",
     "AccumState",
     "AllReduce",
     "BatchSizes",
     "DistributedSampler",
+    "EpochSchedule",
+    "LinearModel",
     "ReplicaMismatchError",
     "SyncState",
     "TrainState",
     "TrainStep",
+    "Transformer",
     "all_reduce_mean",
     "all_reduces",
     "batch_sizes",
+    "build_model",
     "check_replicas",
     "data_mesh",
     "emulate_cpu_devices",
     "epoch_batches",
+    "epoch_schedule",
     "format_report",
     "make_train_step",
     "micro_batches",
+    "model_loss",
     "numpy_permutation",
+    "params_to_torch",
     "sync_on_emit",
+    "torch_to_params",
 ]

@@ -27,10 +27,16 @@ class AccumState(NamedTuple):
     weight: jax.Array
 
 
-def _value_and_grad(parts: Parts, params: Any, batch: Any, dtype: Any):
+def _value_and_grad(parts: Parts, params: Any, batch: Any, scale: jax.Array, dtype: Any):
+    """Gradient, value and weight of one micro-batch, each times ``scale``.
+
+    ``scale`` is the micro-batch's weight in its window: 1, or 0 for a padding
+    micro-batch that fills an incomplete last window (it then adds nothing).
+    """
     (value, weight), grads = jax.value_and_grad(parts, has_aux=True)(params, batch)
-    grads = jax.tree.map(lambda g: g.astype(dtype), grads)
-    return grads, value.astype(dtype), weight.astype(dtype)
+    scale = scale.astype(dtype)
+    grads = jax.tree.map(lambda g: g.astype(dtype) * scale, grads)
+    return grads, value.astype(dtype) * scale, weight.astype(dtype) * scale
 
 
 def fused_update(
@@ -39,12 +45,16 @@ def fused_update(
     params: Any,
     opt_state: Any,
     micro_batches: Any,
+    micro_weights: jax.Array,
     *,
     axis_name: str,
     dtype: Any,
     to_varying: Callable[[Any], Any],
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """One optimizer step over ``[accum_steps, micro_batch_size, ...]`` local data.
+
+    ``micro_weights`` (``[accum_steps]``, the same on every device) scales each
+    micro-batch's gradient, loss and weight; 0 marks padding.
 
     ``to_varying`` marks params as per-device before the loop. Without it
     (shard_map with check_vma) JAX treats replicated params as invariant and
@@ -53,13 +63,14 @@ def fused_update(
     """
     local_params = to_varying(params)
 
-    def micro_step(carry, batch):
-        grads, value, weight = _value_and_grad(parts, local_params, batch, dtype)
+    def micro_step(carry, inputs):
+        batch, scale = inputs
+        grads, value, weight = _value_and_grad(parts, local_params, batch, scale, dtype)
         return jax.tree.map(jnp.add, carry, (grads, value, weight)), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
     init = to_varying((zeros, jnp.zeros([], dtype), jnp.zeros([], dtype)))
-    (grad_sum, loss_sum, weight), _ = jax.lax.scan(micro_step, init, micro_batches)
+    (grad_sum, loss_sum, weight), _ = jax.lax.scan(micro_step, init, (micro_batches, micro_weights))
     grads, loss = all_reduce_mean(grad_sum, loss_sum, weight, axis_name)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -75,6 +86,7 @@ def multisteps_update(
     opt_state: optax.MultiStepsState,
     accum: AccumState,
     batch: Any,
+    micro_weight: jax.Array,
     *,
     accum_steps: int,
     dtype: Any,
@@ -85,8 +97,9 @@ def multisteps_update(
     ``optimizer`` wraps ``chain(sync_on_emit(), user_optimizer)`` with
     ``use_grad_mean=False``. ``emit`` comes from the replicated mini-step
     counter, so every device takes the same branch of the guarded all-reduce.
+    ``micro_weight`` scales this micro-batch (0: padding of a last window).
     """
-    grads, value, weight = _value_and_grad(parts, to_varying(params), batch, dtype)
+    grads, value, weight = _value_and_grad(parts, to_varying(params), batch, micro_weight, dtype)
     loss_sum, weight = accum.loss_sum + value, accum.weight + weight
     emit = opt_state.mini_step == accum_steps - 1
     updates, opt_state = optimizer.update(

@@ -8,7 +8,7 @@ what DDP rank ``r`` feeds through its ``accum_steps`` micro-batches.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -70,7 +70,23 @@ def batch_sizes(
     return BatchSizes(num_devices, accum_steps, micro_batch_size, per_step * micro_batch_size)
 
 
-def epoch_batches(
+LastWindow = Literal["drop", "step"]
+
+
+class EpochSchedule(NamedTuple):
+    """The optimizer steps of one epoch.
+
+    ``rows[s]`` are the dataset indices of step ``s`` (``global_batch_size`` of
+    them, device-major: device ``r``'s ``accum_steps`` micro-batches in order);
+    ``micro_weights[s]`` holds one weight per micro-batch of that step: 1, or 0
+    for the padding that fills an incomplete last window.
+    """
+
+    rows: np.ndarray  # [steps, global_batch_size] int
+    micro_weights: np.ndarray  # [steps, accum_steps] float32
+
+
+def epoch_schedule(
     dataset_size: int,
     sizes: BatchSizes,
     *,
@@ -79,16 +95,26 @@ def epoch_batches(
     seed: int = 0,
     drop_last: bool = False,
     permutation: Permutation = numpy_permutation,
-) -> np.ndarray:
-    """Dataset indices of every optimizer step of one epoch, ``[steps, global_batch]``.
+    last_window: LastWindow = "drop",
+) -> EpochSchedule:
+    """Dataset indices of every optimizer step of one epoch, with micro-batch weights.
 
     Rank ``r`` is mesh device ``r`` with the sampler of
     :class:`DistributedSampler` (``num_replicas = num_devices``); its indices
-    are cut into micro-batches of ``micro_batch_size`` in order, and
-    ``accum_steps`` consecutive micro-batches make one optimizer step. A tail
-    too short for a whole step is dropped (each rank has the same count).
+    are cut into micro-batches of ``micro_batch_size`` in order (a last partial
+    micro-batch is dropped, like ``DataLoader(drop_last=True)``), and
+    ``accum_steps`` consecutive micro-batches make one optimizer step.
+
+    ``last_window`` decides the ``m < accum_steps`` micro-batches left at the
+    end of the epoch: ``"drop"`` (default) leaves them out, so every step sees
+    exactly ``global_batch_size`` samples; ``"step"`` makes one more step of
+    them, weighted by its real size (the mean over its ``num_devices * m``
+    micro-batches, not a ``1 / accum_steps`` share), padded to the full shape
+    with weight-0 copies so the step does not recompile.
     """
     n, k, b = sizes.num_devices, sizes.accum_steps, sizes.micro_batch_size
+    if last_window not in ("drop", "step"):
+        raise ValueError(f"last_window={last_window!r} must be 'drop' or 'step'")
     per_rank = []
     for rank in range(n):
         sampler = DistributedSampler(
@@ -102,15 +128,48 @@ def epoch_batches(
         )
         sampler.set_epoch(epoch)
         per_rank.append(sampler.indices())
-    steps = len(per_rank[0]) // (k * b)
-    if steps == 0:
+    micro = len(per_rank[0]) // b
+    steps, left = divmod(micro, k)
+    if last_window == "drop":
+        left = 0
+    if steps + (left > 0) == 0:
         raise ValueError(
             f"dataset_size={dataset_size} gives each of num_devices={n} ranks "
             f"{len(per_rank[0])} samples, fewer than one optimizer step needs "
             f"(accum_steps * micro_batch_size = {k} * {b})"
         )
-    ranks = np.stack([idx[: steps * k * b].reshape(steps, k * b) for idx in per_rank], 1)
-    return ranks.reshape(steps, n * k * b)
+    weights = np.ones((steps + (left > 0), k), np.float32)
+    # [ranks, micro-batches, b]; the padding repeats the window's first micro-batch.
+    blocks = np.stack([idx[: micro * b].reshape(micro, b) for idx in per_rank])
+    blocks = blocks[:, : steps * k + left]
+    if left:
+        pad = np.repeat(blocks[:, steps * k : steps * k + 1], k - left, axis=1)
+        blocks = np.concatenate([blocks, pad], axis=1)
+        weights[-1, left:] = 0
+    rows = blocks.reshape(n, -1, k * b).transpose(1, 0, 2).reshape(-1, n * k * b)
+    return EpochSchedule(rows, weights)
+
+
+def epoch_batches(
+    dataset_size: int,
+    sizes: BatchSizes,
+    *,
+    epoch: int = 0,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    permutation: Permutation = numpy_permutation,
+) -> np.ndarray:
+    """``epoch_schedule(..., last_window="drop").rows``: ``[steps, global_batch_size]``."""
+    return epoch_schedule(
+        dataset_size,
+        sizes,
+        epoch=epoch,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        permutation=permutation,
+    ).rows
 
 
 def micro_batches(batch: Any, sizes: BatchSizes) -> list[Any]:

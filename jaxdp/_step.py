@@ -119,12 +119,34 @@ class TrainStep:
 
     # ---- stepping ---------------------------------------------------------------
 
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        return self._jitted(state, self._split_batch(batch))
+    def __call__(
+        self, state: TrainState, batch: Any, micro_weights: Any = None
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """One call: ``(new_state, metrics)``.
 
-    def compile(self, state: TrainState, batch: Any) -> Any:
+        ``micro_weights`` weighs the call's micro-batches (``fused``: one value
+        per micro-batch, shape ``[accum_steps]``; ``multisteps``: a scalar);
+        default all ones. A micro-batch of weight 0 adds nothing: that is how
+        padding fills an incomplete last window (:func:`epoch_schedule`).
+        """
+        return self._jitted(state, *self._inputs(batch, micro_weights))
+
+    def compile(self, state: TrainState, batch: Any, micro_weights: Any = None) -> Any:
         """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""
-        return self._jitted.lower(state, self._split_batch(batch)).compile()
+        return self._jitted.lower(state, *self._inputs(batch, micro_weights)).compile()
+
+    def _inputs(self, batch: Any, micro_weights: Any) -> tuple[Any, jax.Array]:
+        shape = (self.accum_steps,) if self.path == "fused" else ()
+        if micro_weights is None:
+            micro_weights = np.ones(shape)
+        micro_weights = np.asarray(micro_weights, np.float32)  # 0 and 1 are exact
+        if micro_weights.shape != shape:
+            raise ValueError(
+                f"micro_weights has shape {micro_weights.shape}; the {self.path} path takes "
+                f"shape {shape} (one weight per micro-batch of the call)"
+            )
+        replicated = NamedSharding(self.mesh, P())
+        return self._split_batch(batch), _place(micro_weights, replicated)
 
     def _split_batch(self, batch: Any) -> Any:
         """Checks the batch identity, then splits the rows over the mesh."""
@@ -146,7 +168,7 @@ class TrainStep:
             accum_steps=self.accum_steps, global_batch_size=rows * self.accum_steps
         )
 
-    def _global_step(self, state: TrainState, batch: Any):
+    def _global_step(self, state: TrainState, batch: Any, micro_weights: jax.Array):
         specs = self._state_specs(state)
         if self.strategy == "pmap":
             axes = jax.tree.map(
@@ -156,24 +178,29 @@ class TrainStep:
             mapped = jax.pmap(
                 self._local_step,
                 self.axis_name,
-                in_axes=(axes, 0),
+                in_axes=(axes, 0, None),
                 out_axes=(axes, None),
                 devices=list(self.mesh.devices.flat),
             )
-            return mapped(state, batch)
+            return mapped(state, batch, micro_weights)
         data = P(self.axis_name)
 
-        def local(state, batch):
+        def local(state, batch, micro_weights):
             # Per-device leaves arrive as this device's [1, ...] block.
-            state, metrics = self._local_step(_map_per_device(state, lambda x: x[0]), batch)
+            state = _map_per_device(state, lambda x: x[0])
+            state, metrics = self._local_step(state, batch, micro_weights)
             return _map_per_device(state, lambda x: x[None]), metrics
 
         mapped = jax.shard_map(
-            local, mesh=self.mesh, in_specs=(specs, data), out_specs=(specs, P()), check_vma=True
+            local,
+            mesh=self.mesh,
+            in_specs=(specs, data, P()),
+            out_specs=(specs, P()),
+            check_vma=True,
         )
-        return mapped(state, batch)
+        return mapped(state, batch, micro_weights)
 
-    def _local_step(self, state: TrainState, batch: Any):
+    def _local_step(self, state: TrainState, batch: Any, micro_weights: jax.Array):
         """One device's step; per-device leaves arrive without their device axis."""
         parts = loss_parts(self.loss_fn, self.loss_reduction, state.graphdef, state.model_state)
         dtype = self._dtype(state.params)
@@ -189,6 +216,7 @@ class TrainStep:
                 state.params,
                 state.opt_state,
                 micro,
+                micro_weights,
                 axis_name=self.axis_name,
                 dtype=dtype,
                 to_varying=to_varying,
@@ -202,6 +230,7 @@ class TrainStep:
                 state.opt_state,
                 state.accum,
                 batch,
+                micro_weights,
                 accum_steps=self.accum_steps,
                 dtype=dtype,
                 to_varying=to_varying,

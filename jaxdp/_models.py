@@ -1,0 +1,203 @@
+"""Reference models in Flax NNX, laid out like their twins in ``torch_ref.models``.
+
+Attribute names are the torch module names, so the state_dict key
+``block.attn.query.weight`` is the NNX parameter ``block.attn.query.kernel``
+(see :func:`jaxdp.torch_to_params`). Each model comes with its loss: the mean
+over the micro-batch, except ``linear`` whose loss is the seed example's sum.
+Batches are ``(x, y)``; images are NHWC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+# torch.nn.LayerNorm's default; flax's is 1e-6.
+LAYER_NORM_EPS = 1e-5
+
+
+class LinearModel(nnx.Module):
+    """The seed example: ``Linear(8, 1, bias=False)`` with all weights one."""
+
+    def __init__(self, in_features: int = 8, *, param_dtype: Any = jnp.float32):
+        self.linear = nnx.Linear(
+            in_features,
+            1,
+            use_bias=False,
+            kernel_init=nnx.initializers.ones,
+            param_dtype=param_dtype,
+            rngs=nnx.Rngs(0),
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear(x)
+
+
+class MLP(nnx.Module):
+    """``fc1 -> relu -> fc2 -> relu -> fc3``: features to class logits."""
+
+    def __init__(
+        self,
+        in_features: int = 16,
+        hidden: int = 32,
+        num_classes: int = 4,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Any = jnp.float32,
+    ):
+        self.fc1 = nnx.Linear(in_features, hidden, param_dtype=param_dtype, rngs=rngs)
+        self.fc2 = nnx.Linear(hidden, hidden, param_dtype=param_dtype, rngs=rngs)
+        self.fc3 = nnx.Linear(hidden, num_classes, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.fc3(jax.nn.relu(self.fc2(jax.nn.relu(self.fc1(x)))))
+
+
+class CNN(nnx.Module):
+    """Two 3x3 convolutions (ReLU; 2x2 max-pool after the first), global mean, linear head."""
+
+    def __init__(
+        self,
+        in_channels: int = 1,
+        channels: tuple[int, int] = (8, 16),
+        num_classes: int = 10,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Any = jnp.float32,
+    ):
+        conv = dict(
+            kernel_size=(3, 3), padding=((1, 1), (1, 1)), param_dtype=param_dtype, rngs=rngs
+        )
+        self.conv1 = nnx.Conv(in_channels, channels[0], **conv)
+        self.conv2 = nnx.Conv(channels[0], channels[1], **conv)
+        self.head = nnx.Linear(channels[1], num_classes, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.relu(self.conv1(x))
+        b, height, width, c = h.shape
+        h = h.reshape(b, height // 2, 2, width // 2, 2, c).max(axis=(2, 4))
+        h = jax.nn.relu(self.conv2(h)).mean(axis=(1, 2))
+        return self.head(h)
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, d_model: int, n_heads: int, *, rngs: nnx.Rngs, param_dtype: Any):
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        for name in ("query", "key", "value", "proj"):
+            setattr(self, name, nnx.Linear(d_model, d_model, param_dtype=param_dtype, rngs=rngs))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        h = self.n_heads
+
+        def heads(y: jax.Array) -> jax.Array:
+            return y.reshape(b, t, h, d // h).transpose(0, 2, 1, 3)
+
+        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        att = q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(jnp.asarray(d // h, x.dtype))
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)
+        return self.proj((att @ v).transpose(0, 2, 1, 3).reshape(b, t, d))
+
+
+class FeedForward(nnx.Module):
+    def __init__(self, d_model: int, *, rngs: nnx.Rngs, param_dtype: Any):
+        self.fc = nnx.Linear(d_model, 4 * d_model, param_dtype=param_dtype, rngs=rngs)
+        self.proj = nnx.Linear(4 * d_model, d_model, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.proj(jax.nn.gelu(self.fc(x), approximate=True))
+
+
+def _layer_norm(d_model: int, *, rngs: nnx.Rngs, param_dtype: Any) -> nnx.LayerNorm:
+    # use_fast_variance=False: torch computes mean((x - mean)^2), not E[x^2] - mean^2.
+    return nnx.LayerNorm(
+        d_model,
+        epsilon=LAYER_NORM_EPS,
+        use_fast_variance=False,
+        param_dtype=param_dtype,
+        rngs=rngs,
+    )
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm transformer block: causal self-attention, then a GELU MLP."""
+
+    def __init__(self, d_model: int, n_heads: int, *, rngs: nnx.Rngs, param_dtype: Any):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.ln1 = _layer_norm(d_model, **kw)
+        self.attn = CausalSelfAttention(d_model, n_heads, **kw)
+        self.ln2 = _layer_norm(d_model, **kw)
+        self.mlp = FeedForward(d_model, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Transformer(nnx.Module):
+    """A one-block GPT: token + position embeddings, a block, final LayerNorm, linear head."""
+
+    def __init__(
+        self,
+        vocab_size: int = 32,
+        block_size: int = 8,
+        d_model: int = 16,
+        n_heads: int = 2,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Any = jnp.float32,
+    ):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.tok_emb = nnx.Embed(vocab_size, d_model, **kw)
+        self.pos_emb = nnx.Embed(block_size, d_model, **kw)
+        self.block = Block(d_model, n_heads, **kw)
+        self.ln_f = _layer_norm(d_model, **kw)
+        self.head = nnx.Linear(d_model, vocab_size, use_bias=False, **kw)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        h = self.tok_emb(tokens) + self.pos_emb(jnp.arange(tokens.shape[1]))
+        return self.head(self.ln_f(self.block(h)))
+
+
+def _sum_loss(model: nnx.Module, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    return model(batch[0]).sum()
+
+
+def _cross_entropy(model: nnx.Module, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    x, y = batch
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+MODELS: dict[str, tuple[Callable[..., nnx.Module], Callable[..., jax.Array]]] = {
+    "linear": (LinearModel, _sum_loss),
+    "mlp": (MLP, _cross_entropy),
+    "cnn": (CNN, _cross_entropy),
+    "transformer": (Transformer, _cross_entropy),
+}
+
+
+def build_model(name: str, *, seed: int = 0, param_dtype: Any = jnp.float32) -> nnx.Module:
+    """The reference model ``name`` (one of ``MODELS``) with its default sizes."""
+    cls, _ = _lookup(name)
+    if cls is LinearModel:
+        return LinearModel(param_dtype=param_dtype)
+    return cls(rngs=nnx.Rngs(seed), param_dtype=param_dtype)
+
+
+def model_loss(name: str) -> Callable[..., jax.Array]:
+    """``loss(module, (x, y))`` of reference model ``name``: a micro-batch mean (linear: sum)."""
+    return _lookup(name)[1]
+
+
+def _lookup(name: str) -> tuple[Callable[..., nnx.Module], Callable[..., jax.Array]]:
+    if name not in MODELS:
+        raise ValueError(f"model={name!r} must be one of {sorted(MODELS)}")
+    return MODELS[name]
