@@ -27,6 +27,14 @@ from ._models import LinearModel as LinearModel
 from ._models import Transformer as Transformer
 from ._models import build_model as build_model
 from ._models import model_loss as model_loss
+from ._plan import DTYPE_POLICIES as DTYPE_POLICIES
+from ._plan import OPTIMIZER_MOMENTS as OPTIMIZER_MOMENTS
+from ._plan import MemoryPlan as MemoryPlan
+from ._plan import parse_bytes as parse_bytes
+from ._plan import plan_memory as plan_memory
+from ._plan import ring_all_reduce_bytes as ring_all_reduce_bytes
+from ._plan_xla import CompiledMemory as CompiledMemory
+from ._plan_xla import compiled_memory as compiled_memory
 from ._sampler import DistributedSampler as DistributedSampler
 from ._sampler import numpy_permutation as numpy_permutation
 from ._step import TrainState as TrainState
@@ -43,14 +51,18 @@ __version__ = "0.1.0"
 __all__ = [
     "CNN",
     "DATA_AXIS",
+    "DTYPE_POLICIES",
     "MLP",
     "MODELS",
+    "OPTIMIZER_MOMENTS",
     "AccumState",
     "AllReduce",
     "BatchSizes",
+    "CompiledMemory",
     "DistributedSampler",
     "EpochSchedule",
     "LinearModel",
+    "MemoryPlan",
     "ReplicaMismatchError",
     "SyncState",
     "TrainState",
@@ -61,6 +73,7 @@ __all__ = [
     "batch_sizes",
     "build_model",
     "check_replicas",
+    "compiled_memory",
     "data_mesh",
     "emulate_cpu_devices",
     "epoch_batches",
@@ -71,6 +84,9 @@ __all__ = [
     "model_loss",
     "numpy_permutation",
     "params_to_torch",
+    "parse_bytes",
+    "plan_memory",
+    "ring_all_reduce_bytes",
     "sync_on_emit",
     "torch_to_params",
 ]

@@ -214,9 +214,12 @@ class CompiledSteps:
             self.spec.batch(1),
         )
         step.sizes(batch)
-        # The step's own jitted function, lowered with abstract batches
+        weights = jax.ShapeDtypeStruct(
+            (accum_steps,), jnp.float32, sharding=NamedSharding(self.mesh, P())
+        )
+        # The step's own jitted function, lowered with abstract inputs
         # (TrainStep.compile places real batches on the mesh first).
-        return step._jitted.lower(self.state(), batch)
+        return step._jitted.lower(self.state(), batch, weights)
 
     def memory(self, micro_batch_size: int, accum_steps: int = 1) -> CompiledMemory:
         return compiled_memory(self.compile(micro_batch_size, accum_steps))
