@@ -15,8 +15,8 @@ Run::
 Expected output (accuracy and difference vary a little with the CPU)::
 
     batch: global_batch_size=128 = num_devices=4 x accum_steps=2 x micro_batch_size=16
-    trained 110 optimizer steps; held-out accuracy 97.50%
-    max |jaxdp - single device| over all weights: 2.4e-07 (float32 rounding)
+    trained 100 optimizer steps, loss 2.539 -> 0.009; held-out accuracy 98.74%
+    max |jaxdp - single device| over all weights: 2.6e-07 (float32 rounding)
     equivalent: True
 """
 

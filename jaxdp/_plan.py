@@ -138,7 +138,7 @@ class MemoryPlan:
     accumulator: float  # jaxdp's float32 gradient sum (the all-reduce buffer)
     activation_bytes_per_sample: float | None
     input_bytes_per_sample: float
-    max_micro_batch_size: int | None  # None: activations unknown; 0: not even one sample
+    max_micro_batch_size: int | None  # memory's limit; None: activations unknown; 0: none fits
     global_batch_size: int | None
     micro_batch_size: int | None  # chosen; None when nothing fits or unknown
     accum_steps: int | None
@@ -300,7 +300,7 @@ def _size_batches(plan: MemoryPlan) -> MemoryPlan:
         )
     # The fused step holds the whole per-device batch's inputs, whatever the split.
     per_device = plan.global_batch_size // plan.num_devices
-    largest = min(_floor_div(room - per_device * plan.input_bytes_per_sample, act), per_device)
+    largest = _floor_div(room - per_device * plan.input_bytes_per_sample, act)
     chosen = largest_divisor_at_most(per_device, largest)
     return dataclasses.replace(
         plan,

@@ -108,7 +108,7 @@ def _verdict(plan: MemoryPlan) -> str:
         return (
             f"{first}\nData parallelism keeps a full copy on every device, so more devices "
             "do not help. It needs the state sharded across devices (ZeRO/FSDP, not part "
-            "of jaxdp), a smaller policy or optimizer, or devices of at least "
+            "of jaxdp), a leaner policy or optimizer (bf16, sgd), or devices of at least "
             f"{format_bytes(fixed / (1 - plan.headroom))} (before activations)."
         )
     if plan.activation_bytes_per_sample is None:
@@ -121,9 +121,17 @@ def _verdict(plan: MemoryPlan) -> str:
             f"DOES NOT FIT: the state fits ({format_bytes(fixed)} of {format_bytes(usable)}), "
             "but not the batch inputs with the activations of even one sample."
         )
+    largest, chosen = plan.max_micro_batch_size, plan.micro_batch_size
+    per_device = plan.accum_steps * chosen
+    if largest == chosen:
+        limit = "the largest that fits"
+    elif plan.accum_steps == 1:
+        limit = f"up to {largest:,} would fit; the target needs {chosen}"
+    else:
+        limit = f"{largest:,} would fit; {chosen} is the largest divisor of {per_device} rows"
     return (
-        f"FITS: largest micro-batch that fits: {plan.max_micro_batch_size} samples per "
-        f"device.\nbatch: {_identity(plan, plan.accum_steps, plan.micro_batch_size)}; "
+        f"FITS: micro-batch of {chosen} samples per device ({limit}).\n"
+        f"batch: {_identity(plan, plan.accum_steps, chosen)}; "
         f"{format_bytes(plan.total)} of {format_bytes(usable)} usable."
     )
 

@@ -1,5 +1,6 @@
 """jaxdp plan: the seed's 16 bytes/parameter, what fits, the batch split, the ring, XLA."""
 
+import pathlib
 import re
 
 import jax.numpy as jnp
@@ -34,6 +35,14 @@ def test_seed_7b_command_says_it_in_plain_words(capsys):
     assert "DOES NOT FIT: the training state alone needs 112.00 GB per device, more than" in out
     assert "80.00 GB one device has" in out
     assert "weights 2 + gradients 2 + master weights 4 + optimizer state 2 x 4 = 16" in out
+
+
+def test_readme_shows_the_7b_plan_as_printed(capsys):
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    command = "bin/jaxdp plan --params 7e9 --device-memory 80GB"
+    shown = re.search(re.escape(command) + r"\n```\n\n```\n(.*?)\n```", readme, re.S).group(1)
+    assert main(command.split()[1:]) == 0
+    assert capsys.readouterr().out.rstrip() == shown
 
 
 @pytest.mark.parametrize(
@@ -93,6 +102,17 @@ def test_largest_micro_batch_and_the_accumulation_that_reaches_the_global_batch(
     # Not even one sample: no split.
     none = jaxdp.plan_memory(**common, global_batch_size=512, activation_bytes_per_sample=61e6)
     assert none.fits_state and none.micro_batch_size is None and none.max_micro_batch_size == 0
+
+
+def test_cli_prints_the_split(capsys):
+    argv = ["plan", "--params", "1e6", "--policy", "fp32", "--device-memory", "100MB"]
+    argv += ["--headroom", "20%", "--num-devices", "4", "--global-batch-size", "512"]
+    assert main([*argv, "--activation-bytes-per-sample", "1MB"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "FITS: micro-batch of 32 samples per device (60 would fit; 32 is the largest" in out
+    assert (
+        "batch: global_batch_size=512 = num_devices=4 x accum_steps=4 x micro_batch_size=32" in out
+    )
 
 
 def test_largest_divisor():
