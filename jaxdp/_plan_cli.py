@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 from typing import Any
 
 from ._plan import (
@@ -127,10 +128,15 @@ def plan_report(args: argparse.Namespace) -> str:
         options["activation_bytes_per_sample"] = xla.activation_bytes_per_sample(spec)
     options["input_bytes_per_sample"] = xla.input_bytes_per_sample(spec)
     plan = plan_memory(params=xla.param_count(spec), **options)
-    figures = None
-    if not args.no_xla and DTYPE_POLICIES[plan.policy].param_dtype is not None:
-        figures = _compile(spec, plan)
-    return report(plan, model=spec.describe(), xla=figures)
+    if args.no_xla:
+        return report(plan, model=spec.describe(), note="XLA's analysis: skipped (--no-xla).")
+    if DTYPE_POLICIES[plan.policy].param_dtype is None:
+        note = (
+            f"XLA's analysis: not for policy {plan.policy} (jaxdp's step keeps no fp32 master "
+            "copy of bf16/fp16 weights); --policy fp32 or bf16 compiles the step."
+        )
+        return report(plan, model=spec.describe(), note=note)
+    return report(plan, model=spec.describe(), xla=_compile(spec, plan))
 
 
 def _model_spec(args: argparse.Namespace, policy: str) -> Any:
@@ -155,7 +161,9 @@ def _compile(spec: Any, plan: MemoryPlan) -> XlaFigures:
     from ._mesh import data_mesh, emulate_cpu_devices
     from ._plan_xla import CompiledSteps, choose_micro_batch
 
-    emulate_cpu_devices(min(plan.num_devices, _MAX_EMULATED))  # affects the CPU backend only
+    # RuntimeError: JAX already started (library use); compile on the devices there are.
+    with contextlib.suppress(RuntimeError):
+        emulate_cpu_devices(min(plan.num_devices, _MAX_EMULATED))  # the CPU backend only
     import jax
 
     mesh = data_mesh(min(plan.num_devices, len(jax.devices())))

@@ -30,11 +30,19 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def report(plan: MemoryPlan, *, model: str | None = None, xla: XlaFigures | None = None) -> str:
+def report(
+    plan: MemoryPlan,
+    *,
+    model: str | None = None,
+    xla: XlaFigures | None = None,
+    note: str | None = None,
+) -> str:
     """The whole report: header, per-device table, verdict, batch split, XLA, all-reduce."""
     sections = [_header(plan, model), _table(plan), _verdict(plan)]
     if xla is not None:
         sections.append(_xla(plan, xla))
+    if note:
+        sections.append(note)
     sections.append(_allreduce(plan, xla))
     return "\n\n".join(_wrap(section) for section in sections)
 

@@ -262,3 +262,14 @@ def test_cli_model_argument_errors():
         main(["plan", "--model", "cnn", "--model-arg", "width=3", "--device-memory", "1GB"])
     with pytest.raises(SystemExit, match=r"--model-arg='channels' must be NAME=VALUE"):
         main(["plan", "--model", "cnn", "--model-arg", "channels", "--device-memory", "1GB"])
+
+
+def test_bf16_policy_table_matches_the_compiled_arguments():
+    # bf16 weights and Adam moments: 2 + 2 + 2 bytes per parameter in the arguments.
+    spec = xla.reference_model("transformer", param_dtype=jnp.bfloat16)
+    params = xla.param_count(spec)
+    plan = jaxdp.plan_memory(params=params, device_memory="1GB", policy="bf16")
+    actual = xla.CompiledSteps(spec, "adamw", jaxdp.data_mesh(2)).memory(4, 1)
+    inputs = 4 * xla.input_bytes_per_sample(spec)
+    assert plan.weights + plan.optimizer_state == 6 * params
+    assert actual.arguments - (plan.weights + plan.optimizer_state + inputs) == 4 + 4 + 4
