@@ -27,6 +27,13 @@ from ._models import LinearModel as LinearModel
 from ._models import Transformer as Transformer
 from ._models import build_model as build_model
 from ._models import model_loss as model_loss
+from ._parity import OptimizerSpec as OptimizerSpec
+from ._parity import ParityConfig as ParityConfig
+from ._parity import ParityReport as ParityReport
+from ._parity import clip_grad_norm_like_torch as clip_grad_norm_like_torch
+from ._parity import format_parity as format_parity
+from ._parity import optax_like_torch as optax_like_torch
+from ._parity import run_parity as run_parity
 from ._plan import DTYPE_POLICIES as DTYPE_POLICIES
 from ._plan import OPTIMIZER_MOMENTS as OPTIMIZER_MOMENTS
 from ._plan import MemoryPlan as MemoryPlan
@@ -63,6 +70,9 @@ __all__ = [
     "EpochSchedule",
     "LinearModel",
     "MemoryPlan",
+    "OptimizerSpec",
+    "ParityConfig",
+    "ParityReport",
     "ReplicaMismatchError",
     "SyncState",
     "TrainState",
@@ -73,20 +83,24 @@ __all__ = [
     "batch_sizes",
     "build_model",
     "check_replicas",
+    "clip_grad_norm_like_torch",
     "compiled_memory",
     "data_mesh",
     "emulate_cpu_devices",
     "epoch_batches",
     "epoch_schedule",
+    "format_parity",
     "format_report",
     "make_train_step",
     "micro_batches",
     "model_loss",
     "numpy_permutation",
+    "optax_like_torch",
     "params_to_torch",
     "parse_bytes",
     "plan_memory",
     "ring_all_reduce_bytes",
+    "run_parity",
     "sync_on_emit",
     "torch_to_params",
 ]

@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from ._parity import add_parity_command
 from ._plan_cli import add_parser as plan_parser
 
 DEFAULT_CPU_DEVICES = 4
@@ -89,7 +90,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 # One entry per subcommand: a function that adds its parser to ``sub`` and
 # sets ``run`` (taking the parsed namespace, returning the exit status).
-SUBCOMMANDS = (_train_parser, plan_parser)
+SUBCOMMANDS = (_train_parser, add_parity_command, plan_parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

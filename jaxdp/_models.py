@@ -90,8 +90,14 @@ class CausalSelfAttention(nnx.Module):
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
         self.n_heads = n_heads
-        for name in ("query", "key", "value", "proj"):
-            setattr(self, name, nnx.Linear(d_model, d_model, param_dtype=param_dtype, rngs=rngs))
+        kw = dict(param_dtype=param_dtype, rngs=rngs)
+        self.query = nnx.Linear(d_model, d_model, **kw)
+        # No key bias: it adds q . b to every logit of a row, which softmax
+        # cancels, so its true gradient is zero and Adam would amplify rounding
+        # noise into full-size steps (Whisper drops it for the same reason).
+        self.key = nnx.Linear(d_model, d_model, use_bias=False, **kw)
+        self.value = nnx.Linear(d_model, d_model, **kw)
+        self.proj = nnx.Linear(d_model, d_model, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
