@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._parity import add_parity_command
+from ._plan_cli import add_parser as plan_parser
 
 DEFAULT_CPU_DEVICES = 4
 
@@ -168,7 +169,7 @@ def _stop_on_signals() -> Iterator[list[int | None]]:
 
 # One entry per subcommand: a function that adds its parser to ``sub`` and
 # sets ``run`` (taking the parsed namespace, returning the exit status).
-SUBCOMMANDS = (_train_parser, add_parity_command)
+SUBCOMMANDS = (_train_parser, add_parity_command, plan_parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
