@@ -6,6 +6,9 @@ PyTorch DDP with ``no_sync()``. Everything not re-exported here is private.
 """
 
 from ._accumulate import AccumState as AccumState
+from ._checkpoint import Checkpoints as Checkpoints
+from ._checkpoint import CorruptCheckpointWarning as CorruptCheckpointWarning
+from ._checkpoint import Restored as Restored
 from ._inspect import AllReduce as AllReduce
 from ._inspect import all_reduces as all_reduces
 from ._inspect import format_report as format_report
@@ -34,6 +37,17 @@ from ._parity import clip_grad_norm_like_torch as clip_grad_norm_like_torch
 from ._parity import format_parity as format_parity
 from ._parity import optax_like_torch as optax_like_torch
 from ._parity import run_parity as run_parity
+from ._plan import DTYPE_POLICIES as DTYPE_POLICIES
+from ._plan import OPTIMIZER_MOMENTS as OPTIMIZER_MOMENTS
+from ._plan import MemoryPlan as MemoryPlan
+from ._plan import parse_bytes as parse_bytes
+from ._plan import plan_memory as plan_memory
+from ._plan import ring_all_reduce_bytes as ring_all_reduce_bytes
+from ._plan_xla import CompiledMemory as CompiledMemory
+from ._plan_xla import compiled_memory as compiled_memory
+from ._resume import CheckpointError as CheckpointError
+from ._resume import SamplerPosition as SamplerPosition
+from ._resume import resume_position as resume_position
 from ._sampler import DistributedSampler as DistributedSampler
 from ._sampler import numpy_permutation as numpy_permutation
 from ._step import TrainState as TrainState
@@ -50,18 +64,27 @@ __version__ = "0.1.0"
 __all__ = [
     "CNN",
     "DATA_AXIS",
+    "DTYPE_POLICIES",
     "MLP",
     "MODELS",
+    "OPTIMIZER_MOMENTS",
     "AccumState",
     "AllReduce",
     "BatchSizes",
+    "CheckpointError",
+    "Checkpoints",
+    "CompiledMemory",
+    "CorruptCheckpointWarning",
     "DistributedSampler",
     "EpochSchedule",
     "LinearModel",
+    "MemoryPlan",
     "OptimizerSpec",
     "ParityConfig",
     "ParityReport",
     "ReplicaMismatchError",
+    "Restored",
+    "SamplerPosition",
     "SyncState",
     "TrainState",
     "TrainStep",
@@ -72,6 +95,7 @@ __all__ = [
     "build_model",
     "check_replicas",
     "clip_grad_norm_like_torch",
+    "compiled_memory",
     "data_mesh",
     "emulate_cpu_devices",
     "epoch_batches",
@@ -84,6 +108,10 @@ __all__ = [
     "numpy_permutation",
     "optax_like_torch",
     "params_to_torch",
+    "parse_bytes",
+    "plan_memory",
+    "resume_position",
+    "ring_all_reduce_bytes",
     "run_parity",
     "sync_on_emit",
     "torch_to_params",

@@ -1,0 +1,349 @@
+"""Checkpoints of a training run with orbax: atomic, verified, resumable exactly.
+
+A checkpoint directory holds one sub-directory per checkpoint, named by the
+number of training samples consumed when it was taken (unique and increasing,
+whatever the batch identity). orbax writes each into a temporary directory and
+renames it when complete, so a crash mid-save leaves no half checkpoint under a
+step name. Each holds three orbax items: ``replicated`` (step, params, optimizer
+state, model state), ``per_device`` (the ``multisteps`` path's accumulators,
+one row per device) and ``meta`` (JSON: sampler position, batch identity, seed,
+the shape and dtype of every leaf and a SHA-256 of its bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pathlib
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from ._layout import BatchSizes
+from ._resume import (
+    CheckpointError,
+    SamplerPosition,
+    check_compatible,
+    check_position,
+    describe,
+    is_per_device,
+    named,
+)
+from ._step import TrainState
+
+FORMAT = 1  # the layout of ``meta``; bumped when it changes
+
+
+class Restored(NamedTuple):
+    """A checkpoint read back by :meth:`Checkpoints.restore`."""
+
+    state: TrainState  # placed on the current mesh with ``like``'s shardings
+    position: SamplerPosition  # as saved; see :func:`resume_position`
+    sizes: BatchSizes  # the batch identity the checkpoint was saved with
+    samples: int  # training samples consumed; the checkpoint's number
+    seed: int
+    extra: dict[str, Any]
+    path: pathlib.Path
+
+
+class CorruptCheckpointWarning(UserWarning):
+    """The newest checkpoint was unreadable; an older one was used instead."""
+
+
+class Checkpoints:
+    """A directory of training checkpoints (orbax ``CheckpointManager``).
+
+    ``save`` writes synchronously and atomically, then (``verify=True``) reads
+    the checkpoint back and compares every leaf with the SHA-256 taken before
+    writing. ``keep`` bounds how many are kept (None: all), but a checkpoint is
+    deleted only behind a newer one verified in this process (written and read
+    back, or restored), so an unreadable newer checkpoint never costs an older
+    one. ``verify=False`` trusts the write.
+    """
+
+    def __init__(self, directory: str | pathlib.Path, *, keep: int | None = 3, verify: bool = True):
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep={keep!r} must be a positive integer, or None to keep all")
+        self.directory = pathlib.Path(directory).absolute()
+        self.keep = keep
+        self.verify = verify
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None, enable_async_checkpointing=False, create=True
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._verified: set[int] = set()
+
+    @property
+    def steps(self) -> list[int]:
+        """Numbers (samples consumed) of the complete checkpoints, ascending."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def save(
+        self,
+        state: TrainState,
+        *,
+        position: SamplerPosition,
+        sizes: BatchSizes,
+        samples: int,
+        seed: int = 0,
+        extra: dict[str, Any] | None = None,
+    ) -> pathlib.Path:
+        """Writes ``state`` as checkpoint number ``samples``; returns its path.
+
+        ``position`` is the next data to train on, ``sizes`` the batch identity
+        and ``extra`` any JSON-serializable record (``jaxdp train`` stores its
+        config). Raises :class:`CheckpointError` if ``samples`` is not newer than
+        every checkpoint there, or if the checkpoint does not read back intact.
+        """
+        steps = self.steps
+        if steps and samples <= steps[-1]:
+            raise CheckpointError(
+                f"samples={samples} must exceed the newest checkpoint's {steps[-1]} in "
+                f"{self.directory}; checkpoints are never overwritten"
+            )
+        check_position(state, position)
+        tree = _tree(state)
+        meta = {
+            "format": FORMAT,
+            "samples": samples,
+            "step": int(state.step),
+            "position": position._asdict(),
+            "batch": sizes._asdict(),
+            "seed": seed,
+            "leaves": {name: {**describe(x), "sha256": _sha256(x)} for name, x in named(tree)},
+            "extra": extra or {},
+        }
+        replicated, per_device = _split(tree)
+        items = {"replicated": ocp.args.StandardSave(replicated), "meta": ocp.args.JsonSave(meta)}
+        if jax.tree.leaves(per_device):
+            items["per_device"] = ocp.args.StandardSave(per_device)
+        self._manager.save(samples, args=ocp.args.Composite(**items), force=True)
+        if self.verify:
+            try:
+                self._read(samples, meta, state, per_device=True)
+            except Exception as e:
+                raise CheckpointError(
+                    f"checkpoint {self.directory / str(samples)} does not read back intact "
+                    f"({_short(e)}); older checkpoints are kept"
+                ) from e
+        self._verified.add(samples)
+        self._prune()
+        return self.directory / str(samples)
+
+    def restore(
+        self,
+        like: TrainState,
+        *,
+        sizes: BatchSizes,
+        force: bool = False,
+        validate: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Restored:
+        """Reads the newest usable checkpoint into a state shaped like ``like``.
+
+        ``like`` is what :meth:`TrainStep.init` returns for this run (arrays or
+        ``jax.ShapeDtypeStruct`` with shardings): the restored state takes its
+        structure, shardings and NNX graph. ``sizes`` is this run's batch
+        identity. Rules, checked before any array is read:
+
+        - parameters must have the saved names, shapes and dtypes (else
+          :class:`CheckpointError` naming each mismatch);
+        - ``validate(extra)`` may refuse (e.g. another optimizer);
+        - the rest of the state must have the saved layout;
+        - another ``global_batch_size`` is refused unless ``force``: the data
+          order and the meaning of a step would change;
+        - another ``num_devices``/``accum_steps``/``micro_batch_size`` needs a
+          checkpoint at an optimizer-step boundary: mid-cycle per-device
+          accumulators cannot be re-split. At a boundary they are zero and are
+          rebuilt for the current mesh.
+
+        An unreadable checkpoint (bad files, failed checksum) is skipped with a
+        :class:`CorruptCheckpointWarning`, the next older one is tried, and once
+        one restores the skipped ones are renamed ``<n>.corrupt`` (kept, never
+        deleted) so new checkpoints can take their numbers.
+        """
+        failures: list[tuple[int, Exception]] = []
+        for samples in reversed(self.steps):
+            try:
+                meta = self._read_meta(samples)
+            except Exception as e:
+                failures.append((samples, e))
+                _quiet_failed_read_noise()
+                continue
+            path = self.directory / str(samples)
+            here = {name: describe(x) for name, x in named(_tree(like))}
+            saved = check_compatible(meta, here, sizes, force=force, path=path, validate=validate)
+            same_devices = saved.num_devices == sizes.num_devices
+            try:
+                state = self._read(samples, meta, like, per_device=same_devices)
+            except Exception as e:
+                failures.append((samples, e))
+                _quiet_failed_read_noise()
+                continue
+            self._set_aside(failures, path)
+            self._verified.add(samples)
+            position = SamplerPosition(**meta["position"])
+            return Restored(state, position, saved, samples, meta["seed"], meta["extra"], path)
+        if not failures:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        raise CheckpointError(
+            f"no readable checkpoint in {self.directory}: "
+            + "; ".join(f"{n}: {_short(e)}" for n, e in failures)
+        )
+
+    # ---- helpers ----------------------------------------------------------------
+
+    def _read_meta(self, samples: int) -> dict[str, Any]:
+        meta = self._manager.restore(samples, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = meta["meta"]
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CheckpointError(f"meta is not jaxdp checkpoint format {FORMAT}")
+        return meta
+
+    def _read(
+        self, samples: int, meta: dict[str, Any], like: TrainState, *, per_device: bool
+    ) -> TrainState:
+        """Reads arrays into ``like``'s shardings and checks them against the SHA-256s."""
+        replicated, devices = _split(_tree(like))
+        items = {"replicated": ocp.args.StandardRestore(_abstract(replicated))}
+        read_devices = per_device and bool(jax.tree.leaves(devices))
+        if read_devices:
+            items["per_device"] = ocp.args.StandardRestore(_abstract(devices))
+        out = self._manager.restore(samples, args=ocp.args.Composite(**items))
+        # Not read: at an optimizer-step boundary the accumulators are zero.
+        devices = out["per_device"] if read_devices else jax.tree.map(_zeros, devices)
+        tree = _join(out["replicated"], devices)
+        for name, x in named(tree):
+            expected = meta["leaves"][name]["sha256"]
+            if (read_devices or not is_per_device(x)) and expected is not None:
+                actual = _sha256(x)
+                if actual is not None and actual != expected:
+                    raise CheckpointError(f"{name} does not match its SHA-256")
+        return TrainState(
+            tree["step"],
+            tree["params"],
+            tree["opt_state"],
+            tree["accum"],
+            like.graphdef,
+            tree["model_state"],
+        )
+
+    def _set_aside(self, failures: list[tuple[int, Exception]], used: pathlib.Path) -> None:
+        for samples, error in failures:
+            bad = self.directory / str(samples)
+            target = bad.with_name(f"{samples}.corrupt")
+            for i in range(1, 1000):
+                if not target.exists():
+                    break
+                target = bad.with_name(f"{samples}.corrupt-{i}")
+            if jax.process_index() == 0:
+                bad.rename(target)
+            warnings.warn(
+                f"checkpoint {bad} is unreadable ({_short(error)}); "
+                f"moved it to {target} (kept, not deleted) and resumed from {used}",
+                CorruptCheckpointWarning,
+                stacklevel=3,
+            )
+        if jax.process_count() > 1:
+            ocp.multihost.sync_global_processes("jaxdp_checkpoints_set_aside")
+        self._manager.reload()
+
+    def _prune(self) -> None:
+        """Deletes all but the ``keep`` newest, each only behind a verified newer one."""
+        if self.keep is None or not self._verified:
+            return
+        newest_verified = max(self._verified)
+        for samples in self.steps[: -self.keep]:
+            if samples < newest_verified:
+                self._manager.delete(samples)
+                self._verified.discard(samples)
+
+
+def _tree(state: TrainState) -> dict[str, Any]:
+    """What is saved: the state without its static NNX graph."""
+    return {
+        "step": state.step,
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "accum": state.accum,
+        "model_state": state.model_state,
+    }
+
+
+def _split(tree: Any) -> tuple[Any, Any]:
+    """``(replicated, per_device)``: ``tree`` twice, the other kind of leaf set to None."""
+    replicated = jax.tree.map(lambda x: None if is_per_device(x) else x, tree)
+    per_device = jax.tree.map(lambda x: x if is_per_device(x) else None, tree)
+    return replicated, per_device
+
+
+def _join(replicated: Any, per_device: Any) -> Any:
+    return jax.tree.map(
+        lambda a, b: b if a is None else a, replicated, per_device, is_leaf=lambda x: x is None
+    )
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _zeros(x: Any) -> jax.Array:
+    return jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
+
+
+def _sha256(x: jax.Array) -> str | None:
+    """SHA-256 of the value's bytes; None where this process cannot see all of it."""
+    if x.is_fully_addressable:
+        value = np.asarray(x)
+    elif x.sharding.is_fully_replicated:
+        value = np.asarray(x.addressable_data(0))
+    else:
+        return None  # another process holds part of it; orbax's own checks apply
+    return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+
+
+def _short(error: Exception) -> str:
+    """The error's type and first words (tensorstore appends kilobytes of spec)."""
+    text = str(error).split(" [tensorstore_spec")[0]
+    return f"{type(error).__name__}: {text[:400]}"
+
+
+def _quiet_failed_read_noise() -> None:
+    """Silences the aftermath of a failed orbax read (once per process).
+
+    When one array of a restore fails, orbax's asyncio loop stops while
+    tensorstore still completes the other reads: each completion callback
+    raises RuntimeError("Event loop is closed") as an unraisable exception, and
+    asyncio logs every other failed read as "exception was never retrieved".
+    Dozens of tracebacks after an error that is already reported; everything
+    else still reaches the previous hook and the log.
+    """
+    if not isinstance(sys.unraisablehook, _QuietClosedLoop):
+        sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _QuietUnretrievedReads) for f in log.filters):
+        log.addFilter(_QuietUnretrievedReads())
+
+
+class _QuietClosedLoop:
+    def __init__(self, previous: Callable[[Any], Any]):
+        self.previous = previous
+
+    def __call__(self, unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        self.previous(unraisable)
+
+
+class _QuietUnretrievedReads(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        unretrieved = "exception was never retrieved" in message
+        return not (unretrieved and ("orbax" in message or "tensorstore" in message))

@@ -1,0 +1,328 @@
+"""Memory planning: what one data-parallel device holds, and what fits.
+
+Data parallelism replicates the whole training state on every device, so the
+per-device memory is the same for any number of devices; only the batch shard
+and the all-reduce depend on ``num_devices``. The estimate counts, per device:
+
+- the training state, in bytes per parameter of the dtype policy (the seed's
+  table for mixed-precision Adam: 2 weights + 2 gradients + 4 master weights
+  + 4 + 4 Adam moments = 16);
+- jaxdp's gradient accumulator: the step sums micro-batch gradients in
+  ``accum_dtype`` (float32) and all-reduces that sum, 4 bytes per parameter;
+- the inputs of the per-device batch (``accum_steps * micro_batch_size`` rows)
+  and the activations of one micro-batch.
+
+Sizes are bytes; GB means 10^9 bytes, GiB 2^30.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import NamedTuple
+
+
+class DtypePolicy(NamedTuple):
+    """Bytes per parameter of each part of the training state."""
+
+    weights: int  # the weights forward and backward compute with
+    gradients: int  # one micro-batch's gradients
+    master: int  # a float32 master copy of the weights (0: none)
+    moment: int  # one optimizer moment (Adam has two, SGD momentum one)
+    param_dtype: str | None  # jaxdp's compiled step runs this policy with these params
+    description: str
+
+
+DTYPE_POLICIES: dict[str, DtypePolicy] = {
+    "mixed-bf16": DtypePolicy(
+        2, 2, 4, 4, None, "bf16 weights and gradients, fp32 master weights and moments"
+    ),
+    "mixed-fp16": DtypePolicy(
+        2, 2, 4, 4, None, "fp16 weights and gradients, fp32 master weights and moments"
+    ),
+    "fp32": DtypePolicy(4, 4, 0, 4, "float32", "fp32 weights, gradients and moments"),
+    "bf16": DtypePolicy(2, 2, 0, 2, "bfloat16", "bf16 weights, gradients and moments"),
+}
+"""The dtype policies ``plan_memory`` knows, by name."""
+
+OPTIMIZER_MOMENTS: dict[str, int] = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}
+"""Per-parameter moments each optimizer keeps (AdamW: m and v; SGD momentum: one buffer)."""
+
+ACCUM_BYTES = 4
+"""Bytes per parameter of jaxdp's gradient accumulator (``accum_dtype`` float32)."""
+
+DEFAULT_HEADROOM = 0.15
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kbit": 10**3 / 8,
+    "mbit": 10**6 / 8,
+    "gbit": 10**9 / 8,
+    "tbit": 10**12 / 8,
+}
+_SIZE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_bytes(text: str | float, *, name: str = "size") -> float:
+    """Bytes from ``80GB`` (10^9), ``80GiB`` (2^30), ``400Gbit``, ``512MiB`` or a number.
+
+    A trailing ``/s`` is accepted (bandwidths). Raises ``ValueError`` naming ``name``.
+    """
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        match = _SIZE.match(str(text).removesuffix("/s"))
+        unit = match.group(2).lower() if match else None
+        if unit not in _UNITS:
+            raise ValueError(
+                f"{name}={text!r} is not a size: give bytes (80000000000) or a number "
+                "with a unit (80GB = 80*10^9 bytes, 80GiB = 80*2^30, 512MiB, 400Gbit)"
+            )
+        value = float(match.group(1)) * _UNITS[unit]
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"{name}={text!r} must be a positive size")
+    return value
+
+
+def parse_count(text: str | float, *, name: str = "params") -> int:
+    """A count from ``7e9``, ``7B``, ``125M``, ``350k`` or a number."""
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        match = _SIZE.match(str(text))
+        suffix = match.group(2).lower() if match else None
+        if suffix not in _COUNT_SUFFIX:
+            raise ValueError(f"{name}={text!r} is not a number: give 7e9, 7B, 125M or 350k")
+        value = float(match.group(1)) * _COUNT_SUFFIX[suffix]
+    if not value >= 1 or math.isinf(value):
+        raise ValueError(f"{name}={text!r} must be a positive count")
+    return int(round(value))
+
+
+def ring_all_reduce_bytes(payload_bytes: float, num_devices: int) -> float:
+    """Bytes each device sends in a ring all-reduce of ``payload_bytes``: 2(N-1)/N times it.
+
+    A ring all-reduce is a reduce-scatter then an all-gather, each moving
+    ``(N-1)/N`` of the payload through every device's link (it receives as much).
+    """
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
+    return 2 * (num_devices - 1) / num_devices * payload_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device memory of a data-parallel step and what fits; bytes throughout."""
+
+    params: int
+    policy: str
+    optimizer: str
+    num_devices: int
+    device_memory: float
+    headroom: float  # fraction of device_memory kept free
+    weights: float
+    gradients: float
+    master: float
+    optimizer_state: float
+    accumulator: float  # jaxdp's float32 gradient sum (the all-reduce buffer)
+    activation_bytes_per_sample: float | None
+    input_bytes_per_sample: float
+    max_micro_batch_size: int | None  # memory's limit; None: activations unknown; 0: none fits
+    global_batch_size: int | None
+    micro_batch_size: int | None  # chosen; None when nothing fits or unknown
+    accum_steps: int | None
+    allreduce_bytes: float  # payload of the one all-reduce per optimizer step
+    link_bandwidth: float | None  # bytes/s each device sends at
+
+    @property
+    def state(self) -> float:
+        """Weights + gradients + master weights + optimizer state (the seed's table)."""
+        return self.weights + self.gradients + self.master + self.optimizer_state
+
+    @property
+    def fixed(self) -> float:
+        """Everything that does not grow with the batch: state and accumulator."""
+        return self.state + self.accumulator
+
+    @property
+    def usable(self) -> float:
+        return self.device_memory * (1.0 - self.headroom)
+
+    @property
+    def fits_state(self) -> bool:
+        return self.fixed <= self.usable
+
+    @property
+    def inputs(self) -> float:
+        """Input bytes of the per-device batch the chosen step takes."""
+        return (self.accum_steps or 0) * (self.micro_batch_size or 0) * self.input_bytes_per_sample
+
+    @property
+    def activations(self) -> float:
+        return (self.micro_batch_size or 0) * (self.activation_bytes_per_sample or 0.0)
+
+    @property
+    def total(self) -> float:
+        return self.fixed + self.inputs + self.activations
+
+    @property
+    def ring_bytes(self) -> float:
+        return ring_all_reduce_bytes(self.allreduce_bytes, self.num_devices)
+
+    @property
+    def allreduce_seconds(self) -> float | None:
+        if self.link_bandwidth is None:
+            return None
+        return self.ring_bytes / self.link_bandwidth
+
+
+def plan_memory(
+    *,
+    params: int,
+    device_memory: float | str,
+    policy: str = "mixed-bf16",
+    optimizer: str = "adamw",
+    num_devices: int = 1,
+    global_batch_size: int | None = None,
+    activation_bytes_per_sample: float | None = None,
+    input_bytes_per_sample: float = 0.0,
+    headroom: float = DEFAULT_HEADROOM,
+    link_bandwidth: float | str | None = None,
+) -> MemoryPlan:
+    """Estimates one device's memory for data-parallel training with accumulation.
+
+    Args:
+      params: parameter count.
+      device_memory: bytes per device, or a size such as ``"80GB"`` or ``"80GiB"``.
+      policy: a key of :data:`DTYPE_POLICIES`.
+      optimizer: a key of :data:`OPTIMIZER_MOMENTS`; moments take the policy's
+        ``moment`` bytes each.
+      num_devices: data-parallel devices (each holds the whole state).
+      global_batch_size: target rows per optimizer step; the plan picks the
+        largest micro-batch that fits and divides ``global_batch_size /
+        num_devices``, and ``accum_steps`` completes the product.
+      activation_bytes_per_sample: activation bytes one sample of a micro-batch
+        keeps for the backward pass; None: unknown (no micro-batch is sized).
+      input_bytes_per_sample: bytes of one input row (the step holds the whole
+        per-device batch of ``accum_steps * micro_batch_size`` rows).
+      headroom: fraction of ``device_memory`` kept free (allocator slack,
+        fragmentation, the runtime's own buffers).
+      link_bandwidth: bytes/s each device sends at (or a size such as
+        ``"450GB/s"``), for the predicted all-reduce time.
+
+    Raises:
+      ValueError: naming the argument, its value and the rule it breaks.
+    """
+    params = parse_count(params, name="params")
+    device_memory = parse_bytes(device_memory, name="device_memory")
+    if link_bandwidth is not None:
+        link_bandwidth = parse_bytes(link_bandwidth, name="link_bandwidth")
+    _check_choice("policy", policy, DTYPE_POLICIES)
+    _check_choice("optimizer", optimizer, OPTIMIZER_MOMENTS)
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1)")
+    for name, value in (
+        ("activation_bytes_per_sample", activation_bytes_per_sample),
+        ("input_bytes_per_sample", input_bytes_per_sample),
+    ):
+        if value is not None and not value >= 0:
+            raise ValueError(f"{name}={value!r} must be a non-negative number of bytes")
+    if global_batch_size is not None and (
+        not isinstance(global_batch_size, int)
+        or global_batch_size < num_devices
+        or global_batch_size % num_devices
+    ):
+        raise ValueError(
+            f"global_batch_size={global_batch_size!r} is not reachable with num_devices="
+            f"{num_devices}: global_batch_size = num_devices * accum_steps * "
+            "micro_batch_size must be a positive multiple of num_devices"
+        )
+    p = DTYPE_POLICIES[policy]
+    plan = MemoryPlan(
+        params=params,
+        policy=policy,
+        optimizer=optimizer,
+        num_devices=num_devices,
+        device_memory=device_memory,
+        headroom=headroom,
+        weights=params * p.weights,
+        gradients=params * p.gradients,
+        master=params * p.master,
+        optimizer_state=params * p.moment * OPTIMIZER_MOMENTS[optimizer],
+        accumulator=params * ACCUM_BYTES,
+        activation_bytes_per_sample=activation_bytes_per_sample,
+        input_bytes_per_sample=input_bytes_per_sample,
+        max_micro_batch_size=None,
+        global_batch_size=global_batch_size,
+        micro_batch_size=None,
+        accum_steps=None,
+        allreduce_bytes=params * ACCUM_BYTES,
+        link_bandwidth=link_bandwidth,
+    )
+    return _size_batches(plan)
+
+
+def _check_choice(name: str, value: str, choices: dict) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {sorted(choices)}")
+
+
+def _size_batches(plan: MemoryPlan) -> MemoryPlan:
+    """Fills in the largest micro-batch that fits and the accumulation that reaches the target."""
+    act = plan.activation_bytes_per_sample
+    if act is None:
+        return plan
+    room = plan.usable - plan.fixed
+    if plan.global_batch_size is None:
+        # One micro-batch per step: the batch holds micro_batch_size input rows.
+        per_sample = act + plan.input_bytes_per_sample
+        largest = _floor_div(room, per_sample)
+        chosen = largest if largest >= 1 else None
+        return dataclasses.replace(
+            plan,
+            max_micro_batch_size=max(largest, 0),
+            micro_batch_size=chosen,
+            accum_steps=1 if chosen else None,
+            global_batch_size=chosen * plan.num_devices if chosen else None,
+        )
+    # The fused step holds the whole per-device batch's inputs, whatever the split.
+    per_device = plan.global_batch_size // plan.num_devices
+    largest = _floor_div(room - per_device * plan.input_bytes_per_sample, act)
+    chosen = largest_divisor_at_most(per_device, largest)
+    return dataclasses.replace(
+        plan,
+        max_micro_batch_size=max(largest, 0),
+        micro_batch_size=chosen,
+        accum_steps=per_device // chosen if chosen else None,
+    )
+
+
+def _floor_div(room: float, per_sample: float) -> int:
+    if per_sample <= 0:
+        # Nothing grows with the batch: any size fits while the fixed part does.
+        return 2**31 - 1 if room >= 0 else 0
+    return math.floor(room / per_sample)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int | None:
+    """The largest divisor of ``n`` that is at most ``limit`` (None if ``limit < 1``)."""
+    return max((d for d in divisors(n) if d <= limit), default=None)

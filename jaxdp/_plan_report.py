@@ -1,0 +1,213 @@
+"""The text ``jaxdp plan`` prints for a :class:`MemoryPlan` (and XLA's figures)."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from typing import Any
+
+from ._plan import ACCUM_BYTES, DTYPE_POLICIES, OPTIMIZER_MOMENTS, MemoryPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaFigures:
+    """XLA's side of a plan for a model jaxdp compiled (see ``jaxdp._plan_xla``)."""
+
+    platform: str
+    compiled_devices: int
+    micro_batch_size: int | None  # XLA's choice; None: nothing fits
+    accum_steps: int | None
+    memory: Any  # CompiledMemory of the chosen split (or the smallest tried)
+    allreduce_bytes: int | None  # summed over the compiled step's all-reduces
+    compiles: int
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in decimal units (GB = 10^9 bytes)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def report(
+    plan: MemoryPlan,
+    *,
+    model: str | None = None,
+    xla: XlaFigures | None = None,
+    note: str | None = None,
+) -> str:
+    """The whole report: header, per-device table, verdict, batch split, XLA, all-reduce."""
+    sections = [_header(plan, model), _table(plan), _verdict(plan)]
+    if xla is not None:
+        sections.append(_xla(plan, xla))
+    if note:
+        sections.append(note)
+    sections.append(_allreduce(plan, xla))
+    return "\n\n".join(_wrap(section) for section in sections)
+
+
+def _wrap(text: str) -> str:
+    return "\n".join(
+        textwrap.fill(line, 100, subsequent_indent="  ") if len(line) > 100 else line
+        for line in text.splitlines()
+    )
+
+
+def _header(plan: MemoryPlan, model: str | None) -> str:
+    policy = DTYPE_POLICIES[plan.policy]
+    moments = OPTIMIZER_MOMENTS[plan.optimizer]
+    what = f"{model}, {plan.params:,} parameters" if model else f"{plan.params:,} parameters"
+    per_param = policy.weights + policy.gradients + policy.master + moments * policy.moment
+    return "\n".join(
+        [
+            f"jaxdp plan: {what}, policy {plan.policy}, optimizer {plan.optimizer}",
+            f"{plan.num_devices} device(s) of {format_bytes(plan.device_memory)}, "
+            f"{plan.headroom:.0%} kept free: {format_bytes(plan.usable)} usable per device",
+            f"bytes per parameter, {plan.policy} ({policy.description}):",
+            f"  weights {policy.weights} + gradients {policy.gradients} + master weights "
+            f"{policy.master} + optimizer state {moments} x {policy.moment} = {per_param}, "
+            f"and jaxdp's fp32 gradient accumulator {ACCUM_BYTES}",
+        ]
+    )
+
+
+def _table(plan: MemoryPlan) -> str:
+    moments = OPTIMIZER_MOMENTS[plan.optimizer]
+    rows = [
+        ("weights", plan.weights),
+        ("gradients", plan.gradients),
+        ("master weights", plan.master),
+        (f"optimizer state ({moments} moment(s))", plan.optimizer_state),
+        ("= training state", plan.state),
+        ("gradient accumulator (fp32)", plan.accumulator),
+    ]
+    if plan.activation_bytes_per_sample is None:
+        rows.append(("activations", None))
+    elif plan.micro_batch_size:
+        k, b = plan.accum_steps, plan.micro_batch_size
+        rows.append((f"batch inputs ({k} x {b} rows)", plan.inputs))
+        rows.append((f"activations ({b} samples)", plan.activations))
+    rows += [
+        ("total" if plan.micro_batch_size else "total before activations", plan.total),
+        (f"headroom kept free ({plan.headroom:.0%})", plan.device_memory * plan.headroom),
+        ("device memory", plan.device_memory),
+    ]
+    lines = ["per device (estimate):"]
+    for name, value in rows:
+        shown = "unknown (give --activation-bytes-per-sample)" if value is None else value
+        lines.append(f"  {name:<34} {shown if value is None else format_bytes(shown):>12}")
+    return "\n".join(lines)
+
+
+def _verdict(plan: MemoryPlan) -> str:
+    state, fixed, usable = plan.state, plan.fixed, plan.usable
+    if not plan.fits_state:
+        if state > plan.device_memory:
+            first = (
+                f"DOES NOT FIT: the training state alone needs {format_bytes(state)} per "
+                f"device, more than the {format_bytes(plan.device_memory)} one device has."
+            )
+        else:
+            first = (
+                f"DOES NOT FIT: training state and accumulator need {format_bytes(fixed)} "
+                f"per device, more than the {format_bytes(usable)} usable."
+            )
+        return (
+            f"{first}\nData parallelism keeps a full copy on every device, so more devices "
+            "do not help. It needs the state sharded across devices (ZeRO/FSDP, not part "
+            "of jaxdp), a leaner policy or optimizer (bf16, sgd), or devices of at least "
+            f"{format_bytes(fixed / (1 - plan.headroom))} (before activations)."
+        )
+    if plan.activation_bytes_per_sample is None:
+        return (
+            f"The state fits: {format_bytes(fixed)} of {format_bytes(usable)} usable. "
+            "Give --activation-bytes-per-sample (or --model) to size the micro-batch."
+        )
+    if plan.micro_batch_size is None:
+        return (
+            f"DOES NOT FIT: the state fits ({format_bytes(fixed)} of {format_bytes(usable)}), "
+            "but not the batch inputs with the activations of even one sample."
+        )
+    largest, chosen = plan.max_micro_batch_size, plan.micro_batch_size
+    per_device = plan.accum_steps * chosen
+    if largest == chosen:
+        limit = "the largest that fits"
+    elif plan.accum_steps == 1:
+        limit = f"up to {largest:,} would fit; the target needs {chosen}"
+    else:
+        limit = f"{largest:,} would fit; {chosen} is the largest divisor of {per_device} rows"
+    return (
+        f"FITS: micro-batch of {chosen} samples per device ({limit}).\n"
+        f"batch: {_identity(plan, plan.accum_steps, chosen)}; "
+        f"{format_bytes(plan.total)} of {format_bytes(usable)} usable."
+    )
+
+
+def _identity(plan: MemoryPlan, accum_steps: int, micro_batch_size: int) -> str:
+    n = plan.num_devices
+    return (
+        f"global_batch_size={n * accum_steps * micro_batch_size} = num_devices={n} x "
+        f"accum_steps={accum_steps} x micro_batch_size={micro_batch_size}"
+    )
+
+
+def _xla(plan: MemoryPlan, xla: XlaFigures) -> str:
+    m = xla.memory
+    lines = [
+        f"XLA's memory analysis (jaxdp's fused step compiled for {xla.compiled_devices} "
+        f"{xla.platform} device(s), {xla.compiles} compiles); it decides:"
+    ]
+    if xla.micro_batch_size is None:
+        lines.append(
+            f"  DOES NOT FIT: even micro_batch_size=1 needs {format_bytes(m.total)} "
+            f"of {format_bytes(plan.usable)} usable."
+        )
+        return "\n".join(lines)
+    k, b = xla.accum_steps, xla.micro_batch_size
+    lines.append(f"  FITS: batch: {_identity(plan, k, b)}")
+    inputs = k * b * plan.input_bytes_per_sample
+    estimate_args = plan.weights + plan.master + plan.optimizer_state + inputs
+    activations = b * (plan.activation_bytes_per_sample or 0.0)
+    estimate_temps = plan.gradients + plan.accumulator + activations
+    rows = [
+        ("arguments: weights, optimizer state, batch", estimate_args, m.arguments),
+        ("temporaries: gradients, accumulator, activations", estimate_temps, m.temporaries),
+        ("outputs not aliased to arguments", 0.0, m.outputs - m.aliased),
+        ("total", estimate_args + estimate_temps, m.total),
+    ]
+    lines.append(f"  {'at this split, per device':<50} {'estimate':>11} {'XLA':>11}  est/XLA")
+    for name, est, actual in rows:
+        ratio = f"{est / actual:.2f}" if actual and est else "-"
+        lines.append(f"  {name:<50} {format_bytes(est):>11} {format_bytes(actual):>11}  {ratio}")
+    return "\n".join(lines)
+
+
+def _allreduce(plan: MemoryPlan, xla: XlaFigures | None) -> str:
+    n = plan.num_devices
+    line = (
+        f"all-reduce per optimizer step: {format_bytes(plan.allreduce_bytes)} "
+        f"(fp32 gradient sums, {ACCUM_BYTES} bytes/parameter)"
+    )
+    if xla is not None and xla.allreduce_bytes is not None:
+        line += f"; XLA's compiled step: {format_bytes(xla.allreduce_bytes)}"
+    if n == 1:
+        return line + "\n1 device: nothing to send."
+    line += (
+        f"\nring all-reduce over {n} devices: each device sends 2(N-1)/N = "
+        f"{2 * (n - 1) / n:.3f} x that = {format_bytes(plan.ring_bytes)} (and receives as much)"
+    )
+    if plan.allreduce_seconds is not None:
+        line += (
+            f"\nat {format_bytes(plan.link_bandwidth)}/s per device: "
+            f"{_seconds(plan.allreduce_seconds)} per optimizer step "
+            "(bandwidth term only: no latency, no overlap with the backward pass)"
+        )
+    return line
+
+
+def _seconds(t: float) -> str:
+    for unit, size in (("s", 1.0), ("ms", 1e-3)):
+        if t >= size:
+            return f"{t / size:.2f} {unit}"
+    return f"{t / 1e-6:.2f} us"

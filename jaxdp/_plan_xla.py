@@ -1,0 +1,299 @@
+"""The planner's view of a model jaxdp can build: its sizes, and XLA's memory analysis.
+
+``compiled_memory`` reads XLA's buffer assignment of a compiled step (per
+device: the step is one SPMD program). Where the estimate of
+:mod:`jaxdp._plan` and XLA are compared, the parts line up as
+
+- arguments: weights + optimizer state + the per-device batch (+ the step counter);
+- temporaries: micro-batch gradients + the float32 accumulator + activations
+  (+ XLA's fusion scratch, which the estimate does not model);
+- outputs not aliased to arguments: the metrics (the state is donated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._model import loss_parts, split_model
+from ._models import MODELS
+from ._plan import divisors, largest_divisor_at_most
+from ._step import TrainState, make_train_step
+
+_MAX_COMPILES = 8  # per choice; each is fast (abstract batches) but not free
+_RESIDUAL_ROWS = (8, 16)  # two micro-batch sizes whose difference gives bytes per sample
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """XLA's memory analysis of one compiled program, bytes per device."""
+
+    arguments: int
+    outputs: int
+    aliased: int  # output bytes written into (donated) argument buffers
+    temporaries: int
+
+    @property
+    def total(self) -> int:
+        """Peak bytes the program needs: arguments, temporaries, unaliased outputs."""
+        return self.arguments + self.temporaries + self.outputs - self.aliased
+
+
+def compiled_memory(compiled: Any) -> CompiledMemory:
+    """XLA's figures for ``compiled`` (e.g. ``step.compile(state, batch)``)."""
+    stats = compiled.memory_analysis()
+    return CompiledMemory(
+        arguments=int(stats.argument_size_in_bytes),
+        outputs=int(stats.output_size_in_bytes),
+        aliased=int(stats.alias_size_in_bytes),
+        temporaries=int(stats.temp_size_in_bytes),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A reference model of :mod:`jaxdp._models` with its sizes and batch layout."""
+
+    name: str
+    kwargs: dict[str, Any]
+    make: Callable[[], nnx.Module]
+    loss: Callable[..., jax.Array]
+    batch: Callable[[int], Any]  # rows -> (x, y) as ShapeDtypeStructs
+
+    def describe(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        return f"{self.name}({args})"
+
+
+def reference_model(
+    name: str, *, param_dtype: Any = jnp.float32, seed: int = 0, **kwargs: Any
+) -> ModelSpec:
+    """The spec of reference model ``name`` with constructor arguments ``kwargs``.
+
+    Batches follow the reference data: ``linear``/``mlp`` rows of
+    ``in_features`` floats, ``cnn`` 8x8 images (the digits) with
+    ``in_channels``, ``transformer`` ``block_size`` tokens; labels int32.
+    """
+    if name not in MODELS:
+        raise ValueError(f"model={name!r} must be one of {sorted(MODELS)}")
+    cls, loss = MODELS[name]
+    signature = inspect.signature(cls.__init__)
+    defaults = {
+        k: p.default
+        for k, p in signature.parameters.items()
+        if p.default is not inspect.Parameter.empty and k != "param_dtype"
+    }
+    unknown = sorted(set(kwargs) - set(defaults))
+    if unknown:
+        raise ValueError(
+            f"model argument(s) {unknown} are not arguments of {name}; it takes {sorted(defaults)}"
+        )
+    sizes = defaults | kwargs
+    takes_rngs = "rngs" in signature.parameters
+
+    def make() -> nnx.Module:
+        extra = {"rngs": nnx.Rngs(seed)} if takes_rngs else {}
+        return cls(**kwargs, param_dtype=param_dtype, **extra)
+
+    def batch(rows: int) -> Any:
+        f32, i32 = jnp.float32, jnp.int32
+        if name == "linear":  # y is unused by the seed's sum loss
+            x = jax.ShapeDtypeStruct((rows, sizes["in_features"]), f32)
+            return x, jax.ShapeDtypeStruct((rows, 1), f32)
+        if name == "mlp":
+            x = jax.ShapeDtypeStruct((rows, sizes["in_features"]), f32)
+            return x, jax.ShapeDtypeStruct((rows,), i32)
+        if name == "cnn":
+            x = jax.ShapeDtypeStruct((rows, 8, 8, sizes["in_channels"]), f32)
+            return x, jax.ShapeDtypeStruct((rows,), i32)
+        tokens = jax.ShapeDtypeStruct((rows, sizes["block_size"]), i32)
+        return tokens, tokens
+
+    return ModelSpec(name, kwargs, make, loss, batch)
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def param_count(spec: ModelSpec) -> int:
+    """Parameters of the model (built abstractly: no memory is allocated)."""
+    _, params, _ = split_model(nnx.eval_shape(spec.make))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def input_bytes_per_sample(spec: ModelSpec) -> int:
+    """Bytes of one row of the batch (inputs and labels)."""
+    return _nbytes(spec.batch(1))
+
+
+def activation_bytes_per_sample(spec: ModelSpec) -> float:
+    """Bytes per sample of the values JAX's autodiff saves for the backward pass.
+
+    The residuals of ``jax.vjp`` of the loss, measured abstractly at two
+    micro-batch sizes; their difference per row is what one more sample
+    costs. It is the program before XLA's optimizations: fusion may
+    recompute cheap values instead of keeping them, and backward scratch
+    comes on top.
+    """
+    graphdef, params, rest = split_model(nnx.eval_shape(spec.make))
+
+    def residuals(params: Any, rest: Any, batch: Any) -> list[jax.Array]:
+        parts = loss_parts(spec.loss, "mean", graphdef, rest)
+        return jax.tree.leaves(jax.vjp(lambda p: parts(p, batch), params)[1])
+
+    small, large = (
+        _nbytes(jax.eval_shape(residuals, params, rest, spec.batch(rows)))
+        for rows in _RESIDUAL_ROWS
+    )
+    return (large - small) / (_RESIDUAL_ROWS[1] - _RESIDUAL_ROWS[0])
+
+
+def make_optimizer(name: str) -> optax.GradientTransformation:
+    """The optax transformation the planner compiles for optimizer ``name``."""
+    if name == "adamw":
+        return optax.adamw(1e-3)
+    if name == "sgd-momentum":
+        return optax.sgd(1e-3, momentum=0.9)
+    if name == "sgd":
+        return optax.sgd(1e-3)
+    raise ValueError(f"optimizer={name!r} must be one of ['adamw', 'sgd', 'sgd-momentum']")
+
+
+class CompiledSteps:
+    """Compiles a model's jaxdp step (fused path) for any micro-batch and accumulation.
+
+    The state is built once; each ``compile`` lowers with abstract batches, so
+    no batch memory is allocated and large sizes cost nothing but compile time.
+    """
+
+    def __init__(self, spec: ModelSpec, optimizer: str, mesh: Mesh):
+        self.spec, self.optimizer, self.mesh = spec, optimizer, mesh
+        self._state: TrainState | None = None
+        self._steps: dict[int, Any] = {}
+        self._compiled: dict[tuple[int, int], Any] = {}
+
+    def step(self, accum_steps: int) -> Any:
+        if accum_steps not in self._steps:
+            self._steps[accum_steps] = make_train_step(
+                self.spec.loss,
+                make_optimizer(self.optimizer),
+                mesh=self.mesh,
+                accum_steps=accum_steps,
+            )
+        return self._steps[accum_steps]
+
+    def state(self) -> TrainState:
+        if self._state is None:
+            self._state = self.step(1).init(self.spec.make())
+        return self._state
+
+    def compile(self, micro_batch_size: int, accum_steps: int = 1) -> Any:
+        key = (micro_batch_size, accum_steps)
+        if key not in self._compiled:
+            self._compiled[key] = self._lower(micro_batch_size, accum_steps).compile()
+        return self._compiled[key]
+
+    def _lower(self, micro_batch_size: int, accum_steps: int) -> Any:
+        step = self.step(accum_steps)
+        rows = self.mesh.devices.size * accum_steps * micro_batch_size
+        sharding = NamedSharding(self.mesh, P(self.mesh.axis_names[0]))
+        batch = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct((rows, *s.shape[1:]), s.dtype, sharding=sharding),
+            self.spec.batch(1),
+        )
+        step.sizes(batch)
+        weights = jax.ShapeDtypeStruct(
+            (accum_steps,), jnp.float32, sharding=NamedSharding(self.mesh, P())
+        )
+        # The step's own jitted function, lowered with abstract inputs
+        # (TrainStep.compile places real batches on the mesh first).
+        return step._jitted.lower(self.state(), batch, weights)
+
+    def memory(self, micro_batch_size: int, accum_steps: int = 1) -> CompiledMemory:
+        return compiled_memory(self.compile(micro_batch_size, accum_steps))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledChoice:
+    """The batch split XLA's analysis allows, with its figures (None: nothing fits)."""
+
+    micro_batch_size: int | None
+    accum_steps: int | None
+    memory: CompiledMemory  # of the chosen split, or of the smallest one tried
+    compiles: int
+
+
+def choose_micro_batch(
+    steps: CompiledSteps, *, usable: float, per_device: int | None, limit: int = 2**24
+) -> CompiledChoice:
+    """The largest micro-batch whose compiled step needs at most ``usable`` bytes.
+
+    With ``per_device`` (rows per device per optimizer step) the micro-batch
+    divides it and ``accum_steps`` completes it; without, ``accum_steps=1``
+    and the micro-batch is at most ``limit``. XLA's total is close to affine in
+    the micro-batch size (the fused step holds the whole per-device batch
+    whatever the split): two compiles fit the line, its prediction is compiled
+    to verify, and a miss refits the line through the missed point.
+    """
+    cap = per_device if per_device is not None else limit
+
+    def candidate(at_most: int) -> int | None:
+        if per_device is None:
+            return min(at_most, limit) if at_most >= 1 else None
+        return largest_divisor_at_most(per_device, at_most)
+
+    def measure(rows: int) -> CompiledMemory:
+        return steps.memory(rows, per_device // rows if per_device is not None else 1)
+
+    measured = {rows: measure(rows) for rows in {1, candidate(16)}}
+    best = candidate(_predict(measured, usable, cap))
+    while best is not None and len(measured) < _MAX_COMPILES:
+        if best not in measured:
+            measured[best] = measure(best)
+        if measured[best].total > usable:
+            best = candidate(min(_predict(measured, usable, cap), best - 1))
+            continue
+        # Verified; one size up must not fit for `best` to be the largest.
+        larger = _next_candidate(per_device, best, cap)
+        if larger is None or larger in measured or len(measured) == _MAX_COMPILES:
+            break
+        measured[larger] = measure(larger)
+        if measured[larger].total > usable:
+            break
+        best = candidate(max(larger, _predict(measured, usable, cap)))
+    fitting = [rows for rows, memory in measured.items() if memory.total <= usable]
+    if not fitting:
+        return CompiledChoice(None, None, measured[1], len(measured))
+    best = max(fitting)
+    return CompiledChoice(best, _accum(per_device, best), measured[best], len(measured))
+
+
+def _next_candidate(per_device: int | None, rows: int, cap: int) -> int | None:
+    if per_device is None:
+        return rows + 1 if rows < cap else None
+    return min((d for d in divisors(per_device) if d > rows), default=None)
+
+
+def _accum(per_device: int | None, rows: int) -> int:
+    return per_device // rows if per_device is not None else 1
+
+
+def _predict(measured: dict[int, CompiledMemory], usable: float, cap: int) -> int:
+    """Largest rows under ``usable`` on the line through the two largest measured sizes."""
+    points = sorted((rows, m.total) for rows, m in measured.items())
+    (b0, t0), (b1, t1) = points[-2:] if len(points) > 1 else points * 2
+    if b1 == b0 or t1 <= t0:
+        return cap if t1 <= usable else b0 - 1
+    return int(min(cap, math.floor(b1 + (usable - t1) * (b1 - b0) / (t1 - t0))))

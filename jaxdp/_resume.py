@@ -1,0 +1,181 @@
+"""The rules of resuming: where to continue, and which checkpoints fit a run.
+
+Optimizer step ``s`` of an epoch trains on rows ``[s * G, (s + 1) * G)`` of
+that epoch's sampler order (all ranks' strided shares together), whatever
+``num_devices * accum_steps * micro_batch_size`` makes ``G =
+global_batch_size``. So the same ``G`` continues the same data order on another
+split, provided no accumulation cycle is open (the per-device accumulators of
+an open cycle cannot be re-split); another ``G`` changes the data order and the
+meaning of a step and needs forcing.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+
+from ._layout import BatchSizes
+from ._step import TrainState
+
+
+class SamplerPosition(NamedTuple):
+    """Where the data stream stands: the NEXT data to train on.
+
+    ``step_in_epoch`` indexes the rows of ``epoch_batches(..., epoch=epoch)``
+    (one global batch per optimizer step); ``micro_batch`` is the next of its
+    ``accum_steps`` micro-batches on the ``multisteps`` path, 0 at an
+    optimizer-step boundary (always 0 on the ``fused`` path).
+    """
+
+    epoch: int
+    step_in_epoch: int
+    micro_batch: int = 0
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: none there, unreadable, or incompatible."""
+
+
+def resume_position(
+    position: SamplerPosition, *, saved: BatchSizes, sizes: BatchSizes, steps_per_epoch: int
+) -> SamplerPosition:
+    """The position to continue from under the batch identity ``sizes``.
+
+    Optimizer step ``s`` of an epoch trains on rows ``[s * G, (s + 1) * G)`` of
+    the epoch's sampler order (all ranks' strided shares together), for any
+    split of ``G = global_batch_size`` over devices and micro-batches; the same
+    ``G`` therefore continues at the same step. Another ``G`` (forced) restarts
+    at the step holding the first unseen row, so up to ``G - 1`` rows of the
+    epoch are seen twice. Past the epoch's last step: the next epoch's start.
+    """
+    epoch, step, micro = position
+    if saved.global_batch_size != sizes.global_batch_size:
+        assert micro == 0, "checked by check_compatible"
+        step = step * saved.global_batch_size // sizes.global_batch_size
+    if step >= steps_per_epoch:
+        return SamplerPosition(epoch + 1, 0, 0)
+    return SamplerPosition(epoch, step, micro)
+
+
+def check_compatible(
+    meta: dict[str, Any],
+    here: dict[str, Any],
+    sizes: BatchSizes,
+    *,
+    force: bool,
+    path: pathlib.Path,
+    validate: Callable[[dict[str, Any]], None] | None,
+) -> BatchSizes:
+    """Raises :class:`CheckpointError` unless checkpoint ``meta`` fits this run.
+
+    ``here`` describes this run's state leaves (:func:`describe` by :func:`named`).
+    """
+    saved_leaves = meta["leaves"]
+    mismatches = _mismatches(saved_leaves, here, lambda name: name.startswith("params/"))
+    if mismatches:
+        raise CheckpointError(
+            f"checkpoint {path} was saved for a different model; parameters (checkpoint vs "
+            f"this run): {'; '.join(mismatches)}"
+        )
+    if validate is not None:
+        validate(meta["extra"])
+    mismatches = _mismatches(saved_leaves, here, lambda name: not name.startswith("params/"))
+    if mismatches:
+        raise CheckpointError(
+            f"checkpoint {path} holds a differently laid out training state (another "
+            f"optimizer or accumulation path?); checkpoint vs this run: {'; '.join(mismatches)}"
+        )
+    saved = BatchSizes(**meta["batch"])
+    if saved.global_batch_size != sizes.global_batch_size and not force:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with {saved.describe()}; this run has "
+            f"{sizes.describe()}. Another global batch changes the data order (optimizer "
+            "step s takes rows [s * global_batch_size, (s + 1) * global_batch_size) of each "
+            "epoch's order) and what a step means (samples per update, learning-rate "
+            "schedule). Keep global_batch_size and change accum_steps or micro_batch_size, "
+            "or force the resume (--force-resume)"
+        )
+    micro = meta["position"]["micro_batch"]
+    if saved != sizes and micro != 0:
+        raise CheckpointError(
+            f"checkpoint {path} was taken in the middle of an accumulation cycle (micro-batch "
+            f"{micro} of {saved.accum_steps}); its per-device accumulators belong to "
+            f"{saved.describe()} and cannot be re-split for {sizes.describe()}. Resume with "
+            "the saved batch identity (its next checkpoint at a step boundary can then move), "
+            f"or move {path} aside to resume from the checkpoint before it"
+        )
+    return saved
+
+
+def _mismatches(
+    saved: dict[str, Any], here: dict[str, Any], selected: Callable[[str], bool]
+) -> list[str]:
+    """Human-readable differences between two ``name -> description`` maps."""
+    out = []
+    for name in sorted(n for n in {*saved, *here} if selected(n)):
+        a, b = saved.get(name), here.get(name)
+        if a is None:
+            out.append(f"{name} missing in the checkpoint")
+        elif b is None:
+            out.append(f"{name} missing in this run")
+        elif _layout(a) != _layout(b):
+            out.append(f"{name} {_layout_str(a)} vs {_layout_str(b)}")
+    return out
+
+
+def _layout(d: dict[str, Any]) -> tuple[Any, ...]:
+    # A per-device leaf's leading axis is num_devices, which may change.
+    shape = d["shape"][1:] if d["per_device"] else d["shape"]
+    return tuple(shape), d["dtype"], d["per_device"]
+
+
+def _layout_str(d: dict[str, Any]) -> str:
+    return f"{tuple(d['shape'])} {d['dtype']}" + (" per device" if d["per_device"] else "")
+
+
+def check_position(state: TrainState, position: SamplerPosition) -> None:
+    """Raises unless ``position.micro_batch`` is the state's place in its accumulation cycle."""
+    if isinstance(state.opt_state, optax.MultiStepsState):
+        mini_step = int(state.opt_state.mini_step)
+        if position.micro_batch != mini_step:
+            raise ValueError(
+                f"position.micro_batch={position.micro_batch} must equal the state's "
+                f"MultiSteps mini_step={mini_step} (micro-batches into the open cycle)"
+            )
+    elif position.micro_batch != 0:
+        raise ValueError(
+            f"position.micro_batch={position.micro_batch} must be 0 on the fused path "
+            "(every call is a whole optimizer step)"
+        )
+
+
+def is_per_device(x: Any) -> bool:
+    """Whether ``x`` is split over the mesh (one row per device), like MultiSteps' acc_grads."""
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, NamedSharding) and any(a is not None for a in sharding.spec)
+
+
+def named(tree: Any) -> list[tuple[str, Any]]:
+    """``("params/hidden/kernel", leaf)`` pairs; NNX's ``.value`` is left out of names."""
+    out = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        keys = [
+            k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")
+        ]
+        out.append((jax.tree_util.keystr(tuple(keys), simple=True, separator="/"), leaf))
+    return out
+
+
+def describe(x: Any) -> dict[str, Any]:
+    """Shape, dtype and placement of a leaf, as stored in a checkpoint's meta."""
+    return {
+        "shape": list(x.shape),
+        "dtype": str(jnp.dtype(x.dtype)),
+        "per_device": is_per_device(x),
+    }

@@ -1,0 +1,315 @@
+"""Checkpoints and exact resume of `jaxdp train` (in-process, short runs)."""
+
+import dataclasses
+import json
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from helpers import RTOL, assert_trees_close
+
+import jaxdp
+from jaxdp._train import TrainConfig, build, make_step, train
+
+pytestmark = [
+    # The module's runs share fixtures: one worker runs them all, each run once.
+    pytest.mark.xdist_group("checkpoint"),
+    # After a failed orbax read, tensorstore completes the other reads on a
+    # closed event loop. jaxdp silences that in the process hook, but pytest
+    # swaps the hook per test, so a late one can reach pytest's.
+    pytest.mark.filterwarnings(
+        "ignore:(?s).*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
+    ),
+]
+
+# 1438 training rows, global batch 128: 11 optimizer steps per epoch.
+BASE = TrainConfig(num_devices=4, accum_steps=2, micro_batch_size=16, progress=False)
+
+
+def run(tmp_path, name, stop=None, **changes):
+    """Trains with BASE + changes, checkpoints and metrics under tmp_path/name."""
+    config = dataclasses.replace(
+        BASE,
+        checkpoint_dir=str(tmp_path / name),
+        metrics_out=str(tmp_path / f"{name}.jsonl"),
+        **changes,
+    )
+    return train(config, stop=stop), config
+
+
+def saved_arrays(config, samples=None):
+    """A checkpoint's arrays as numpy, read with orbax alone (the newest by default)."""
+    directory = pathlib.Path(config.checkpoint_dir)
+    samples = samples or max(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    arrays = {}
+    for item in ("replicated", "per_device"):
+        path = directory / str(samples) / item
+        if path.exists():
+            reader = ocp.PyTreeCheckpointer()
+            tree = reader.metadata(path).item_metadata.tree
+            args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+            arrays[item] = reader.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+    return arrays
+
+
+def saved_meta(config, samples):
+    path = pathlib.Path(config.checkpoint_dir) / str(samples) / "meta" / "metadata"
+    return json.loads(path.read_text())
+
+
+def records(config):
+    """Metrics without the wall-clock throughput."""
+    lines = pathlib.Path(config.metrics_out).read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"} for line in lines]
+
+
+def assert_bitwise_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    leaves = zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True)
+    for (path, x), y in leaves:
+        assert x.dtype == y.dtype and np.array_equal(x, y), jax.tree_util.keystr(path)
+
+
+def stop_at(epoch, step, micro=0):
+    return lambda position: position == jaxdp.SamplerPosition(epoch, step, micro)
+
+
+def copy_of(config, tmp_path, **changes):
+    """A fixture's checkpoints and metrics, copied so that a test may change them."""
+    shutil.copytree(config.checkpoint_dir, tmp_path / "ckpt")
+    shutil.copy(config.metrics_out, tmp_path / "ckpt.jsonl")
+    return dataclasses.replace(
+        config,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        metrics_out=str(tmp_path / "ckpt.jsonl"),
+        plot=None,
+        **changes,
+    )
+
+
+# Multisteps in float64, 14 steps: uninterrupted (`whole`), and stopped after
+# micro-batch 0 of step 13 (`mid_cycle`: epoch 1, batch 1), with boundary
+# checkpoints every 4 steps on the way (512, 1024, 1536 samples; 1600 at the stop).
+MULTISTEPS = dict(path="multisteps", precision="float64", steps=14)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("whole"), "ckpt", **MULTISTEPS)[1]
+
+
+@pytest.fixture(scope="module")
+def mid_cycle(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mid_cycle")
+    summary, config = run(tmp, "ckpt", stop=stop_at(1, 1, 1), checkpoint_every=4, **MULTISTEPS)
+    assert summary["stopped"] and summary["steps"] == 12
+    return config
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """Fused, 9 steps, checkpoints after steps 3, 6 and 9: 384, 768, 1152 samples."""
+    tmp = tmp_path_factory.mktemp("three")
+    _, config = run(tmp, "ckpt", steps=9, checkpoint_every=3, plot=str(tmp / "loss.png"))
+    return config
+
+
+def test_mid_cycle_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, whole, mid_cycle):
+    config = copy_of(mid_cycle, tmp_path, resume=True)
+    # The checkpoint is exactly where the run stopped: inside step 13's cycle.
+    assert saved_meta(config, 1600)["position"] == {
+        "epoch": 1,
+        "step_in_epoch": 1,
+        "micro_batch": 1,
+    }
+    arrays = saved_arrays(config, 1600)
+    assert arrays["replicated"]["opt_state"]["mini_step"] == 1
+    assert np.any(arrays["per_device"]["opt_state"]["acc_grads"]["fc1"]["kernel"]["value"] != 0)
+    summary = train(config)
+    assert summary["steps"] == 14
+    assert_bitwise_equal(saved_arrays(config), saved_arrays(whole))
+    # The metrics file continues where the checkpoint was taken.
+    assert records(config) == records(whole)
+
+
+def test_fused_mid_epoch_resume_is_bitwise_identical(tmp_path, three):
+    _, part = run(tmp_path, "part", stop=stop_at(0, 4), steps=9)
+    resumed, _ = run(tmp_path, "part", steps=9, resume=True)
+    assert resumed["steps"] == 9
+    assert_bitwise_equal(saved_arrays(part), saved_arrays(three))
+    assert records(part) == records(three)
+
+
+def test_every_split_of_a_global_batch_takes_the_same_rows():
+    # Step s of an epoch takes rows [s * G, (s + 1) * G) of the sampler's order,
+    # whichever num_devices * accum_steps * micro_batch_size makes G = 128.
+    order = jaxdp.DistributedSampler(1438, num_replicas=1, rank=0, seed=5).epoch_order()
+    for n, k, b in [(4, 2, 16), (2, 4, 16), (8, 1, 16), (1, 8, 16), (4, 1, 32), (8, 4, 4)]:
+        sizes = jaxdp.batch_sizes(num_devices=n, accum_steps=k, micro_batch_size=b)
+        rows = jaxdp.epoch_batches(1438, sizes, seed=5)
+        assert rows.shape == (11, 128)
+        for s, step_rows in enumerate(rows):
+            assert sorted(step_rows) == sorted(order[s * 128 : (s + 1) * 128])
+
+
+def test_resume_on_other_devices_at_the_same_global_batch(tmp_path, whole, mid_cycle):
+    config = copy_of(mid_cycle, tmp_path, resume=True, num_devices=2, accum_steps=4)
+    # From the boundary checkpoint after step 12 (the mid-cycle one cannot be re-split).
+    shutil.move(tmp_path / "ckpt" / "1600", tmp_path / "mid-cycle")
+    summary = train(config)
+    assert summary["steps"] == 14
+    assert saved_meta(config, 1792)["batch"]["num_devices"] == 2
+    # The same rows per step; only the summation order differs (devices and
+    # micro-batches group the rows differently), so float64 rounding, not bits.
+    resumed, uninterrupted = saved_arrays(config), saved_arrays(whole)
+    assert_trees_close(
+        resumed["replicated"]["params"], uninterrupted["replicated"]["params"], rtol=RTOL["float64"]
+    )
+    losses = [r["loss"] for r in records(config)]
+    np.testing.assert_allclose(losses, [r["loss"] for r in records(whole)], rtol=RTOL["float64"])
+
+
+def test_mid_cycle_checkpoint_cannot_change_the_split(tmp_path, mid_cycle):
+    config = copy_of(mid_cycle, tmp_path, num_devices=2, accum_steps=4, resume=True)
+    with pytest.raises(
+        jaxdp.CheckpointError, match=r"middle of an accumulation cycle \(micro-batch 1 of 2\)"
+    ):
+        train(config)
+
+
+def test_other_global_batch_is_refused_unless_forced(tmp_path, three):
+    config = copy_of(three, tmp_path, accum_steps=1, resume=True, steps=12)
+    with pytest.raises(
+        jaxdp.CheckpointError,
+        match=r"global_batch_size=128 = .*; this run has global_batch_size=64 = .*"
+        r"changes the data order",
+    ):
+        train(config)
+    forced = train(dataclasses.replace(config, force_resume=True))
+    assert forced["steps"] == 12
+    # 9 steps of 128 rows, then 3 of 64: epoch 0 resumes at step 9 * 128 // 64 = 18.
+    assert forced["samples"] == 9 * 128 + 3 * 64
+    assert records(config)[-1]["epoch"] == 0
+
+
+def test_other_model_shape_is_refused_naming_the_parameters(tmp_path, three):
+    config = copy_of(three, tmp_path, hidden=64, resume=True)
+    with pytest.raises(jaxdp.CheckpointError, match="different model") as error:
+        train(config)
+    message = str(error.value)
+    assert "params/fc1/kernel (64, 128) float32 vs (64, 64) float32" in message
+    assert "params/fc3/kernel (128, 10) float32 vs (64, 10) float32" in message
+
+
+def test_other_optimizer_is_refused(tmp_path, three):
+    config = copy_of(three, tmp_path, optimizer="sgd", resume=True)
+    with pytest.raises(jaxdp.CheckpointError, match="trained with optimizer='adamw'; this run"):
+        train(config)
+
+
+def corrupt_data(step_dir):
+    data = max((step_dir / "replicated" / "d").iterdir(), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[:100])  # truncated
+
+
+def flip_a_byte(step_dir):
+    data = max((step_dir / "replicated" / "d").iterdir(), key=lambda f: f.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def corrupt_meta(step_dir):
+    (step_dir / "meta" / "metadata").write_text('{"format": ')
+
+
+def remove_item(step_dir):
+    shutil.rmtree(step_dir / "replicated")
+
+
+@pytest.mark.parametrize("damage", [corrupt_data, flip_a_byte, corrupt_meta, remove_item])
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, three, damage):
+    config = copy_of(three, tmp_path)
+    directory = pathlib.Path(config.checkpoint_dir)
+    damage(directory / "1152")
+    step, sizes = make_step(config)
+    with pytest.warns(jaxdp.CorruptCheckpointWarning, match=r"1152 is unreadable .*resumed from"):
+        restored = jaxdp.Checkpoints(directory).restore(step.init(build(config)), sizes=sizes)
+    assert restored.samples == 768 and int(restored.state.step) == 6
+    # The bad one is kept under another name; the number is free again.
+    assert sorted(p.name for p in directory.iterdir()) == ["1152.corrupt", "384", "768"]
+
+
+def test_training_redoes_a_corrupt_checkpoint_exactly(tmp_path, three):
+    config = copy_of(three, tmp_path, resume=True)
+    directory = pathlib.Path(config.checkpoint_dir)
+    corrupt_data(directory / "1152")
+    with pytest.warns(jaxdp.CorruptCheckpointWarning):
+        summary = train(config)
+    assert summary["steps"] == 9
+    # Steps 7-9 again: every leaf has the SHA-256 the lost checkpoint recorded.
+    lost = json.loads((directory / "1152.corrupt" / "meta" / "metadata").read_text())
+    redone = json.loads((directory / "1152" / "meta" / "metadata").read_text())
+    assert redone["leaves"] == lost["leaves"]
+
+
+def test_no_readable_checkpoint_is_a_clear_error(tmp_path, three):
+    config = copy_of(three, tmp_path, resume=True)
+    directory = pathlib.Path(config.checkpoint_dir)
+    for name in ("384", "768", "1152"):
+        corrupt_meta(directory / name)
+    with pytest.raises(jaxdp.CheckpointError, match="no readable checkpoint in .*384: "):
+        train(config)
+    assert sorted(p.name for p in directory.iterdir()) == ["1152", "384", "768"]
+
+
+def test_keep_last_k(tmp_path, three):
+    config = copy_of(three, tmp_path, resume=True, steps=15, checkpoint_every=3, keep=2)
+    train(config)
+    # Each save (read back) deletes all but the two newest: 384 and 768, then 1152.
+    assert jaxdp.Checkpoints(config.checkpoint_dir).steps == [1536, 1920]
+
+
+def test_nothing_is_deleted_for_a_checkpoint_that_does_not_read_back(tmp_path, three, monkeypatch):
+    config = copy_of(three, tmp_path)
+    step, sizes = make_step(config)
+    ckpts = jaxdp.Checkpoints(config.checkpoint_dir, keep=1)
+    restored = ckpts.restore(step.init(build(config)), sizes=sizes)
+    monkeypatch.setattr(jaxdp.Checkpoints, "_read", lambda *args, **kwargs: 1 / 0)
+    with pytest.raises(jaxdp.CheckpointError, match="1153 does not read back intact"):
+        ckpts.save(restored.state, position=restored.position, sizes=sizes, samples=1153)
+    assert ckpts.steps == [384, 768, 1152, 1153]
+
+
+def test_existing_checkpoints_need_resume(tmp_path, three):
+    config = copy_of(three, tmp_path)
+    with pytest.raises(
+        jaxdp.CheckpointError, match=r"already holds checkpoints \[384, 768, 1152\]"
+    ):
+        train(config)
+
+
+def test_loss_plot_is_a_png(three):
+    png = pathlib.Path(three.plot)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).shape == (400, 600, 4)
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(resume=True), "resume=True needs a checkpoint_dir"),
+        (dict(checkpoint_every=5), "checkpoint_every=5 needs a checkpoint_dir"),
+        (dict(plot="loss.jpg"), "plot='loss.jpg' must name a .png file"),
+        (dict(keep=0), "keep=0 must be a positive integer"),
+        (dict(precision="float16"), "precision='float16' must be one of"),
+    ],
+)
+def test_bad_config_is_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(BASE, **changes)

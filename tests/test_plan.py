@@ -1,0 +1,275 @@
+"""jaxdp plan: the seed's 16 bytes/parameter, what fits, the batch split, the ring, XLA."""
+
+import pathlib
+import re
+
+import jax.numpy as jnp
+import pytest
+
+import jaxdp
+from jaxdp import _plan_xla as xla
+from jaxdp._cli import main
+from jaxdp._plan import largest_divisor_at_most, parse_count
+
+GB = 10**9
+
+
+def test_seed_7b_mixed_precision_adam_is_112_gb_and_does_not_fit_80_gb():
+    plan = jaxdp.plan_memory(params=7e9, device_memory="80GB")
+    assert (plan.weights, plan.gradients, plan.master, plan.optimizer_state) == (
+        14 * GB,
+        14 * GB,
+        28 * GB,
+        56 * GB,
+    )
+    assert plan.state == 112 * GB  # the seed's 16 bytes per parameter
+    assert plan.accumulator == 28 * GB  # jaxdp's fp32 gradient sum on top
+    assert plan.usable == 68 * GB  # 15% headroom
+    assert not plan.fits_state
+
+
+def test_seed_7b_command_says_it_in_plain_words(capsys):
+    assert main(["plan", "--params", "7e9", "--device-memory", "80GB"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the report wraps at 100 columns
+    assert "= training state" in out and "112.00 GB" in out
+    assert "DOES NOT FIT: the training state alone needs 112.00 GB per device, more than" in out
+    assert "80.00 GB one device has" in out
+    assert "weights 2 + gradients 2 + master weights 4 + optimizer state 2 x 4 = 16" in out
+
+
+def test_readme_shows_the_7b_plan_as_printed(capsys):
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    command = "bin/jaxdp plan --params 7e9 --device-memory 80GB"
+    shown = re.search(re.escape(command) + r"\n```\n\n```\n(.*?)\n```", readme, re.S).group(1)
+    assert main(command.split()[1:]) == 0
+    assert capsys.readouterr().out.rstrip() == shown
+
+
+@pytest.mark.parametrize(
+    "policy, optimizer, per_param",
+    [
+        ("mixed-bf16", "adamw", 16),
+        ("mixed-bf16", "sgd-momentum", 12),
+        ("mixed-bf16", "sgd", 8),
+        ("fp32", "adamw", 16),
+        ("fp32", "sgd-momentum", 12),
+        ("fp32", "sgd", 8),
+        ("bf16", "adamw", 8),
+        ("bf16", "sgd", 4),
+    ],
+)
+def test_bytes_per_parameter_table(policy, optimizer, per_param):
+    plan = jaxdp.plan_memory(params=1000, device_memory=GB, policy=policy, optimizer=optimizer)
+    assert plan.state == 1000 * per_param
+    assert plan.accumulator == 1000 * 4
+
+
+def test_fits_exactly_at_the_usable_memory_and_not_one_byte_less():
+    # fp32 sgd: 8 bytes/parameter state + 4 accumulator = 12 bytes/parameter.
+    fixed = 12 * 10**6
+    fits = jaxdp.plan_memory(
+        params=10**6, device_memory=fixed / 0.8, headroom=0.2, policy="fp32", optimizer="sgd"
+    )
+    assert fits.fixed == fixed and fits.fits_state
+    short = jaxdp.plan_memory(
+        params=10**6, device_memory=(fixed - 1) / 0.8, headroom=0.2, policy="fp32", optimizer="sgd"
+    )
+    assert not short.fits_state
+
+
+def test_largest_micro_batch_and_the_accumulation_that_reaches_the_global_batch():
+    # fp32 adamw, 10^6 params: 20 MB fixed; 80 MB usable: 60 MB for 1 MB/sample.
+    common = dict(
+        params=10**6, policy="fp32", device_memory=100 * 10**6, headroom=0.2, num_devices=4
+    )
+    plan = jaxdp.plan_memory(**common, global_batch_size=512, activation_bytes_per_sample=10**6)
+    assert plan.max_micro_batch_size == 60
+    # 512 / 4 = 128 rows per device; the largest divisor of 128 up to 60 is 32.
+    assert (plan.micro_batch_size, plan.accum_steps) == (32, 4)
+    assert plan.num_devices * plan.accum_steps * plan.micro_batch_size == 512
+    # The fused step holds the per-device batch's inputs: 128 rows x 100 KB = 12.8 MB.
+    with_inputs = jaxdp.plan_memory(
+        **common,
+        global_batch_size=512,
+        activation_bytes_per_sample=10**6,
+        input_bytes_per_sample=10**5,
+    )
+    assert with_inputs.max_micro_batch_size == 47  # floor((60 - 12.8) / 1)
+    assert (with_inputs.micro_batch_size, with_inputs.accum_steps) == (32, 4)
+    # Without a target: one micro-batch per step, as large as fits.
+    free = jaxdp.plan_memory(**common, activation_bytes_per_sample=10**6)
+    assert (free.micro_batch_size, free.accum_steps, free.global_batch_size) == (60, 1, 240)
+    # Not even one sample: no split.
+    none = jaxdp.plan_memory(**common, global_batch_size=512, activation_bytes_per_sample=61e6)
+    assert none.fits_state and none.micro_batch_size is None and none.max_micro_batch_size == 0
+
+
+def test_cli_prints_the_split(capsys):
+    argv = ["plan", "--params", "1e6", "--policy", "fp32", "--device-memory", "100MB"]
+    argv += ["--headroom", "20%", "--num-devices", "4", "--global-batch-size", "512"]
+    assert main([*argv, "--activation-bytes-per-sample", "1MB"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "FITS: micro-batch of 32 samples per device (60 would fit; 32 is the largest" in out
+    assert (
+        "batch: global_batch_size=512 = num_devices=4 x accum_steps=4 x micro_batch_size=32" in out
+    )
+
+
+def test_largest_divisor():
+    assert largest_divisor_at_most(128, 60) == 32
+    assert largest_divisor_at_most(97, 96) == 1  # a prime
+    assert largest_divisor_at_most(12, 0) is None
+
+
+@pytest.mark.parametrize("n, factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
+def test_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_payload(n, factor):
+    assert jaxdp.ring_all_reduce_bytes(1000.0, n) == pytest.approx(1000.0 * factor)
+    plan = jaxdp.plan_memory(
+        params=10**9, device_memory="80GB", num_devices=n, link_bandwidth="50GB/s"
+    )
+    assert plan.allreduce_bytes == 4 * 10**9  # the fp32 gradient sums
+    assert plan.ring_bytes == pytest.approx(4e9 * factor)
+    assert plan.allreduce_seconds == pytest.approx(4e9 * factor / 50e9)
+
+
+def test_sizes_and_counts_parse_in_decimal_and_binary_units():
+    assert jaxdp.parse_bytes("80GB") == 80e9
+    assert jaxdp.parse_bytes("80GiB") == 80 * 2**30
+    assert jaxdp.parse_bytes("450 GB/s") == 450e9
+    assert jaxdp.parse_bytes("400Gbit/s") == 50e9
+    assert jaxdp.parse_bytes("1024") == 1024
+    assert parse_count("7e9") == parse_count("7B") == 7 * 10**9
+    assert parse_count("125M") == 125 * 10**6
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(params=-5), r"params=-5 must be a positive count"),
+        (dict(params="seven"), r"params='seven' is not a number"),
+        (dict(device_memory="eighty"), r"device_memory='eighty' is not a size"),
+        (dict(device_memory="80 gigs"), r"device_memory='80 gigs' is not a size"),
+        (dict(device_memory=0), r"device_memory=0 must be a positive size"),
+        (
+            dict(global_batch_size=30, num_devices=4),
+            r"global_batch_size=30 is not reachable with num_devices=4: .* multiple of num_devices",
+        ),
+        (dict(global_batch_size=2, num_devices=4), r"global_batch_size=2 is not reachable"),
+        (dict(headroom=1.0), r"headroom=1.0 must be a fraction in \[0, 1\)"),
+        (dict(policy="fp8"), r"policy='fp8' must be one of"),
+        (dict(optimizer="lion"), r"optimizer='lion' must be one of"),
+        (dict(activation_bytes_per_sample=-1), r"activation_bytes_per_sample=-1 must be"),
+    ],
+)
+def test_bad_input_names_the_argument_and_the_value(kwargs, match):
+    args = dict(params=7e9, device_memory="80GB") | kwargs
+    with pytest.raises(ValueError, match=match):
+        jaxdp.plan_memory(**args)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--params", "-5"], r"argument --params: '-5' must be a positive count"),
+        (["--device-memory", "eighty"], r"argument --device-memory: 'eighty' is not a size"),
+        (["--headroom", "150%"], r"argument --headroom: '150%' must be a fraction"),
+    ],
+)
+def test_cli_rejects_bad_values_naming_the_flag(capsys, argv, match):
+    base = {"--params": "7e9", "--device-memory": "80GB"}
+    base.update(dict(zip(argv[::2], argv[1::2], strict=True)))
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", *[x for pair in base.items() for x in pair]])
+    assert exit_.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_cli_unreachable_global_batch_exits_with_the_rule():
+    with pytest.raises(SystemExit, match=r"global_batch_size=30 is not reachable with num_dev"):
+        main(["plan", "--params", "1e6", "--device-memory", "1GB", "--num-devices", "4",
+              "--global-batch-size", "30"])  # fmt: skip
+
+
+# ---- XLA's memory analysis --------------------------------------------------------
+# What is compared, per device (see jaxdp._plan_xla):
+#   arguments   = weights + optimizer state + the per-device batch (+ the step counter);
+#   temporaries = gradients + fp32 accumulator + activations (+ XLA's fusion scratch);
+#   total       = arguments + temporaries + outputs not aliased to arguments (metrics).
+# The activation estimate is the residuals JAX's autodiff saves (before XLA's fusion).
+
+DIGITS_CNN = dict(channels=(32, 64))  # examples/digits_cnn.py's model
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, micro_batch_size, accum_steps",
+    [
+        ("cnn", DIGITS_CNN, 16, 2),  # examples/digits_cnn.py's split
+        ("cnn", DIGITS_CNN, 64, 1),
+        ("mlp", dict(in_features=64, hidden=128, num_classes=10), 16, 2),
+    ],
+)
+def test_estimate_within_20_percent_of_xla(name, kwargs, micro_batch_size, accum_steps):
+    spec = xla.reference_model(name, param_dtype=jnp.float32, **kwargs)
+    plan = jaxdp.plan_memory(
+        params=xla.param_count(spec),
+        device_memory="80GB",
+        policy="fp32",
+        num_devices=2,
+        global_batch_size=2 * accum_steps * micro_batch_size,
+        activation_bytes_per_sample=xla.activation_bytes_per_sample(spec),
+        input_bytes_per_sample=xla.input_bytes_per_sample(spec),
+    )
+    # 80 GB holds the whole per-device batch as one micro-batch; take the split asked for.
+    steps = xla.CompiledSteps(spec, "adamw", jaxdp.data_mesh(2))
+    compiled = steps.compile(micro_batch_size, accum_steps)
+    actual = jaxdp.compiled_memory(compiled)
+    inputs = accum_steps * micro_batch_size * plan.input_bytes_per_sample
+    arguments = plan.weights + plan.optimizer_state + inputs
+    temporaries = plan.gradients + plan.accumulator
+    temporaries += micro_batch_size * plan.activation_bytes_per_sample
+    # Exact but for the int32 step counter, Adam's int32 count and the fp32 micro-batch weights.
+    assert actual.arguments - arguments == 4 + 4 + 4 * accum_steps
+    assert abs(arguments + temporaries - actual.total) <= 0.2 * actual.total
+    # The one all-reduce carries the fp32 gradient sums and two fp32 scalars.
+    reduces = jaxdp.all_reduces(compiled)
+    assert sum(r.bytes * r.executions[1] for r in reduces) == plan.allreduce_bytes + 8
+
+
+def test_xla_choice_is_the_largest_micro_batch_that_fits():
+    spec = xla.reference_model("cnn", param_dtype=jnp.float32, **DIGITS_CNN)
+    steps = xla.CompiledSteps(spec, "adamw", jaxdp.data_mesh(2))
+    usable = steps.memory(8, 8).total + 1  # room for exactly micro-batch 8 of 64 rows
+    choice = xla.choose_micro_batch(steps, usable=usable, per_device=64)
+    assert (choice.micro_batch_size, choice.accum_steps) == (8, 8)
+    assert choice.memory.total <= usable < steps.memory(16, 4).total
+    nothing = xla.choose_micro_batch(steps, usable=1000, per_device=64)
+    assert nothing.micro_batch_size is None
+
+
+def test_cli_model_shows_estimate_and_xla(capsys):
+    argv = ["plan", "--model", "cnn", "--model-arg", "channels=(32, 64)", "--num-devices", "8"]
+    argv += ["--global-batch-size", "128", "--device-memory", "80GB"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    # 3*3*1*32 + 32 + 3*3*32*64 + 64 + 64*10 + 10 parameters.
+    assert "cnn(channels=(32, 64)), 19,466 parameters, policy fp32" in out
+    assert "XLA's memory analysis (jaxdp's fused step compiled for 8 cpu device(s)" in out
+    assert "global_batch_size=128 = num_devices=8 x accum_steps=1 x micro_batch_size=16" in out
+
+
+def test_cli_model_argument_errors():
+    with pytest.raises(SystemExit, match=r"model argument\(s\) \['width'\] are not arguments"):
+        main(["plan", "--model", "cnn", "--model-arg", "width=3", "--device-memory", "1GB"])
+    with pytest.raises(SystemExit, match=r"--model-arg='channels' must be NAME=VALUE"):
+        main(["plan", "--model", "cnn", "--model-arg", "channels", "--device-memory", "1GB"])
+
+
+def test_bf16_policy_table_matches_the_compiled_arguments():
+    # bf16 weights and Adam moments: 2 + 2 + 2 bytes per parameter in the arguments.
+    spec = xla.reference_model("transformer", param_dtype=jnp.bfloat16)
+    params = xla.param_count(spec)
+    plan = jaxdp.plan_memory(params=params, device_memory="1GB", policy="bf16")
+    actual = xla.CompiledSteps(spec, "adamw", jaxdp.data_mesh(2)).memory(4, 1)
+    inputs = 4 * xla.input_bytes_per_sample(spec)
+    assert plan.weights + plan.optimizer_state == 6 * params
+    assert actual.arguments - (plan.weights + plan.optimizer_state + inputs) == 4 + 4 + 4
