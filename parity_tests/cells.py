@@ -1,0 +1,67 @@
+"""The parity matrix: which (model, optimizer, layout, path, strategy, dtype) cells run.
+
+Every model meets every layout, and (with five layouts and four optimizers in
+rotation) every optimizer; both accumulation paths and both strategies appear.
+"""
+
+from jaxdp._parity import ParityConfig
+
+MODELS = ("linear", "mlp", "cnn", "transformer")
+OPTIMIZERS = ("sgd_momentum", "sgd_nesterov_wd", "adamw", "adamw_clip")
+LAYOUTS = ((1, 1), (1, 4), (2, 2), (4, 1), (2, 3))  # (num_devices, accum_steps)
+STEPS = 10
+
+FLOAT64 = [
+    ParityConfig(
+        model=model,
+        optimizer=OPTIMIZERS[(m + li) % len(OPTIMIZERS)],
+        num_devices=n,
+        accum_steps=k,
+        steps=STEPS,
+        dtype="float64",
+        path=("fused", "multisteps")[li % 2],
+        strategy="pmap" if (m + li) % 3 == 0 else "shard_map",
+    )
+    for m, model in enumerate(MODELS)
+    for li, (n, k) in enumerate(LAYOUTS)
+]
+
+FLOAT32 = [
+    ParityConfig(
+        model=model,
+        optimizer=optimizer,
+        num_devices=2,
+        accum_steps=2,
+        steps=STEPS,
+        dtype="float32",
+        path=path,
+    )
+    for model in MODELS
+    for optimizer, path in (("sgd_momentum", "fused"), ("adamw", "multisteps"))
+]
+
+# 90 samples: 45 per rank, 11 micro-batches of 4, three windows of 3 and 2 left over.
+LAST_WINDOW = [
+    ParityConfig(
+        model="mlp",
+        optimizer="sgd_momentum",
+        num_devices=2,
+        accum_steps=3,
+        num_samples=90,
+        steps=STEPS,
+        path=path,
+        last_window=policy,
+    )
+    for policy, path in (("drop", "fused"), ("step", "fused"), ("step", "multisteps"))
+]
+
+ALL = FLOAT64 + FLOAT32 + LAST_WINDOW
+
+
+def cell_id(config: ParityConfig) -> str:
+    n, k = config.num_devices, config.accum_steps
+    extra = f"-{config.last_window}" if config.last_window != "drop" else ""
+    return (
+        f"{config.model}-{config.optimizer}-n{n}k{k}-{config.path}-{config.strategy}"
+        f"-{config.dtype}{extra}"
+    )
