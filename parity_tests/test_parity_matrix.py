@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-import torch_ref
 from cells import FLOAT32, FLOAT64, LAST_WINDOW, cell_id
 
 import jaxdp
+import torch_ref
 from jaxdp._parity import compare, format_parity, run_jaxdp, torch_config
 
 

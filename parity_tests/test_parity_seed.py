@@ -3,8 +3,8 @@ and equal to torch_ref's gradient-accumulation run of the same configuration."""
 
 import numpy as np
 import pytest
-import torch_ref
 
+import torch_ref
 from jaxdp._parity import OptimizerSpec, ParityConfig, compare, run_jaxdp, run_torch
 
 # Linear(8, 1, bias=False) with weights 1, loss = sum(x @ w), torch.manual_seed(0);
