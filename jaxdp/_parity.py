@@ -54,7 +54,8 @@ OPTIMIZERS = {
 # Allowed |jaxdp - torch| <= ATOL + RTOL * |torch|, elementwise, per dtype.
 RTOL = {
     # The issue's bound. Both sides compute in float64; only summation order
-    # and a few reassociated optimizer formulas differ (observed <= 1e-13).
+    # and a few reassociated optimizer formulas differ (observed up to 1.6e-12
+    # relative, on the CNN's conv weights under clipping: 60x inside).
     "float64": 1e-10,
     # PyTorch's assertEqual defaults for float32.
     "float32": 1.3e-6,
@@ -128,6 +129,7 @@ class ParityConfig:
     last_window: LastWindow = "drop"
     shuffle: bool = True
     seed: int = 0  # weights and data; the sampler uses seed + epoch
+    torch_device: Literal["cpu", "cuda"] = "cpu"  # cuda: nccl, one GPU per rank, TF32 off
 
 
 @dataclasses.dataclass
@@ -169,6 +171,7 @@ def torch_config(config: ParityConfig) -> Any:
         seed=config.seed,
         last_window=config.last_window,
         dtype=config.dtype,
+        device=config.torch_device,
     )
 
 
@@ -196,7 +199,16 @@ def run_torch(config: ParityConfig, data: Any, initial: dict) -> Trajectory:
 
 
 def run_jaxdp(config: ParityConfig, data: Any, initial: dict) -> Trajectory:
-    """jaxdp on ``num_devices`` devices, in torch's data order, from torch's weights."""
+    """jaxdp on ``num_devices`` devices, in torch's data order, from torch's weights.
+
+    float32 matmuls run at full precision (no TF32 or bf16 passes on GPUs), as
+    torch_ref sets on its side.
+    """
+    with jax.default_matmul_precision("highest"):
+        return _run_jaxdp(config, data, initial)
+
+
+def _run_jaxdp(config: ParityConfig, data: Any, initial: dict) -> Trajectory:
     import torch_ref
 
     model = build_model(config.model, param_dtype=jnp.dtype(config.dtype))
@@ -346,6 +358,8 @@ def _check(config: ParityConfig) -> None:
         raise ValueError(f"dtype={config.dtype!r} must be one of {sorted(RTOL)}")
     if config.steps < 1:
         raise ValueError(f"steps={config.steps} must be at least 1")
+    if config.torch_device not in ("cpu", "cuda"):
+        raise ValueError(f"torch_device={config.torch_device!r} must be 'cpu' or 'cuda'")
     if config.dtype == "float64" and not jax.config.jax_enable_x64:
         raise ValueError("dtype='float64' needs jax_enable_x64 (set it before creating arrays)")
 
@@ -372,6 +386,13 @@ def add_parity_command(sub: Any) -> None:
     p.add_argument("--num-samples", type=int, default=defaults.num_samples)
     p.add_argument("--last-window", choices=["drop", "step"], default=defaults.last_window)
     p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument(
+        "--torch-device",
+        choices=["cpu", "cuda"],
+        default=defaults.torch_device,
+        help="where torch_ref trains (cuda: nccl, one GPU per rank, TF32 off); jaxdp uses "
+        "JAX's default backend (default: %(default)s)",
+    )
     p.set_defaults(run=_run_parity_command)
 
 
@@ -388,8 +409,6 @@ def _run_parity_command(args: Any) -> int:
 
     emulate_cpu_devices(max(args.num_devices, 1))  # CPU only; before the backend starts
     jax.config.update("jax_enable_x64", args.dtype == "float64")
-    # Full-precision float32 matmuls on GPUs too (no TF32), as torch_ref sets.
-    jax.config.update("jax_default_matmul_precision", "highest")
     fields = {f.name for f in dataclasses.fields(ParityConfig)}
     config = ParityConfig(**{k: v for k, v in vars(args).items() if k in fields})
     report = run_parity(config)

@@ -24,6 +24,24 @@ FLOAT64 = [
     )
     for m, model in enumerate(MODELS)
     for li, (n, k) in enumerate(LAYOUTS)
+] + [
+    # The rotation above puts multisteps on (1, 4) and (4, 1) only: add it with
+    # several devices AND several micro-batches, on both strategies.
+    ParityConfig(
+        model=model,
+        optimizer=optimizer,
+        num_devices=n,
+        accum_steps=k,
+        steps=STEPS,
+        dtype="float64",
+        path="multisteps",
+        strategy=strategy,
+    )
+    for model, optimizer, (n, k), strategy in (
+        ("mlp", "sgd_nesterov_wd", (2, 3), "pmap"),
+        ("cnn", "adamw_clip", (2, 2), "shard_map"),
+        ("transformer", "adamw", (2, 2), "pmap"),
+    )
 ]
 
 FLOAT32 = [
@@ -38,6 +56,23 @@ FLOAT32 = [
     )
     for model in MODELS
     for optimizer, path in (("sgd_momentum", "fused"), ("adamw", "multisteps"))
+] + [
+    # float32 with the other two optimizers, pmap, and other layouts.
+    ParityConfig(
+        model=model,
+        optimizer=optimizer,
+        num_devices=n,
+        accum_steps=k,
+        steps=STEPS,
+        dtype="float32",
+        path=path,
+        strategy="pmap",
+    )
+    for model, optimizer, (n, k), path in (
+        ("mlp", "sgd_nesterov_wd", (2, 3), "fused"),
+        ("transformer", "adamw_clip", (4, 1), "multisteps"),
+        ("cnn", "adamw_clip", (1, 4), "fused"),
+    )
 ]
 
 # 90 samples: 45 per rank, 11 micro-batches of 4, three windows of 3 and 2 left over.

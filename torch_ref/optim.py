@@ -20,7 +20,8 @@ class OptimConfig:
     adamw: ``torch.optim.AdamW`` with decoupled ``weight_decay`` (``optax.adamw``
     with ``eps_root=0``); note torch's own default decay is 1e-2, here 0.
     ``max_grad_norm``: clip the averaged gradients to this global L2 norm
-    (``clip_grad_norm_`` after DDP's sync; ``optax.clip_by_global_norm``).
+    (``clip_grad_norm_`` after DDP's sync: scale by ``min(1, max / (norm + 1e-6))``;
+    ``optax.clip_by_global_norm`` has no ``1e-6``, so it is not an exact twin).
     """
 
     name: Literal["sgd", "adamw"]
