@@ -74,7 +74,12 @@ class Checkpoints:
         self.keep = keep
         self.verify = verify
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None, enable_async_checkpointing=False, create=True
+            max_to_keep=None,
+            enable_async_checkpointing=False,
+            create=True,
+            # A save that crashed before its rename left only a temporary
+            # directory, never a checkpoint: orbax removes those on opening.
+            cleanup_tmp_directories=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._verified: set[int] = set()

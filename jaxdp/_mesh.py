@@ -28,14 +28,6 @@ def emulate_cpu_devices(num_devices: int) -> None:
     """
     if not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
-    # An XLA_FLAGS count wins over the config option inside XLA, so keep them
-    # consistent instead of letting one silently override the other.
-    flags = os.environ.get("XLA_FLAGS", "")
-    match = _FORCE_FLAG.search(flags)
-    if match and int(match.group(1)) != num_devices:
-        os.environ["XLA_FLAGS"] = _FORCE_FLAG.sub(
-            f"--xla_force_host_platform_device_count={num_devices}", flags
-        )
     try:
         jax.config.update("jax_num_cpu_devices", num_devices)
     except RuntimeError:
@@ -48,6 +40,14 @@ def emulate_cpu_devices(num_devices: int) -> None:
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} "
                 "before starting Python"
             ) from None
+    # An XLA_FLAGS count wins over the config option inside XLA, so keep them
+    # consistent (only once the count is in force: child processes inherit it).
+    flags = os.environ.get("XLA_FLAGS", "")
+    match = _FORCE_FLAG.search(flags)
+    if match and int(match.group(1)) != num_devices:
+        os.environ["XLA_FLAGS"] = _FORCE_FLAG.sub(
+            f"--xla_force_host_platform_device_count={num_devices}", flags
+        )
 
 
 def data_mesh(

@@ -61,6 +61,7 @@ class TrainStep:
     accum_dtype: Any
     donate: bool
     _jitted: Callable[..., Any] = dataclasses.field(init=False, repr=False)
+    _in_flight: list[Any] = dataclasses.field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
         donate = (0,) if self.donate else ()
@@ -129,7 +130,18 @@ class TrainStep:
         default all ones. A micro-batch of weight 0 adds nothing: that is how
         padding fills an incomplete last window (:func:`epoch_schedule`).
         """
-        return self._jitted(state, *self._inputs(batch, micro_weights))
+        inputs = self._inputs(batch, micro_weights)
+        if self._in_flight:
+            # Emulated CPU devices run their collectives on a shared thread pool;
+            # dozens of queued steps on 2 cores starved XLA's in-process
+            # all-reduce until its rendezvous timeout aborted the process
+            # (docs/decisions.md). One call in flight still overlaps the host's
+            # next batch with this step's compute.
+            jax.block_until_ready(self._in_flight.pop())
+        new_state, metrics = self._jitted(state, *inputs)
+        if self.num_devices > 1 and self.mesh.devices.flat[0].platform == "cpu":
+            self._in_flight.append(metrics)
+        return new_state, metrics
 
     def compile(self, state: TrainState, batch: Any, micro_weights: Any = None) -> Any:
         """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""
@@ -163,9 +175,17 @@ class TrainStep:
             return batch_sizes(
                 num_devices=self.num_devices, accum_steps=self.accum_steps, global_batch_size=rows
             )
-        micro = batch_sizes(num_devices=self.num_devices, global_batch_size=rows)
-        return micro._replace(
-            accum_steps=self.accum_steps, global_batch_size=rows * self.accum_steps
+        if rows < 1 or rows % self.num_devices:
+            raise ValueError(
+                f"a multisteps call takes one global micro-batch of num_devices * "
+                f"micro_batch_size rows: {rows} rows must be a positive multiple of "
+                f"num_devices={self.num_devices} (the accum_steps={self.accum_steps} "
+                "micro-batches of a step come in separate calls)"
+            )
+        return batch_sizes(
+            num_devices=self.num_devices,
+            accum_steps=self.accum_steps,
+            micro_batch_size=rows // self.num_devices,
         )
 
     def _global_step(self, state: TrainState, batch: Any, micro_weights: jax.Array):

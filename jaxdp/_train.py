@@ -285,7 +285,7 @@ class _Run:
         total = config.steps or (config.last_epoch or 0) * self.steps_per_epoch
         if config.steps and config.last_epoch:
             total = min(total, config.last_epoch * self.steps_per_epoch)
-        first_samples, start = self.samples, time.perf_counter()
+        clock: tuple[float, int] | None = None  # (time, samples) after the first update
         disable = None if config.progress is None else not config.progress
         with tqdm(total=total, initial=int(self.state.step), unit="step", disable=disable) as bar:
             for call, epoch, position, emitted in self._calls(x, y):
@@ -295,10 +295,16 @@ class _Run:
                 self.samples += len(call[1])
                 self.position = position
                 if emitted:
-                    rate = (self.samples - first_samples) / (time.perf_counter() - start)
-                    record = _record(self.state, metrics, epoch, self.samples, rate)
+                    record = _record(self.state, metrics, epoch, self.samples)  # waits for it
+                    now = time.perf_counter()
+                    # The clock starts after the first update: it includes compiling.
+                    if clock is None:
+                        clock = (now, self.samples)
+                    else:
+                        rate = (self.samples - clock[1]) / (now - clock[0])
+                        record["samples_per_s"] = rate
+                        bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{rate:.0f}")
                     log.write(record)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{rate:.0f}")
                     bar.update()
                     if every and record["step"] % every == 0:
                         self.save()
@@ -358,13 +364,12 @@ def _where(position: SamplerPosition) -> str:
     return text + (f" micro-batch {position.micro_batch}" if position.micro_batch else "")
 
 
-def _record(
-    state: Any, metrics: dict[str, Any], epoch: int, samples: int, rate: float
-) -> dict[str, Any]:
+def _record(state: Any, metrics: dict[str, Any], epoch: int, samples: int) -> dict[str, Any]:
+    """One metrics line; ``samples_per_s`` (from the second update on) is added by the loop."""
     return {
         "step": int(state.step),
         "epoch": epoch,
         "samples": samples,
-        "samples_per_s": rate,
+        "samples_per_s": None,
         **{k: float(v) for k, v in metrics.items() if k != "emitted"},
     }

@@ -266,6 +266,33 @@ def test_no_readable_checkpoint_is_a_clear_error(tmp_path, three):
     assert sorted(p.name for p in directory.iterdir()) == ["1152", "384", "768"]
 
 
+def test_a_crash_before_the_commit_leaves_no_checkpoint_and_resume_redoes_it(
+    tmp_path, three, monkeypatch
+):
+    """Everything written, then the process dies before orbax renames the temporary
+    directory: no checkpoint 1536 appears, the older ones stay, and resuming redoes it."""
+    from orbax.checkpoint._src.path import atomicity
+
+    config = copy_of(three, tmp_path, resume=True, steps=12)
+    directory = pathlib.Path(config.checkpoint_dir)
+
+    async def crash(self):
+        raise KeyboardInterrupt("killed before the rename")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", crash)
+        with pytest.raises(KeyboardInterrupt):
+            train(config)
+    (leftover,) = [p.name for p in directory.iterdir() if not p.name.isdigit()]
+    assert leftover.startswith("1536.") and "tmp" in leftover
+    assert sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) == [384, 768, 1152]
+    summary = train(config)
+    assert summary["steps"] == 12 and summary["checkpoint"] == str(directory / "1536")
+    assert jaxdp.Checkpoints(directory).steps == [768, 1152, 1536]
+    # Opening the directory again removed the crashed save's temporary directory.
+    assert sorted(p.name for p in directory.iterdir()) == ["1152", "1536", "768"]
+
+
 def test_keep_last_k(tmp_path, three):
     config = copy_of(three, tmp_path, resume=True, steps=15, checkpoint_every=3, keep=2)
     train(config)

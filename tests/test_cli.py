@@ -25,12 +25,14 @@ def test_default_train_run_reaches_the_stated_accuracy(tmp_path):
             str(summary),
             "--metrics-out",
             str(metrics),
+            "--progress",  # tqdm's bar on stderr, though it is not a terminal
         ],
         capture_output=True,
         text=True,
         check=True,
         timeout=300,
     )
+    assert "loss=" in out.stderr and "samples_s=" in out.stderr, out.stderr[-500:]
     assert (
         "batch: global_batch_size=128 = num_devices=4 x accum_steps=2 x micro_batch_size=16"
     ) in out.stdout
@@ -41,6 +43,9 @@ def test_default_train_run_reaches_the_stated_accuracy(tmp_path):
     assert [r["step"] for r in records] == list(range(1, result["steps"] + 1))
     assert records[-1]["loss"] < records[0]["loss"] / 5
     assert {"loss", "grad_norm", "learning_rate", "samples_per_s"} <= set(records[0])
+    # Throughput is measured from the end of the first update, which compiles.
+    assert records[0]["samples_per_s"] is None
+    assert all(r["samples_per_s"] > 0 for r in records[1:])
 
 
 def test_multisteps_pmap_run_on_other_sizes(tmp_path):
@@ -72,7 +77,7 @@ def test_multisteps_pmap_run_on_other_sizes(tmp_path):
         timeout=300,
     )
     result = json.loads(summary.read_text())
-    # 1437 rows over 2 ranks: 719 each, 22 steps of 4 x 8 per epoch.
+    # 1438 rows over 2 ranks: 719 each, 22 steps of 4 x 8 per epoch.
     assert result["steps"] == 3 * 22
     assert result["test_accuracy"] >= 0.9
 

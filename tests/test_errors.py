@@ -1,5 +1,6 @@
 """Acceptance 5: bad input fails early with the argument, the rule and the values."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -29,6 +30,17 @@ def test_global_batch_not_divisible_names_all_three_numbers():
         step(state, regression_data(30))
 
 
+def test_multisteps_micro_batch_not_divisible_names_its_numbers():
+    step = make(path="multisteps")
+    state = step.init(mlp_params())
+    with pytest.raises(
+        ValueError,
+        match=r"30 rows must be a positive multiple of num_devices=4 \(the accum_steps=2",
+    ):
+        step(state, regression_data(30))
+    assert step.sizes(regression_data(12)) == (4, 2, 3, 24)
+
+
 def test_batch_sizes_rejects_inconsistent_sizes():
     with pytest.raises(
         ValueError,
@@ -54,6 +66,13 @@ def test_emulating_another_count_after_the_backend_started():
         r"with 8 CPU device",
     ):
         jaxdp.emulate_cpu_devices(3)
+
+
+def test_a_refused_emulation_leaves_xla_flags_alone(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    with pytest.raises(RuntimeError, match="num_devices=3"):
+        jaxdp.emulate_cpu_devices(3)
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
 
 
 def test_emulate_before_the_backend_starts():
