@@ -203,12 +203,18 @@ def _start(s: _Settings) -> None:
             "JAXDP_NUM_PROCESSES, JAXDP_PROCESS_ID), or run under Slurm / Open MPI / Kubernetes"
         ) from None
     except RuntimeError as e:
-        if not s.given():
+        started = "before any JAX calls" in str(e)
+        if started and not s.given():
             return  # JAX already runs here, as one process: nothing asked for more
+        if started:
+            raise RuntimeError(
+                f"jaxdp.initialize must come before any other JAX call in the process ({e}); "
+                "call it right after the imports"
+            ) from None
         raise RuntimeError(
-            f"jaxdp.initialize must come before any other JAX call in the process ({e}); "
-            "call it right after the imports"
-        ) from None
+            f"jaxdp.initialize: {who} could not start JAX's distributed runtime with the "
+            f"coordinator at {where} ({e}); is its port free on process 0?"
+        ) from e
     finally:
         watchdog.cancel()
     if jax.process_count() > 1:

@@ -116,6 +116,52 @@ def test_a_process_whose_peer_never_starts_ends_with_a_clear_error(tmp_path):
     print(f"peer never started: ended after {took:.1f} s")
 
 
+def test_without_a_launcher_a_dead_peer_ends_the_others_after_the_heartbeat_timeout(tmp_path):
+    # As on several machines: nothing watches the processes but JAX's heartbeats.
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent("""
+        import os, signal
+        import jax, jax.numpy as jnp, numpy as np
+        import jaxdp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh = jaxdp.initialize()
+        total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(2))
+        for i in range(10**9):
+            if i == 3 and jax.process_index() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            assert float(total(x)) == 4.0
+        """)
+    )
+    env = dict(os.environ, JAXDP_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}")
+    env.update(JAXDP_NUM_PROCESSES="2", JAXDP_CPU_DEVICES="2", JAXDP_TIMEOUT_S="60")
+    env.update(JAXDP_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_S))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, "JAXDP_PROCESS_ID": str(p)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for p in (0, 1)
+    ]
+    try:
+        assert procs[1].wait(timeout=120) == -signal.SIGKILL
+        start = time.monotonic()
+        err = procs[0].communicate(timeout=BOUND_S)[1]
+        took = time.monotonic() - start
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert procs[0].returncode != 0
+    assert "stopped sending heartbeats" in err  # JAX's words for a dead peer
+    assert took < HEARTBEAT_S + 20
+    print(f"peer killed, no launcher: the survivor ended {took:.1f} s later")
+
+
 # ---- the process's share of a batch ------------------------------------------------------
 
 
