@@ -247,17 +247,24 @@ def test_launch_stops_the_others_when_one_fails_and_exits_with_its_status(tmp_pa
     assert not pathlib.Path(f"/proc/{survivor}").exists()
 
 
-def test_an_uncaught_exception_ends_its_process_without_waiting_for_the_peers(tmp_path):
+def test_process_local_batches_and_an_uncaught_exception_on_two_processes(tmp_path):
     # Without jaxdp.initialize's excepthook, rank 1 would sit in JAX's shutdown
     # barrier for timeout_s (60 s here) while rank 0 blocks in its collective.
     start = time.monotonic()
     done = run_script(
         tmp_path,
         """
-        import jax, jax.numpy as jnp, numpy as np
+        import jax, jax.numpy as jnp, numpy as np, optax
         import jaxdp
         from jax.sharding import NamedSharding, PartitionSpec as P
         mesh = jaxdp.initialize()
+        # First, the step's batch check with process-local batches (no collective).
+        step = jaxdp.make_train_step(lambda p, b: jnp.mean(b @ p), optax.sgd(0.1), mesh=mesh)
+        print(tuple(step.sizes(np.zeros((8, 3)))))  # 8 rows here, 16 in all
+        try:
+            step.sizes(np.zeros((3, 3)))
+        except ValueError as e:
+            print(e)
         total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
         x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(2))
         for i in range(10**6):
@@ -270,6 +277,13 @@ def test_an_uncaught_exception_ends_its_process_without_waiting_for_the_peers(tm
         timeout=120,
     )
     took = time.monotonic() - start
+    for rank in (0, 1):
+        assert f"[rank {rank}] (4, 1, 4, 16)" in done.stdout
+        assert (
+            f"[rank {rank}] this process's batch has 3 rows; 2 processes make a global batch "
+            "of 6 rows: global_batch_size=6 must be a positive multiple of num_devices * "
+            "accum_steps = 4 * 1"
+        ) in done.stdout
     assert done.returncode == 1
     assert "[rank 1] RuntimeError: rank 1 fails here" in done.stderr
     assert "[rank 1] jaxdp: process 1 ends on this RuntimeError at once" in done.stderr
