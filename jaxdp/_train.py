@@ -223,9 +223,11 @@ def train(
         x = data.x_train.astype(np.float64 if config.precision == "float64" else np.float32)
         stopped = run.loop(x, data.y_train, log, stop)
     run.save_final()
-    # Each process scores its own copy of the (replicated) parameters.
-    local = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), run.state.params)
-    model = step.model(run.state._replace(params=local))
+    # Each process scores its own copy of the (replicated) model.
+    params, rest = jax.tree.map(
+        lambda a: np.asarray(a.addressable_data(0)), (run.state.params, run.state.model_state)
+    )
+    model = step.model(run.state._replace(params=params, model_state=rest))
     accuracy = evaluate(model, data.x_test, data.y_test, config.precision)
     if config.plot and lead:
         plot_loss(log.records, config.plot, title=f"jaxdp train: {sizes.describe()}")
