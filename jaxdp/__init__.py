@@ -9,6 +9,7 @@ from ._accumulate import AccumState as AccumState
 from ._checkpoint import Checkpoints as Checkpoints
 from ._checkpoint import CorruptCheckpointWarning as CorruptCheckpointWarning
 from ._checkpoint import Restored as Restored
+from ._distributed import initialize as initialize
 from ._inspect import AllReduce as AllReduce
 from ._inspect import all_reduces as all_reduces
 from ._inspect import format_report as format_report
@@ -16,10 +17,12 @@ from ._interop import params_to_torch as params_to_torch
 from ._interop import torch_to_params as torch_to_params
 from ._layout import BatchSizes as BatchSizes
 from ._layout import EpochSchedule as EpochSchedule
+from ._layout import ProcessShare as ProcessShare
 from ._layout import batch_sizes as batch_sizes
 from ._layout import epoch_batches as epoch_batches
 from ._layout import epoch_schedule as epoch_schedule
 from ._layout import micro_batches as micro_batches
+from ._layout import process_share as process_share
 from ._mesh import DATA_AXIS as DATA_AXIS
 from ._mesh import data_mesh as data_mesh
 from ._mesh import emulate_cpu_devices as emulate_cpu_devices
@@ -82,6 +85,7 @@ __all__ = [
     "OptimizerSpec",
     "ParityConfig",
     "ParityReport",
+    "ProcessShare",
     "ReplicaMismatchError",
     "Restored",
     "SamplerPosition",
@@ -102,6 +106,7 @@ __all__ = [
     "epoch_schedule",
     "format_parity",
     "format_report",
+    "initialize",
     "make_train_step",
     "micro_batches",
     "model_loss",
@@ -110,6 +115,7 @@ __all__ = [
     "params_to_torch",
     "parse_bytes",
     "plan_memory",
+    "process_share",
     "resume_position",
     "ring_all_reduce_bytes",
     "run_parity",

@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ._launch import add_launch_command
 from ._parity import add_parity_command
 from ._plan_cli import add_parser as plan_parser
 
@@ -41,8 +42,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cpu-devices",
         type=int,
-        default=DEFAULT_CPU_DEVICES,
-        help="CPU devices to emulate when running on CPU (default: %(default)s)",
+        default=None,
+        help="CPU devices to emulate when running on CPU (default: $JAXDP_CPU_DEVICES, "
+        f"which jaxdp launch sets, else {DEFAULT_CPU_DEVICES})",
     )
     p.add_argument(
         "--accum-steps",
@@ -111,9 +113,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    import os
+
     import jax
 
-    from ._mesh import emulate_cpu_devices
+    from ._distributed import ENV_CPU_DEVICES, initialize
     from ._resume import CheckpointError
     from ._train import TrainConfig, train
 
@@ -124,9 +128,16 @@ def _run_train(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SystemExit(f"jaxdp train: error: {e}") from None
-    # Before JAX starts its backend; it affects the CPU backend only, so on a
-    # GPU machine the default still trains on all GPUs.
-    emulate_cpu_devices(args.cpu_devices)
+    # Before JAX starts its backend. The CPU device count affects the CPU
+    # backend only, so on a GPU machine the default still trains on all GPUs.
+    # Under jaxdp launch (or Slurm, Open MPI, ...) this joins the other processes.
+    cpu_devices = args.cpu_devices
+    if cpu_devices is None and not os.environ.get(ENV_CPU_DEVICES):
+        cpu_devices = DEFAULT_CPU_DEVICES
+    try:
+        initialize(cpu_devices=cpu_devices)
+    except ValueError as e:
+        raise SystemExit(f"jaxdp train: error: {e}") from None
     if config.precision == "float64":
         jax.config.update("jax_enable_x64", True)
     with _stop_on_signals() as stopped_by, warnings.catch_warnings():
@@ -135,11 +146,15 @@ def _run_train(args: argparse.Namespace) -> int:
             summary = train(config, stop=lambda _: stopped_by[0] is not None)
         except CheckpointError as e:
             raise SystemExit(f"jaxdp train: error: {e}") from None
-    if args.summary_out:
+    if args.summary_out and jax.process_index() == 0:
         with open(args.summary_out, "w") as f:
             json.dump(summary, f, indent=2)
-    # The shell's convention for a process ended by a signal.
-    return 128 + stopped_by[0] if stopped_by[0] is not None else 0
+    # The shell's convention for a process ended by a signal; a process that
+    # stopped because a peer process was signalled reports SIGTERM.
+    signum = stopped_by[0]
+    if signum is None and summary["stopped"]:
+        signum = signal.SIGTERM
+    return 0 if signum is None else 128 + signum
 
 
 def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kw: Any) -> None:
@@ -150,7 +165,9 @@ def _show_warning(message: Warning | str, category: type[Warning], *args: Any, *
 def _stop_on_signals() -> Iterator[list[int | None]]:
     """Turns the first SIGINT/SIGTERM into a request to stop; the second acts as usual."""
     stopped_by: list[int | None] = [None]
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    # None: a handler installed outside Python (JAX's preemption notifier takes
+    # SIGTERM in multi-process runs); the default action is what "as usual" means.
+    previous = {s: signal.getsignal(s) or signal.SIG_DFL for s in (signal.SIGINT, signal.SIGTERM)}
 
     def request(signum: int, frame: Any) -> None:
         stopped_by[0] = signum
@@ -169,7 +186,7 @@ def _stop_on_signals() -> Iterator[list[int | None]]:
 
 # One entry per subcommand: a function that adds its parser to ``sub`` and
 # sets ``run`` (taking the parsed namespace, returning the exit status).
-SUBCOMMANDS = (_train_parser, add_parity_command, plan_parser)
+SUBCOMMANDS = (_train_parser, add_parity_command, plan_parser, add_launch_command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,12 +8,15 @@ what DDP rank ``r`` feeds through its ``accum_steps`` micro-batches.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import jax
 import numpy as np
 
 from ._sampler import DistributedSampler, Permutation, numpy_permutation
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 
 class BatchSizes(NamedTuple):
@@ -187,6 +190,67 @@ def micro_batches(batch: Any, sizes: BatchSizes) -> list[Any]:
         return x.reshape(n, k, b, *x.shape[1:])[:, j].reshape(n * b, *x.shape[1:])
 
     return [jax.tree.map(lambda x, j=j: take(x, j), batch) for j in range(k)]
+
+
+class ProcessShare(NamedTuple):
+    """The part of every global batch that one process feeds.
+
+    In the device-major layout a process whose devices are mesh positions
+    ``ranks`` owns the contiguous rows ``rows`` of a global batch (and of a
+    global micro-batch: ``micro_rows``); they are themselves a device-major
+    batch of the batch identity ``sizes`` (``num_devices = len(ranks)``).
+    """
+
+    process_index: int
+    process_count: int
+    ranks: range  # data-parallel ranks (mesh positions) of this process's devices
+    rows: slice  # its rows of a global batch
+    micro_rows: slice  # its rows of a global micro-batch (the multisteps path's calls)
+    sizes: BatchSizes  # the process-local identity: its devices x accum_steps x micro_batch_size
+
+
+def process_share(
+    mesh: Mesh, sizes: BatchSizes, *, process_index: int | None = None
+) -> ProcessShare:
+    """What process ``process_index`` (default: this one) reads of each global batch.
+
+    Device ``r`` of the mesh is data-parallel rank ``r`` (its own
+    :class:`DistributedSampler` rank, as one DDP rank per GPU); a process reads
+    the rows of its devices' ranks and nothing else. One process: everything.
+
+    Raises:
+      ValueError: ``sizes.num_devices`` is not the mesh's size, or the
+        process's devices are not one contiguous block of the mesh, or the
+        processes hold different numbers of its devices.
+    """
+    devices = list(mesh.devices.flat)
+    if sizes.num_devices != len(devices):
+        raise ValueError(
+            f"sizes.num_devices={sizes.num_devices} must be the mesh's {len(devices)} devices"
+        )
+    owners = [d.process_index for d in devices]
+    if process_index is None:
+        process_index = jax.process_index()
+    ranks = [r for r, owner in enumerate(owners) if owner == process_index]
+    counts = {p: owners.count(p) for p in owners}
+    if not ranks or ranks != list(range(ranks[0], ranks[-1] + 1)) or len(set(counts.values())) > 1:
+        raise ValueError(
+            f"process {process_index} must own one contiguous block of the mesh's devices, "
+            f"the same number as every process, to feed its rows of the device-major batch; "
+            f"the mesh's devices belong to processes {owners} (build the mesh from "
+            "jax.devices(), which is ordered by process)"
+        )
+    first, n = ranks[0], len(ranks)
+    k, b = sizes.accum_steps, sizes.micro_batch_size
+    local = BatchSizes(n, k, b, n * k * b)
+    return ProcessShare(
+        process_index,
+        len(counts),
+        range(first, first + n),
+        slice(first * k * b, (first + n) * k * b),
+        slice(first * b, (first + n) * b),
+        local,
+    )
 
 
 def check_rows(batch: Any, rows: int, rule: str) -> None:

@@ -1,10 +1,15 @@
-"""Training metrics: JSON lines that survive a resume, and the loss curve as PNG."""
+"""Training metrics: JSON lines that survive a resume, the loss curve as PNG, and
+sums across processes."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 
 class MetricsLog:
@@ -60,3 +65,21 @@ def plot_loss(records: list[dict[str, Any]], path: str, *, title: str) -> None:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, format="png")
+
+
+def sum_over_processes(values: np.ndarray) -> np.ndarray:
+    """``values`` summed elementwise over all processes (itself with one process).
+
+    A collective: every process must call it, with the same shape and dtype.
+    """
+    values = np.asarray(values)
+    if jax.process_count() == 1:
+        return values
+    return np.asarray(multihost_utils.process_allgather(values)).sum(axis=0)
+
+
+def agree(flag: bool) -> bool:
+    """True on every process if ``flag`` is True on any (a collective, as above)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(sum_over_processes(np.array([int(bool(flag))]))[0])

@@ -20,9 +20,17 @@ import numpy as np
 import optax
 
 from ._interop import params_to_torch, torch_to_params
-from ._layout import BatchSizes, LastWindow, batch_sizes, epoch_schedule, micro_batches
+from ._layout import (
+    BatchSizes,
+    LastWindow,
+    batch_sizes,
+    epoch_schedule,
+    micro_batches,
+    process_share,
+)
 from ._mesh import data_mesh
 from ._models import build_model, model_loss
+from ._sampler import Permutation
 from ._step import AccumulationPath, Strategy, make_train_step
 
 Dtype = Literal["float32", "float64"]
@@ -198,35 +206,44 @@ def run_torch(config: ParityConfig, data: Any, initial: dict) -> Trajectory:
     return Trajectory(result.states, list(result.losses))
 
 
-def run_jaxdp(config: ParityConfig, data: Any, initial: dict) -> Trajectory:
+def run_jaxdp(
+    config: ParityConfig, data: Any, initial: dict, *, permutation: Permutation | None = None
+) -> Trajectory:
     """jaxdp on ``num_devices`` devices, in torch's data order, from torch's weights.
 
-    float32 matmuls run at full precision (no TF32 or bf16 passes on GPUs), as
-    torch_ref sets on its side.
+    ``permutation`` replaces ``torch_ref.torch_permutation`` (e.g. a table of
+    torch's orders, so a process need not import torch). On a mesh spanning
+    several processes (after :func:`initialize`) each process reads only the
+    rows of its devices (:func:`process_share`). float32 matmuls run at full
+    precision (no TF32 or bf16 passes on GPUs), as torch_ref sets on its side.
     """
+    if permutation is None:
+        import torch_ref
+
+        permutation = torch_ref.torch_permutation
     with jax.default_matmul_precision("highest"):
-        return _run_jaxdp(config, data, initial)
+        return _run_jaxdp(config, data, initial, permutation)
 
 
-def _run_jaxdp(config: ParityConfig, data: Any, initial: dict) -> Trajectory:
-    import torch_ref
-
+def _run_jaxdp(config: ParityConfig, data: Any, initial: dict, permutation: Permutation):
     model = build_model(config.model, param_dtype=jnp.dtype(config.dtype))
+    mesh = data_mesh(config.num_devices)
+    share = process_share(mesh, _sizes(config))
     step = make_train_step(
         model_loss(config.model),
         optax_like_torch(_spec(config)),
-        mesh=data_mesh(config.num_devices),
+        mesh=mesh,
         accum_steps=config.accum_steps,
         path=config.path,
         strategy=config.strategy,
     )
     state = step.init(torch_to_params(initial, model))
     states, losses = [], []
-    for batch, weights in _steps(config, data, torch_ref.torch_permutation):
+    for batch, weights in _steps(config, data, permutation, share.rows):
         if config.path == "fused":
             state, metrics = step(state, batch, weights)
         else:
-            for micro, weight in zip(micro_batches(batch, _sizes(config)), weights, strict=True):
+            for micro, weight in zip(micro_batches(batch, share.sizes), weights, strict=True):
                 state, metrics = step(state, micro, weight)
         states.append(params_to_torch(step.model(state)))
         losses.append(float(metrics["loss"]))
@@ -324,8 +341,11 @@ def _epochs_needed(config: ParityConfig) -> int:
     return -(-config.steps // len(schedule.rows))
 
 
-def _steps(config: ParityConfig, data: Any, permutation: Any) -> Iterator[tuple[Any, Any]]:
-    """``(global batch, micro_weights)`` of the first ``config.steps`` optimizer steps."""
+def _steps(
+    config: ParityConfig, data: Any, permutation: Permutation, rows: slice
+) -> Iterator[tuple[Any, Any]]:
+    """``(batch, micro_weights)`` of the first ``config.steps`` optimizer steps: the
+    ``rows`` of each global batch (a process's share)."""
     done, epoch = 0, 0
     while True:
         schedule = epoch_schedule(
@@ -337,10 +357,10 @@ def _steps(config: ParityConfig, data: Any, permutation: Any) -> Iterator[tuple[
             permutation=permutation,
             last_window=config.last_window,
         )
-        for rows, weights in zip(schedule.rows, schedule.micro_weights, strict=True):
+        for order, weights in zip(schedule.rows, schedule.micro_weights, strict=True):
             if done == config.steps:
                 return
-            yield jax.tree.map(lambda x, rows=rows: x[rows], data), weights
+            yield jax.tree.map(lambda x, mine=order[rows]: x[mine], data), weights
             done += 1
         epoch += 1
 

@@ -48,7 +48,10 @@ class TrainStep:
     batch of ``num_devices * accum_steps * micro_batch_size`` rows per call and
     applies one update; ``multisteps`` takes one global micro-batch of
     ``num_devices * micro_batch_size`` rows per call and applies an update on
-    every ``accum_steps``-th call (``metrics["emitted"]``).
+    every ``accum_steps``-th call (``metrics["emitted"]``). On a mesh spanning
+    several processes each process passes only its rows of that batch
+    (:func:`process_share`); ``jax.make_array_from_process_local_data``
+    assembles the global array, and no process holds the whole batch.
     """
 
     loss_fn: Callable[..., Any]
@@ -165,28 +168,49 @@ class TrainStep:
         self.sizes(batch)
         return _place(batch, NamedSharding(self.mesh, P(self.axis_name)))
 
+    @property
+    def process_count(self) -> int:
+        """Processes whose devices make up the mesh (1 unless multi-process)."""
+        return len({d.process_index for d in self.mesh.devices.flat})
+
     def sizes(self, batch: Any) -> BatchSizes:
-        """The batch identity of a batch for this step; raises if it does not fit."""
+        """The (global) batch identity of a batch for this step; raises if it does not fit.
+
+        With several processes, ``batch`` is this process's part: its rows of the
+        device-major global batch (:func:`process_share`), the same number on
+        every process, so the global batch has ``process_count`` times as many.
+        """
         rows = {np.shape(x)[0] if np.ndim(x) else 0 for x in jax.tree.leaves(batch)}
         if len(rows) != 1:
             raise ValueError(f"every batch leaf needs the same leading size, got {sorted(rows)}")
         (rows,) = rows
-        if self.path == "fused":
+        total = rows * self.process_count
+        try:
+            if self.path == "fused":
+                return batch_sizes(
+                    num_devices=self.num_devices,
+                    accum_steps=self.accum_steps,
+                    global_batch_size=total,
+                )
+            if total < 1 or total % self.num_devices:
+                raise ValueError(
+                    f"a multisteps call takes one global micro-batch of num_devices * "
+                    f"micro_batch_size rows: {total} rows must be a positive multiple of "
+                    f"num_devices={self.num_devices} (the accum_steps={self.accum_steps} "
+                    "micro-batches of a step come in separate calls)"
+                )
             return batch_sizes(
-                num_devices=self.num_devices, accum_steps=self.accum_steps, global_batch_size=rows
+                num_devices=self.num_devices,
+                accum_steps=self.accum_steps,
+                micro_batch_size=total // self.num_devices,
             )
-        if rows < 1 or rows % self.num_devices:
+        except ValueError as e:
+            if self.process_count == 1:
+                raise
             raise ValueError(
-                f"a multisteps call takes one global micro-batch of num_devices * "
-                f"micro_batch_size rows: {rows} rows must be a positive multiple of "
-                f"num_devices={self.num_devices} (the accum_steps={self.accum_steps} "
-                "micro-batches of a step come in separate calls)"
-            )
-        return batch_sizes(
-            num_devices=self.num_devices,
-            accum_steps=self.accum_steps,
-            micro_batch_size=rows // self.num_devices,
-        )
+                f"this process's batch has {rows} rows; {self.process_count} processes make "
+                f"a global batch of {total} rows: {e}"
+            ) from None
 
     def _global_step(self, state: TrainState, batch: Any, micro_weights: jax.Array):
         specs = self._state_specs(state)

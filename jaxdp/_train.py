@@ -3,6 +3,11 @@
 Read top to bottom: the config, the model and its loss at a precision, then
 ``train``: mesh and batch identity, state (fresh or resumed), the loop over
 micro-batch calls in sampler order, checkpoints, held-out evaluation.
+
+With several processes (after :func:`jaxdp.initialize`) the same code runs on
+each: a process reads only its rows of every batch, all of them write the
+checkpoints together (orbax coordinates), and only process 0 prints, shows
+progress and writes metrics and plots.
 """
 
 from __future__ import annotations
@@ -21,9 +26,16 @@ from tqdm import tqdm
 
 from ._checkpoint import Checkpoints
 from ._data import load_digits
-from ._layout import BatchSizes, batch_sizes, epoch_batches, micro_batches
+from ._layout import (
+    BatchSizes,
+    ProcessShare,
+    batch_sizes,
+    epoch_batches,
+    micro_batches,
+    process_share,
+)
 from ._mesh import data_mesh
-from ._metrics import MetricsLog, plot_loss
+from ._metrics import MetricsLog, agree, plot_loss, sum_over_processes
 from ._models import CNN, MLP
 from ._resume import CheckpointError, SamplerPosition, resume_position
 from ._step import AccumulationPath, Strategy, TrainStep, make_train_step
@@ -138,9 +150,17 @@ def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
 
 
 def evaluate(model: nnx.Module, x: np.ndarray, y: np.ndarray, precision: Precision) -> float:
-    """Top-1 accuracy of ``model`` on ``x``."""
+    """Top-1 accuracy of ``model`` on ``x``.
+
+    With several processes each scores rows ``p::process_count`` on its own
+    copy of the model, and the counts are summed across processes.
+    """
+    p, count = jax.process_index(), jax.process_count()
+    x, y = x[p::count], y[p::count]
     logits = nnx.jit(lambda m, x: forward(m, x, precision))(model, jnp.asarray(x))
-    return float(np.mean(np.argmax(np.asarray(logits), -1) == y))
+    correct = int(np.sum(np.argmax(np.asarray(logits), -1) == y))
+    correct, total = sum_over_processes(np.array([correct, len(y)]))
+    return float(correct / total)
 
 
 # ---- the run ---------------------------------------------------------------------------
@@ -178,26 +198,38 @@ def train(
     """
     data = load_digits(seed=config.seed)
     step, sizes = make_step(config)
-    mesh = step.mesh
-    print(
+    mesh, share = step.mesh, process_share(step.mesh, sizes)
+    lead = share.process_index == 0
+    say(
         f"jaxdp train: digits {config.model.upper()} ({config.precision}) on {sizes.num_devices} "
         f"{mesh.devices.flat[0].platform} device(s), {len(data.x_train)} train / "
         f"{len(data.x_test)} held-out images"
     )
-    print(f"batch: {sizes.describe()}")
+    say(f"batch: {sizes.describe()}")
+    if share.process_count > 1:
+        say(
+            f"processes: {share.process_count}, each feeding {share.sizes.global_batch_size} "
+            f"rows per step to its {share.sizes.num_devices} device(s)"
+        )
     steps_per_epoch = len(epoch_batches(len(data.x_train), sizes, seed=config.seed))
     checkpoints = None
     if config.checkpoint_dir is not None:
         checkpoints = Checkpoints(config.checkpoint_dir, keep=config.keep)
-    run = _Run(config, step, sizes, steps_per_epoch, checkpoints)
+    run = _Run(config, step, sizes, share, steps_per_epoch, checkpoints)
     run.start(step.init(build(config)))
     start = time.perf_counter()
-    with MetricsLog(config.metrics_out, resume_step=run.resumed_step) as log:
+    metrics_out = config.metrics_out if lead else None
+    with MetricsLog(metrics_out, resume_step=run.resumed_step) as log:
         x = data.x_train.astype(np.float64 if config.precision == "float64" else np.float32)
         stopped = run.loop(x, data.y_train, log, stop)
     run.save_final()
-    accuracy = evaluate(step.model(run.state), data.x_test, data.y_test, config.precision)
-    if config.plot:
+    # Each process scores its own copy of the (replicated) model.
+    params, rest = jax.tree.map(
+        lambda a: np.asarray(a.addressable_data(0)), (run.state.params, run.state.model_state)
+    )
+    model = step.model(run.state._replace(params=params, model_state=rest))
+    accuracy = evaluate(model, data.x_test, data.y_test, config.precision)
+    if config.plot and lead:
         plot_loss(log.records, config.plot, title=f"jaxdp train: {sizes.describe()}")
     summary = {
         "steps": int(run.state.step),
@@ -208,11 +240,17 @@ def train(
         "stopped": stopped,
         "checkpoint": run.last_checkpoint,
     }
-    print(
+    say(
         f"held-out accuracy: {accuracy:.2%} after {summary['steps']} optimizer steps "
         f"({summary['seconds']:.1f} s)" + (" [stopped early]" if stopped else "")
     )
     return summary
+
+
+def say(*args: Any) -> None:
+    """``print`` on process 0 only."""
+    if jax.process_index() == 0:
+        print(*args)
 
 
 class _Run:
@@ -223,10 +261,11 @@ class _Run:
         config: TrainConfig,
         step: TrainStep,
         sizes: BatchSizes,
+        share: ProcessShare,
         steps_per_epoch: int,
         checkpoints: Checkpoints | None,
     ):
-        self.config, self.step, self.sizes = config, step, sizes
+        self.config, self.step, self.sizes, self.share = config, step, sizes, share
         self.steps_per_epoch = steps_per_epoch
         self.checkpoints = checkpoints
         self.position = SamplerPosition(0, 0, 0)
@@ -260,9 +299,9 @@ class _Run:
             steps_per_epoch=self.steps_per_epoch,
         )
         self.last_checkpoint = str(restored.path)
-        print(f"resumed from {restored.path}: step {self.resumed_step}, {_where(self.position)}")
+        say(f"resumed from {restored.path}: step {self.resumed_step}, {_where(self.position)}")
         if restored.sizes != self.sizes:
-            print(f"  the checkpoint's batch was {restored.sizes.describe()}")
+            say(f"  the checkpoint's batch was {restored.sizes.describe()}")
 
     def _validate(self, extra: dict[str, Any]) -> None:
         saved = extra.get("config", {})
@@ -280,19 +319,25 @@ class _Run:
         log: MetricsLog,
         stop: Callable[[SamplerPosition], bool] | None,
     ) -> bool:
-        """Trains from ``self.position``; True if ``stop`` ended the run."""
+        """Trains from ``self.position``; True if ``stop`` ended the run.
+
+        With several processes, ``stop`` is asked on each and the run ends on
+        all of them after the first call where any says True.
+        """
         config, every = self.config, self.config.checkpoint_every
         total = config.steps or (config.last_epoch or 0) * self.steps_per_epoch
         if config.steps and config.last_epoch:
             total = min(total, config.last_epoch * self.steps_per_epoch)
         clock: tuple[float, int] | None = None  # (time, samples) after the first update
         disable = None if config.progress is None else not config.progress
+        if self.share.process_index != 0:
+            disable = True
         with tqdm(total=total, initial=int(self.state.step), unit="step", disable=disable) as bar:
             for call, epoch, position, emitted in self._calls(x, y):
                 if config.steps is not None and int(self.state.step) >= config.steps:
                     break
                 self.state, metrics = self.step(self.state, call)
-                self.samples += len(call[1])
+                self.samples += len(call[1]) * self.share.process_count
                 self.position = position
                 if emitted:
                     record = _record(self.state, metrics, epoch, self.samples)  # waits for it
@@ -309,25 +354,27 @@ class _Run:
                     if every and record["step"] % every == 0:
                         self.save()
                     if bar.disable and position.step_in_epoch == 0:
-                        print(
-                            f"epoch {epoch} done: step {record['step']} loss {record['loss']:.4f}"
-                        )
-                if stop is not None and stop(position):
+                        say(f"epoch {epoch} done: step {record['step']} loss {record['loss']:.4f}")
+                if stop is not None and agree(stop(position)):
                     return True
         return False
 
     def _calls(
         self, x: np.ndarray, y: np.ndarray
     ) -> Iterator[tuple[Any, int, SamplerPosition, bool]]:
-        """``(call, epoch, position after it, emits an update)`` in sampler order, from here."""
+        """``(call, epoch, position after it, emits an update)`` in sampler order, from here.
+
+        A call holds this process's rows only (all rows with one process).
+        """
         at, last_epoch = self.position, self.config.last_epoch
         epoch = at.epoch
         while last_epoch is None or epoch < last_epoch:
             order = epoch_batches(len(x), self.sizes, epoch=epoch, seed=self.config.seed)
             for i in range(at.step_in_epoch if epoch == at.epoch else 0, len(order)):
-                batch = (x[order[i]], y[order[i]])
+                mine = order[i][self.share.rows]
+                batch = (x[mine], y[mine])
                 fused = self.config.path == "fused"
-                calls = [batch] if fused else micro_batches(batch, self.sizes)
+                calls = [batch] if fused else micro_batches(batch, self.share.sizes)
                 for j in range(at.micro_batch if (epoch, i) == at[:2] else 0, len(calls)):
                     if j + 1 < len(calls):
                         after = SamplerPosition(epoch, i, j + 1)
@@ -351,7 +398,8 @@ class _Run:
             extra={"config": dataclasses.asdict(self.config)},
         )
         self.last_checkpoint = str(path)
-        tqdm.write(f"checkpoint {path}: step {int(self.state.step)}, {_where(self.position)}")
+        if self.share.process_index == 0:
+            tqdm.write(f"checkpoint {path}: step {int(self.state.step)}, {_where(self.position)}")
 
     def save_final(self) -> None:
         """A checkpoint where the run ended, unless one was just taken there."""

@@ -90,7 +90,14 @@ LAST_WINDOW = [
     for policy, path in (("drop", "fused"), ("step", "fused"), ("step", "multisteps"))
 ]
 
-ALL = FLOAT64 + FLOAT32 + LAST_WINDOW
+
+# jaxdp on 2 processes x 2 devices (parity_tests/test_distributed_parity.py) against
+# torch_ref DDP on 4 ranks; the run: the MLP, 5 steps of 4 x 2 micro-batches.
+MULTI_PROCESS = ParityConfig(
+    model="mlp", optimizer="adamw", num_devices=4, accum_steps=2, steps=5, dtype="float64"
+)
+
+ALL = [*FLOAT64, *FLOAT32, *LAST_WINDOW, MULTI_PROCESS]
 
 
 def cell_id(config: ParityConfig) -> str:

@@ -1,0 +1,239 @@
+"""Multi-process start-up: JAX's distributed runtime, then the global data mesh.
+
+Every process of a run calls :func:`initialize` before any other JAX call.
+The settings come from the arguments, else from the ``JAXDP_*`` environment
+variables that ``jaxdp launch`` sets, else from JAX's own cluster detection
+(Slurm, Open MPI, Kubernetes, Cloud TPU); with none of them it is one process
+and nothing is started. The collectives are JAX's: NCCL between GPUs, gloo
+between CPU processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from ._mesh import data_mesh, emulate_cpu_devices
+
+ENV_COORDINATOR_ADDRESS = "JAXDP_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAXDP_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXDP_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "JAXDP_LOCAL_DEVICE_IDS"  # comma-separated GPU ids of this process
+ENV_CPU_DEVICES = "JAXDP_CPU_DEVICES"
+ENV_TIMEOUT = "JAXDP_TIMEOUT_S"
+ENV_HEARTBEAT_TIMEOUT = "JAXDP_HEARTBEAT_TIMEOUT_S"
+
+# JAX's own defaults are 300 s to start and 100 s of missed heartbeats; these
+# end a job whose peer never started, or died, within 2 minutes and 1 minute.
+DEFAULT_TIMEOUT_S = 120
+DEFAULT_HEARTBEAT_TIMEOUT_S = 60
+
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):(\d+)$")
+_RUNTIME = ("coordinator_address", "num_processes", "process_id")
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: Sequence[int] | None = None,
+    cpu_devices: int | None = None,
+    timeout_s: int | None = None,
+    heartbeat_timeout_s: int | None = None,
+) -> Mesh:
+    """Starts the distributed runtime if the run has several processes; returns the data mesh.
+
+    Each setting is taken from its argument, else from its environment
+    variable (``JAXDP_COORDINATOR_ADDRESS``, ``JAXDP_NUM_PROCESSES``,
+    ``JAXDP_PROCESS_ID``, ``JAXDP_LOCAL_DEVICE_IDS``, ``JAXDP_CPU_DEVICES``,
+    ``JAXDP_TIMEOUT_S``, ``JAXDP_HEARTBEAT_TIMEOUT_S``). What is still unset
+    of address, count and id is left to ``jax.distributed.initialize``'s
+    cluster detection (Slurm, Open MPI, Kubernetes, Cloud TPU). With none of
+    the three set and no cluster detected, or a count of 1, the run is one
+    process and nothing starts. If the runtime is already up, only the mesh
+    is built. So is a process whose JAX backend already started when nothing
+    asks for more than one process.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0, where the coordinator
+        listens; every process passes the same one.
+      num_processes: processes in the run.
+      process_id: this process, in ``[0, num_processes)``.
+      local_device_ids: the GPUs this process drives (default: all visible).
+      cpu_devices: CPU devices this process emulates (:func:`emulate_cpu_devices`).
+      timeout_s: how long every process waits for all of them to connect, and at
+        exit for all of them to finish (JAX's shutdown barrier); default 120.
+      heartbeat_timeout_s: a process silent this long counts as dead, and JAX
+        ends the others with an error naming it; default 60.
+
+    Returns:
+      ``data_mesh()``: every device of every process, ordered by process, so
+      process ``p`` owns a contiguous block of data-parallel ranks.
+
+    After a multi-process start, an uncaught exception ends its process at once
+    (status 1, 130 for KeyboardInterrupt) instead of waiting ``timeout_s`` in
+    JAX's shutdown barrier while its peers block in a collective; the peers then
+    end within ``heartbeat_timeout_s`` (under ``jaxdp launch``, at once).
+
+    Raises:
+      ValueError: a setting is malformed or out of range (naming it and where it
+        came from), or the runtime settings are incomplete.
+      RuntimeError: JAX's backend already started in this process.
+    """
+    s = _Settings()
+    s.take("coordinator_address", coordinator_address, ENV_COORDINATOR_ADDRESS, str)
+    s.take("num_processes", num_processes, ENV_NUM_PROCESSES, int)
+    s.take("process_id", process_id, ENV_PROCESS_ID, int)
+    s.take("local_device_ids", local_device_ids, ENV_LOCAL_DEVICE_IDS, _int_list)
+    s.take("cpu_devices", cpu_devices, ENV_CPU_DEVICES, int)
+    s.take("timeout_s", timeout_s, ENV_TIMEOUT, int, DEFAULT_TIMEOUT_S)
+    s.take("heartbeat_timeout_s", heartbeat_timeout_s, ENV_HEARTBEAT_TIMEOUT, int)
+    if s.values["heartbeat_timeout_s"] is None:
+        s.values["heartbeat_timeout_s"] = DEFAULT_HEARTBEAT_TIMEOUT_S
+    s.check()
+    if s.values["cpu_devices"] is not None:
+        emulate_cpu_devices(s.values["cpu_devices"])
+    if not jax.distributed.is_initialized() and s.values["num_processes"] != 1:
+        _start(s)
+    return data_mesh()
+
+
+@dataclasses.dataclass
+class _Settings:
+    """Resolved settings, and where each came from (for error messages)."""
+
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    source: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def take(
+        self, name: str, value: Any, env: str, parse: Callable[[str], Any], default: Any = None
+    ) -> None:
+        text = os.environ.get(env, "")
+        if value is not None or not text:
+            self.values[name] = default if value is None else value
+            self.source[name] = f"{name}={self.values[name]!r}"
+            return
+        try:
+            self.values[name] = parse(text)
+        except ValueError:
+            what = {int: "an integer", _int_list: "comma-separated integers"}.get(parse, "text")
+            raise ValueError(f"{env}={text!r} must be {what} (jaxdp.initialize's {name})") from None
+        self.source[name] = f"{env}={text!r}"
+
+    def check(self) -> None:
+        v, src = self.values, self.source
+        for name in ("num_processes", "cpu_devices", "timeout_s", "heartbeat_timeout_s"):
+            if v[name] is not None and (not isinstance(v[name], int) or v[name] < 1):
+                raise ValueError(f"{src[name]} must be a positive integer")
+        pid, count = v["process_id"], v["num_processes"]
+        if pid is not None and (not isinstance(pid, int) or pid < 0):
+            raise ValueError(f"{src['process_id']} must be a non-negative integer")
+        if pid is not None and count is not None and pid >= count:
+            raise ValueError(
+                f"{src['process_id']} must be in [0, num_processes - 1] = [0, {count - 1}] "
+                f"({src['num_processes']})"
+            )
+        address = v["coordinator_address"]
+        if address is not None:
+            match = _ADDRESS.match(address)
+            if not match or not 0 < int(match.group(2)) < 65536:
+                raise ValueError(
+                    f"{src['coordinator_address']} must be host:port with a port in "
+                    "[1, 65535], e.g. 10.0.0.1:1234 (process 0's address)"
+                )
+
+    def given(self) -> list[str]:
+        return [self.source[n] for n in _RUNTIME if self.values[n] is not None]
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
+
+
+def _start(s: _Settings) -> None:
+    """``jax.distributed.initialize``, with a clear message if the peers never connect."""
+    v = s.values
+    who = "this process"
+    if v["process_id"] is not None and v["num_processes"] is not None:
+        who = f"process {v['process_id']} of {v['num_processes']}"
+    where = v["coordinator_address"] or "the coordinator the cluster names"
+
+    def report() -> None:
+        # JAX aborts the process a few seconds after its deadline (a C++ fatal
+        # error Python cannot catch); say first what most likely happened.
+        print(
+            f"jaxdp.initialize: {who} waited {v['timeout_s']} s ({s.source['timeout_s']}) for "
+            f"all processes to connect to {where}, in vain: a process never started, died while "
+            "starting, or cannot reach that address (process 0 runs the coordinator). "
+            "JAX ends this process now.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    watchdog = threading.Timer(v["timeout_s"] + 1, report)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            v["coordinator_address"],
+            v["num_processes"],
+            v["process_id"],
+            local_device_ids=v["local_device_ids"],
+            initialization_timeout=v["timeout_s"],
+            heartbeat_timeout_seconds=v["heartbeat_timeout_s"],
+            shutdown_timeout_seconds=v["timeout_s"],
+        )
+    except ValueError as e:
+        # Raised before anything starts when JAX found no cluster to ask.
+        if not s.given() and str(e).startswith("coordinator_address should be defined"):
+            return
+        given = ", ".join(s.given()) or "nothing"
+        raise ValueError(
+            f"jaxdp.initialize got {given} and no cluster filled in the rest ({e}); set "
+            "coordinator_address, num_processes and process_id (or JAXDP_COORDINATOR_ADDRESS, "
+            "JAXDP_NUM_PROCESSES, JAXDP_PROCESS_ID), or run under Slurm / Open MPI / Kubernetes"
+        ) from None
+    except RuntimeError as e:
+        started = "before any JAX calls" in str(e)
+        if started and not s.given():
+            return  # JAX already runs here, as one process: nothing asked for more
+        if started:
+            raise RuntimeError(
+                f"jaxdp.initialize must come before any other JAX call in the process ({e}); "
+                "call it right after the imports"
+            ) from None
+        raise RuntimeError(
+            f"jaxdp.initialize: {who} could not start JAX's distributed runtime with the "
+            f"coordinator at {where} ({e}); is its port free on process 0?"
+        ) from e
+    finally:
+        watchdog.cancel()
+    if jax.process_count() > 1:
+        sys.excepthook = _ExitAtOnce(sys.excepthook)
+
+
+class _ExitAtOnce:
+    """An excepthook that reports, then ends the process without JAX's shutdown barrier."""
+
+    def __init__(self, previous: Callable[..., Any]):
+        self.previous = previous
+
+    def __call__(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        self.previous(kind, value, tb)
+        print(
+            f"jaxdp: process {jax.process_index()} ends on this {kind.__name__} at once; "
+            "its peers stop when they miss its heartbeat",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if issubclass(kind, KeyboardInterrupt) else 1)

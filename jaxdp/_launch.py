@@ -1,0 +1,305 @@
+"""``jaxdp launch``: one command as several processes of one JAX run, on this machine.
+
+Each process gets the ``JAXDP_*`` environment that :func:`jaxdp.initialize`
+reads (coordinator on a free local port, process count and id, its CPU device
+count and GPU ids), runs in its own process group, and has its output prefixed
+with ``[rank r]``. When one exits non-zero the others are stopped (SIGTERM,
+then SIGKILL after a grace period) and the launcher exits with that status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Collection, Sequence
+from typing import IO, Any
+
+from ._distributed import (
+    ENV_COORDINATOR_ADDRESS,
+    ENV_CPU_DEVICES,
+    ENV_HEARTBEAT_TIMEOUT,
+    ENV_LOCAL_DEVICE_IDS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_TIMEOUT,
+)
+
+DEFAULT_GRACE_S = 10.0
+_POLL_S = 0.05
+
+
+def launch(
+    command: Sequence[str],
+    *,
+    nprocs: int,
+    devices_per_process: int | None = None,
+    timeout_s: int | None = None,
+    heartbeat_timeout_s: int | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
+    subcommands: Collection[str] = (),
+    stdout: IO[bytes] | None = None,
+    stderr: IO[bytes] | None = None,
+) -> int:
+    """Runs ``command`` as ``nprocs`` processes of one run; returns the exit status.
+
+    ``command`` is a Python script (``x.py ...``, run with this interpreter),
+    ``-m module ...``, ``jaxdp SUBCOMMAND ...`` or one of ``subcommands``
+    (``train ...``: a jaxdp subcommand), or any other program. Process ``r``
+    gets ``JAXDP_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port),
+    ``JAXDP_NUM_PROCESSES``, ``JAXDP_PROCESS_ID=r`` and, with
+    ``devices_per_process=D``, ``JAXDP_CPU_DEVICES=D`` (D emulated CPU
+    devices) and ``JAXDP_LOCAL_DEVICE_IDS`` (GPUs ``r*D .. r*D+D-1``);
+    ``timeout_s`` and ``heartbeat_timeout_s`` go to :func:`jaxdp.initialize`
+    the same way.
+
+    Exit status: 0 when all exit 0. When one exits non-zero, the others get
+    SIGTERM, then SIGKILL after ``grace_s`` seconds, and the status is that
+    rank's (``128 + n`` for a process ended by signal ``n``). A SIGINT or
+    SIGTERM sent to the launcher is forwarded to every process and waited
+    for; a second one kills them (status ``128 + signal``).
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
+    if devices_per_process is not None and devices_per_process < 1:
+        raise ValueError(f"devices_per_process={devices_per_process!r} must be at least 1")
+    if grace_s < 0:
+        raise ValueError(f"grace_s={grace_s!r} must be at least 0")
+    argv = child_argv(command, subcommands)
+    out = stdout or sys.stdout.buffer
+    err = stderr or sys.stderr.buffer
+    address = f"127.0.0.1:{_free_port()}"
+    settings = {ENV_COORDINATOR_ADDRESS: address, ENV_NUM_PROCESSES: str(nprocs)}
+    if timeout_s is not None:
+        settings[ENV_TIMEOUT] = str(timeout_s)
+    if heartbeat_timeout_s is not None:
+        settings[ENV_HEARTBEAT_TIMEOUT] = str(heartbeat_timeout_s)
+    group = _Group(out, err)
+    with _Signals() as received:
+        try:
+            for rank in range(nprocs):
+                env = {**os.environ, **settings, ENV_PROCESS_ID: str(rank)}
+                env["PYTHONUNBUFFERED"] = "1"  # lines reach the prefixer as printed
+                if devices_per_process is not None:
+                    d = devices_per_process
+                    env[ENV_CPU_DEVICES] = str(d)
+                    env[ENV_LOCAL_DEVICE_IDS] = ",".join(str(rank * d + i) for i in range(d))
+                group.start(rank, argv, env)
+            return group.supervise(received, grace_s)
+        finally:
+            group.kill_all()
+
+
+def child_argv(command: Sequence[str], subcommands: Collection[str] = ()) -> list[str]:
+    """The argv each process runs for ``command`` (see :func:`launch`)."""
+    command = list(command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise ValueError("give the command to run after --, e.g. -- train --steps 5")
+    if command[0] == "jaxdp":
+        command = command[1:]
+        if not command:
+            raise ValueError("give the jaxdp subcommand to run, e.g. -- jaxdp train --steps 5")
+    head = command[0]
+    if head == "launch":
+        raise ValueError("jaxdp launch cannot launch itself")
+    if head in subcommands:
+        return [sys.executable, "-m", "jaxdp._cli", *command]
+    if head == "-m" or head.endswith(".py"):
+        return [sys.executable, *command]
+    return command
+
+
+class _Group:
+    """The launched processes, their output pumps, and how they are stopped."""
+
+    def __init__(self, out: IO[bytes], err: IO[bytes]):
+        self.out, self.err = out, err
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pumps: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def start(self, rank: int, argv: list[str], env: dict[str, str]) -> None:
+        # A session of its own: signals reach it only through the launcher,
+        # and killing its group also ends whatever it started.
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        prefix = f"[rank {rank}] ".encode()
+        for source, sink in ((proc.stdout, self.out), (proc.stderr, self.err)):
+            pump = threading.Thread(target=self._pump, args=(source, sink, prefix), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
+
+    def _pump(self, source: IO[bytes], sink: IO[bytes], prefix: bytes) -> None:
+        for line in iter(source.readline, b""):
+            with self.lock:
+                sink.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                sink.flush()
+        source.close()
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            self.err.write(f"jaxdp launch: {text}\n".encode())
+            self.err.flush()
+
+    def supervise(self, received: list[int], grace_s: float) -> int:
+        """Waits for all; stops the rest at the first failure. Returns the exit status."""
+        failed: tuple[int, int] | None = None
+        forwarded: int | None = None
+        kill_at = float("inf")  # when the survivors get SIGKILL
+        while any(p.poll() is None for p in self.procs):
+            if received and forwarded is None:
+                forwarded = received[0]
+                name = signal.Signals(forwarded).name
+                self.say(f"{name}: forwarded to every rank (send it again to kill them)")
+                self.signal_all(forwarded)
+            if len(received) > 1:
+                kill_at = min(kill_at, time.monotonic())
+            if failed is None and forwarded is None:
+                failed = self._first_failure()
+                if failed is not None:
+                    rank, status = failed
+                    running = sum(p.poll() is None for p in self.procs)
+                    self.say(
+                        f"rank {rank} (pid {self.procs[rank].pid}) exited with status "
+                        f"{_describe(status)}; stopping the other {running} rank(s)"
+                    )
+                    self.signal_all(signal.SIGTERM)
+                    kill_at = time.monotonic() + grace_s
+            if time.monotonic() >= kill_at:
+                self.signal_all(signal.SIGKILL)
+                kill_at = float("inf")
+            time.sleep(_POLL_S)
+        for pump in self.pumps:
+            pump.join(timeout=5)
+        if failed is not None:
+            rank, status = failed
+            self.say(f"failed: rank {rank} exited with status {_describe(status)}")
+            return status
+        if forwarded is not None:
+            return 128 + forwarded
+        return 0
+
+    def _first_failure(self) -> tuple[int, int] | None:
+        for rank, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None and code != 0:
+                return rank, _status(code)
+        return None
+
+    def signal_all(self, signum: int) -> None:
+        for proc in self.procs:
+            # The group may be gone already.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signum)
+
+    def kill_all(self) -> None:
+        """Leaves nothing running: SIGKILL to every group still there, then reap."""
+        if any(p.poll() is None for p in self.procs):
+            self.signal_all(signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
+
+
+def _status(returncode: int) -> int:
+    """The shell's status: ``128 + n`` for a process ended by signal ``n``."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(status: int) -> str:
+    if status > 128:
+        try:
+            return f"{status} ({signal.Signals(status - 128).name})"
+        except ValueError:
+            pass
+    return str(status)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Signals:
+    """Records SIGINT and SIGTERM instead of acting on them, while active."""
+
+    def __enter__(self) -> list[int]:
+        self.received: list[int] = []
+        self.previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in self.previous:
+            signal.signal(s, lambda signum, frame: self.received.append(signum))
+        return self.received
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+def add_launch_command(sub: Any) -> None:
+    """``jaxdp launch``: registered in ``jaxdp._cli.SUBCOMMANDS``."""
+    p = sub.add_parser(
+        "launch",
+        help="run a script or jaxdp subcommand as several processes of one run",
+        description="Starts --nprocs processes of the command after --, each with the "
+        "environment jaxdp.initialize reads (coordinator on a free local port, process "
+        "count and id, its devices), prefixes their output with [rank r], and stops all "
+        "of them when one fails, exiting with its status. The command is a Python "
+        "script, -m module, or a jaxdp subcommand (train ..., or jaxdp train ...).",
+    )
+    p.add_argument("--nprocs", type=int, required=True, help="processes to start")
+    p.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        help="CPU devices each process emulates, and GPUs each drives (r*D .. r*D+D-1)",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=int,
+        default=None,
+        help="seconds to wait for all processes to connect (default: jaxdp.initialize's 120)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout-s",
+        type=int,
+        default=None,
+        help="seconds after which a silent process counts as dead (default: 60)",
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        help="after a failure, seconds between SIGTERM and SIGKILL (default: %(default)s)",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
+    p.set_defaults(run=lambda args: _run_launch(args, set(sub.choices)))
+
+
+def _run_launch(args: argparse.Namespace, subcommands: Collection[str]) -> int:
+    try:
+        return launch(
+            args.command,
+            nprocs=args.nprocs,
+            devices_per_process=args.devices_per_process,
+            timeout_s=args.timeout_s,
+            heartbeat_timeout_s=args.heartbeat_timeout_s,
+            grace_s=args.grace_s,
+            subcommands=subcommands,
+        )
+    except ValueError as e:
+        raise SystemExit(f"jaxdp launch: error: {e}") from None

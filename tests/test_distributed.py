@@ -1,0 +1,403 @@
+"""Several processes: jaxdp.initialize, the per-process share of a batch, jaxdp launch,
+and what happens when a process fails. Multi-process runs are subprocesses with their
+own device counts (jaxdp launch --devices-per-process), never this process's 8."""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+from helpers import RTOL, assert_trees_close
+
+import jaxdp
+from jaxdp._launch import child_argv
+from jaxdp._train import TrainConfig, build, make_step, train
+
+ROOT = pathlib.Path(__file__).parent.parent
+LAUNCH = [sys.executable, "-m", "jaxdp._cli", "launch"]
+ENV_NAMES = (
+    "JAXDP_COORDINATOR_ADDRESS",
+    "JAXDP_NUM_PROCESSES",
+    "JAXDP_PROCESS_ID",
+    "JAXDP_LOCAL_DEVICE_IDS",
+    "JAXDP_CPU_DEVICES",
+    "JAXDP_TIMEOUT_S",
+    "JAXDP_HEARTBEAT_TIMEOUT_S",
+)
+# Failure tests: JAX's start-up and heartbeat timeouts and the launcher's grace period.
+TIMEOUT_S, HEARTBEAT_S, GRACE_S = 3, 5, 2
+# What each failure may take at most: the timeouts above, plus JAX's ~5 s between
+# its deadline and ending the process, plus start-up on 2 busy cores.
+BOUND_S = 45
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def run_script(tmp_path, code, args, **kwargs):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(code))
+    return subprocess.run(
+        [*LAUNCH, *args, "--", str(script)], capture_output=True, text=True, cwd=ROOT, **kwargs
+    )
+
+
+# ---- jaxdp.initialize ----------------------------------------------------------------
+
+
+def test_initialize_with_nothing_set_is_one_process(clean_env):
+    mesh = jaxdp.initialize()
+    assert mesh.devices.size == len(jax.devices()) == 8
+    assert jax.process_count() == 1
+    assert not jax.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "kwargs,env,message",
+    [
+        (
+            {"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 2},
+            {},
+            r"process_id=2 must be in \[0, num_processes - 1\] = \[0, 1\] \(num_processes=2\)",
+        ),
+        ({"num_processes": 0}, {}, r"num_processes=0 must be a positive integer"),
+        (
+            {},
+            {"JAXDP_COORDINATOR_ADDRESS": "localhost", "JAXDP_NUM_PROCESSES": "2"},
+            r"JAXDP_COORDINATOR_ADDRESS='localhost' must be host:port",
+        ),
+        ({}, {"JAXDP_PROCESS_ID": "one"}, r"JAXDP_PROCESS_ID='one' must be an integer"),
+        ({"timeout_s": -1}, {}, r"timeout_s=-1 must be a positive integer"),
+    ],
+)
+def test_initialize_names_the_bad_setting_and_where_it_came_from(clean_env, kwargs, env, message):
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        jaxdp.initialize(**kwargs)
+
+
+def test_a_process_whose_peer_never_starts_ends_with_a_clear_error(tmp_path):
+    env = dict(
+        os.environ,
+        JAXDP_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
+        JAXDP_NUM_PROCESSES="2",
+        JAXDP_PROCESS_ID="0",
+        JAXDP_TIMEOUT_S=str(TIMEOUT_S),
+        JAXDP_CPU_DEVICES="2",
+    )
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", "import jaxdp; jaxdp.initialize(); print('started')"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+    )
+    took = time.monotonic() - start
+    assert done.returncode != 0 and "started" not in done.stdout
+    assert (
+        f"jaxdp.initialize: process 0 of 2 waited {TIMEOUT_S} s (JAXDP_TIMEOUT_S='{TIMEOUT_S}') "
+        "for all processes to connect to 127.0.0.1:"
+    ) in done.stderr
+    assert "a process never started" in done.stderr
+    print(f"peer never started: ended after {took:.1f} s")
+
+
+def test_without_a_launcher_a_dead_peer_ends_the_others_after_the_heartbeat_timeout(tmp_path):
+    # As on several machines: nothing watches the processes but JAX's heartbeats.
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent("""
+        import os, signal
+        import jax, jax.numpy as jnp, numpy as np
+        import jaxdp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh = jaxdp.initialize()
+        total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(2))
+        for i in range(10**9):
+            if i == 3 and jax.process_index() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            assert float(total(x)) == 4.0
+        """)
+    )
+    env = dict(os.environ, JAXDP_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}")
+    env.update(JAXDP_NUM_PROCESSES="2", JAXDP_CPU_DEVICES="2", JAXDP_TIMEOUT_S="60")
+    env.update(JAXDP_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_S))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, "JAXDP_PROCESS_ID": str(p)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for p in (0, 1)
+    ]
+    try:
+        assert procs[1].wait(timeout=120) == -signal.SIGKILL
+        start = time.monotonic()
+        err = procs[0].communicate(timeout=BOUND_S)[1]
+        took = time.monotonic() - start
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert procs[0].returncode != 0
+    assert "stopped sending heartbeats" in err  # JAX's words for a dead peer
+    assert took < HEARTBEAT_S + 20
+    print(f"peer killed, no launcher: the survivor ended {took:.1f} s later")
+
+
+# ---- the process's share of a batch ------------------------------------------------------
+
+
+def test_one_process_shares_everything():
+    sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=3)
+    share = jaxdp.process_share(jaxdp.data_mesh(4), sizes)
+    assert share == jaxdp.ProcessShare(0, 1, range(4), slice(0, 24), slice(0, 12), sizes)
+
+
+def test_share_needs_the_mesh_size():
+    sizes = jaxdp.batch_sizes(num_devices=2, accum_steps=1, micro_batch_size=3)
+    with pytest.raises(ValueError, match=r"sizes.num_devices=2 must be the mesh's 4 devices"):
+        jaxdp.process_share(jaxdp.data_mesh(4), sizes)
+
+
+# ---- jaxdp launch --------------------------------------------------------------------------
+
+
+def test_launch_resolves_scripts_modules_and_subcommands():
+    py = sys.executable
+    assert child_argv(["--", "train", "--steps", "5"], {"train"}) == [
+        py,
+        "-m",
+        "jaxdp._cli",
+        "train",
+        "--steps",
+        "5",
+    ]
+    assert child_argv(["jaxdp", "train"], {"train"}) == [py, "-m", "jaxdp._cli", "train"]
+    assert child_argv(["run.py", "a"]) == [py, "run.py", "a"]
+    assert child_argv(["-m", "pkg.mod"]) == [py, "-m", "pkg.mod"]
+    assert child_argv(["echo", "hi"]) == ["echo", "hi"]
+    with pytest.raises(ValueError, match="give the command to run after --"):
+        child_argv(["--"])
+    with pytest.raises(ValueError, match="cannot launch itself"):
+        child_argv(["launch"], {"launch"})
+
+
+def test_launch_gives_each_rank_its_environment_and_prefixes_its_output(tmp_path):
+    done = run_script(
+        tmp_path,
+        """
+        import os, sys
+        env = [os.environ[f"JAXDP_{n}"] for n in ("PROCESS_ID", "NUM_PROCESSES",
+               "COORDINATOR_ADDRESS", "CPU_DEVICES", "LOCAL_DEVICE_IDS", "TIMEOUT_S")]
+        print(*env)
+        print("to stderr", file=sys.stderr)
+        """,
+        ["--nprocs", "3", "--devices-per-process", "2", "--timeout-s", "7"],
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = sorted(done.stdout.splitlines())
+    address = lines[0].split()[4]
+    assert address.startswith("127.0.0.1:")
+    assert lines == [f"[rank {r}] {r} 3 {address} 2 {2 * r},{2 * r + 1} 7" for r in range(3)]
+    assert sorted(done.stderr.splitlines()) == [f"[rank {r}] to stderr" for r in range(3)]
+
+
+def test_launch_stops_the_others_when_one_fails_and_exits_with_its_status(tmp_path):
+    # Rank 0 ignores SIGTERM: the launcher must follow up with SIGKILL after the grace.
+    start = time.monotonic()
+    done = run_script(
+        tmp_path,
+        """
+        import os, signal, time
+        if os.environ["JAXDP_PROCESS_ID"] == "1":
+            raise SystemExit(7)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(os.getpid(), flush=True)
+        time.sleep(600)
+        """,
+        ["--nprocs", "2", "--grace-s", str(GRACE_S)],
+        timeout=60,
+    )
+    took = time.monotonic() - start
+    assert done.returncode == 7
+    assert "jaxdp launch: rank 1 (pid " in done.stderr
+    assert "exited with status 7; stopping the other 1 rank(s)" in done.stderr
+    assert "jaxdp launch: failed: rank 1 exited with status 7" in done.stderr
+    assert took < GRACE_S + 20
+    survivor = int(done.stdout.split()[-1])
+    assert not pathlib.Path(f"/proc/{survivor}").exists()
+
+
+def test_process_local_batches_and_an_uncaught_exception_on_two_processes(tmp_path):
+    # Without jaxdp.initialize's excepthook, rank 1 would sit in JAX's shutdown
+    # barrier for timeout_s (60 s here) while rank 0 blocks in its collective.
+    start = time.monotonic()
+    done = run_script(
+        tmp_path,
+        """
+        import jax, jax.numpy as jnp, numpy as np, optax
+        import jaxdp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh = jaxdp.initialize()
+        # First, the step's batch check with process-local batches (no collective).
+        step = jaxdp.make_train_step(lambda p, b: jnp.mean(b @ p), optax.sgd(0.1), mesh=mesh)
+        print(tuple(step.sizes(np.zeros((8, 3)))))  # 8 rows here, 16 in all
+        try:
+            step.sizes(np.zeros((3, 3)))
+        except ValueError as e:
+            print(e)
+        total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(2))
+        for i in range(10**6):
+            if i == 3 and jax.process_index() == 1:
+                raise RuntimeError("rank 1 fails here")
+            assert float(total(x)) == 4.0
+        """,
+        ["--nprocs", "2", "--devices-per-process", "2", "--timeout-s", "60"]
+        + ["--grace-s", str(GRACE_S)],
+        timeout=120,
+    )
+    took = time.monotonic() - start
+    for rank in (0, 1):
+        assert f"[rank {rank}] (4, 1, 4, 16)" in done.stdout
+        assert (
+            f"[rank {rank}] this process's batch has 3 rows; 2 processes make a global batch "
+            "of 6 rows: global_batch_size=6 must be a positive multiple of num_devices * "
+            "accum_steps = 4 * 1"
+        ) in done.stdout
+    assert done.returncode == 1
+    assert "[rank 1] RuntimeError: rank 1 fails here" in done.stderr
+    assert "[rank 1] jaxdp: process 1 ends on this RuntimeError at once" in done.stderr
+    assert "jaxdp launch: failed: rank 1 exited with status 1" in done.stderr
+    assert took < 50  # start-up included; the wait it replaces is 60 s alone
+
+
+# ---- training ---------------------------------------------------------------------------
+
+
+def test_train_on_two_processes_equals_one_process_with_four_devices(tmp_path):
+    """``jaxdp train`` under ``jaxdp launch``: 2 processes x 2 devices, gloo."""
+    flags = ["--steps", "5", "--precision", "float64"]
+    flags += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-out", str(tmp_path / "m")]
+    flags += ["--summary-out", str(tmp_path / "summary.json")]
+    command = [*LAUNCH, "--nprocs", "2", "--devices-per-process", "2", "--timeout-s", "60"]
+    done = subprocess.run(
+        [*command, "--", "train", *flags], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = done.stdout.splitlines()
+    assert "[rank 0] processes: 2, each feeding 64 rows per step to its 2 device(s)" in out
+    # Only process 0 prints (gloo's C++ connection notes aside).
+    assert not [x for x in out if x.startswith("[rank 1]") and "[Gloo]" not in x]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 5
+    there = [json.loads(line) for line in (tmp_path / "m").read_text().splitlines()]
+
+    config = TrainConfig(
+        num_devices=4,
+        steps=5,
+        precision="float64",
+        checkpoint_dir=str(tmp_path / "here"),
+        metrics_out=str(tmp_path / "m_here"),
+    )
+    train(config)
+    here = [json.loads(line) for line in (tmp_path / "m_here").read_text().splitlines()]
+    assert [r["step"] for r in there] == [r["step"] for r in here] == [1, 2, 3, 4, 5]
+    assert [r["samples"] for r in there] == [r["samples"] for r in here]  # all processes'
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose(
+            [r[name] for r in there], [r[name] for r in here], rtol=RTOL["float64"]
+        )
+    step, sizes = make_step(config)
+    like = step.init(build(config))
+    theirs = jaxdp.Checkpoints(tmp_path / "ckpt").restore(like, sizes=sizes).state
+    ours = jaxdp.Checkpoints(tmp_path / "here").restore(like, sizes=sizes).state
+    assert_trees_close(theirs.params, ours.params, rtol=RTOL["float64"])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid):
+    """``{JAXDP_PROCESS_ID: pid}`` of the processes whose parent is ``pid`` (Linux /proc)."""
+    found = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != pid:
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        for item in environ:
+            if item.startswith(b"JAXDP_PROCESS_ID="):
+                found[int(item.split(b"=")[1])] = int(stat.parent.name)
+    return found
+
+
+def test_killing_a_rank_mid_training_ends_the_launch_naming_it(tmp_path):
+    metrics = tmp_path / "m"
+    command = [*LAUNCH, "--nprocs", "2", "--devices-per-process", "2", "--timeout-s", "60"]
+    command += ["--heartbeat-timeout-s", str(HEARTBEAT_S), "--grace-s", str(GRACE_S)]
+    command += ["--", "train", "--epochs", "1000", "--metrics-out", str(metrics)]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert launcher.poll() is None, launcher.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        ranks = children(launcher.pid)
+        assert sorted(ranks) == [0, 1]
+        start = time.monotonic()
+        os.kill(ranks[1], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=BOUND_S)
+        took = time.monotonic() - start
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGKILL
+    assert f"jaxdp launch: rank 1 (pid {ranks[1]}) exited with status 137 (SIGKILL)" in err
+    assert "jaxdp launch: failed: rank 1 exited with status 137 (SIGKILL)" in err
+    assert took < GRACE_S + 15
+    for pid in ranks.values():
+        assert not pathlib.Path(f"/proc/{pid}").exists()
+    print(f"rank killed: the launcher ended {took:.1f} s later")
+
+
+def test_the_multi_process_example_runs_unchanged_on_one_process_and_on_two(tmp_path):
+    example = str(ROOT / "examples" / "multi_process.py")
+    alone = subprocess.run(
+        [sys.executable, example], capture_output=True, text=True, timeout=300, check=True
+    ).stdout.splitlines()
+    command = [*LAUNCH, "--nprocs", "2", "--devices-per-process", "2", "--timeout-s", "60"]
+    done = subprocess.run([*command, "--", example], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    launched = [x.removeprefix("[rank 0] ") for x in done.stdout.splitlines() if "Gloo" not in x]
+    assert alone[0].startswith("processes: 1 x 4 device(s)")
+    assert launched[0].startswith("processes: 2 x 2 device(s)")
+    assert alone[2] == "this process read 5120 of the 5120 rows of 40 optimizer steps"
+    assert launched[2] == "this process read 2560 of the 5120 rows of 40 optimizer steps"
+    # float32: the batch, losses and weights as printed (4 and 1 decimals) are the same.
+    assert launched[1] == alone[1] and launched[3:] == alone[3:] and len(alone) == 5
