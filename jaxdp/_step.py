@@ -11,13 +11,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._accumulate import AccumState, fused_update, learning_rate, multisteps_update
+from ._accumulate import AccumState, Update, fused_update, learning_rate, multisteps_update
 from ._layout import BatchSizes, batch_sizes
 from ._model import LossReduction, loss_parts, merge_model, split_model
+from ._state import (
+    BatchStats,
+    check_batch_stats,
+    configure,
+    micro_key,
+    reseed,
+    split_state,
+    wire_dtype,
+)
 from ._sync import check_replicas, mark_varying, sync_on_emit
+from ._trainable import Trainable, combine, skip_unused, split_trainable, trainable_mask
 
 AccumulationPath = Literal["fused", "multisteps"]
 Strategy = Literal["shard_map", "pmap"]
@@ -31,12 +42,26 @@ class TrainState(NamedTuple):
     a leading ``num_devices`` axis split over the mesh.
     """
 
-    step: jax.Array  # optimizer updates applied so far
-    params: Any
-    opt_state: Any
+    step: jax.Array  # optimizer updates applied so far (skipped ones not counted)
+    params: Any  # all parameters, frozen ones included
+    opt_state: Any  # of the trainable parameters only
     accum: AccumState | None  # multisteps only
     graphdef: Any  # NNX graph definition (static), None for a plain pytree
     model_state: Any  # NNX non-parameter variables, None for a plain pytree
+    skipped_steps: jax.Array  # updates skipped for NaN/Inf gradients or loss, in total
+    consecutive_skips: jax.Array  # ... since the last applied update
+
+
+class NonFiniteError(RuntimeError):
+    """``max_consecutive_skips`` optimizer steps in a row had NaN or Inf gradients or loss.
+
+    ``state`` is the step's output: parameters, optimizer and model state as
+    after the last finite update.
+    """
+
+    def __init__(self, message: str, state: TrainState):
+        super().__init__(message)
+        self.state = state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +85,12 @@ class TrainStep:
     loss_reduction: LossReduction
     accum_dtype: Any
     donate: bool
+    batch_stats: BatchStats | None = None
+    rng_seed: int | None = None
+    trainable: Trainable = None
+    skip_unused: bool = False
+    skip_nonfinite: bool = True
+    max_consecutive_skips: int | None = 10
     _jitted: Callable[..., Any] = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,38 +111,48 @@ class TrainStep:
         """Replicates params (or an NNX module's) and builds the optimizer state.
 
         Checks that every replica holds the same parameters (raises
-        :class:`ReplicaMismatchError` naming the first differing leaf).
+        :class:`ReplicaMismatchError` naming the first differing leaf), that
+        ``batch_stats`` fits the model's BatchNorm modules, and ``trainable``
+        its parameters. The optimizer state covers trainable parameters only.
         """
+        check_batch_stats(params_or_module, self.batch_stats, self.axis_name)
         graphdef, params, model_state = split_model(params_or_module)
+        if self.batch_stats is not None and graphdef is None:
+            raise ValueError("batch_stats needs an NNX module with BatchNorm, got a pytree")
         replicated = NamedSharding(self.mesh, P())
         params = _place(params, replicated, copy=self.donate)
         model_state = _place(model_state, replicated, copy=self.donate)
         check_replicas(params, self.mesh, name="params")
+        mask = trainable_mask(params, self.trainable)
         dtype = self._dtype(params)
-        opt = self._optimizer(dtype)
-        step = jax.device_put(jnp.zeros([], jnp.int32), replicated)
+        stats = split_state(model_state)[0]
+        opt = self._optimizer(dtype, stats)
+        # step, skipped_steps, consecutive_skips: three buffers, each donated once.
+        step, *counters = (jax.device_put(jnp.zeros([], jnp.int32), replicated) for _ in range(3))
+
+        def init_fused(params):
+            return opt.init(split_trainable(params, mask))
+
         if self.path == "fused":
-            opt_state = jax.jit(opt.init, out_shardings=replicated)(params)
-            return TrainState(step, params, opt_state, None, graphdef, model_state)
+            opt_state = jax.jit(init_fused, out_shardings=replicated)(params)
+            return TrainState(step, params, opt_state, None, graphdef, model_state, *counters)
         per_device = NamedSharding(self.mesh, P(self.axis_name))
 
+        def stack(tree):
+            return jax.tree.map(lambda x: jnp.zeros((self.num_devices, *x.shape), x.dtype), tree)
+
         def init_multisteps(params):
-            state = opt.init(params)
-            stacked = jax.tree.map(
-                lambda x: jnp.zeros((self.num_devices, *x.shape), x.dtype), state.acc_grads
-            )
-            return state._replace(acc_grads=stacked)
+            state = init_fused(params)
+            return state._replace(acc_grads=stack(state.acc_grads))
 
         specs = self._opt_specs(jax.eval_shape(init_multisteps, params))
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
         opt_state = jax.jit(init_multisteps, out_shardings=shardings)(params)
         accum = AccumState(
-            *(
-                jax.device_put(jnp.zeros([self.num_devices], dtype), per_device)
-                for _ in AccumState._fields
-            )
+            *(jax.device_put(jnp.zeros([self.num_devices], dtype), per_device) for _ in range(2)),
+            jax.jit(stack, out_shardings=per_device)(stats),
         )
-        return TrainState(step, params, opt_state, accum, graphdef, model_state)
+        return TrainState(step, params, opt_state, accum, graphdef, model_state, *counters)
 
     def model(self, state: TrainState) -> Any:
         """The trained parameters, or the NNX module with them merged in."""
@@ -128,8 +169,22 @@ class TrainStep:
         per micro-batch, shape ``[accum_steps]``; ``multisteps``: a scalar);
         default all ones. A micro-batch of weight 0 adds nothing: that is how
         padding fills an incomplete last window (:func:`epoch_schedule`).
+
+        Raises :class:`NonFiniteError` once ``max_consecutive_skips`` updates in
+        a row were skipped (reading the counter waits for the step to finish).
         """
-        return self._jitted(state, *self._inputs(batch, micro_weights))
+        state, metrics = self._jitted(state, *self._inputs(batch, micro_weights))
+        limit = self.max_consecutive_skips
+        if limit is not None and self.skip_nonfinite:
+            skips = int(state.consecutive_skips)
+            if skips >= limit:
+                raise NonFiniteError(
+                    f"{skips} optimizer steps in a row had NaN or Inf gradients or loss and were "
+                    f"skipped (max_consecutive_skips={limit}); parameters and optimizer state are "
+                    f"those of step {int(state.step)}, in this error's .state",
+                    state,
+                )
+        return state, metrics
 
     def compile(self, state: TrainState, batch: Any, micro_weights: Any = None) -> Any:
         """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""
@@ -202,44 +257,102 @@ class TrainStep:
 
     def _local_step(self, state: TrainState, batch: Any, micro_weights: jax.Array):
         """One device's step; per-device leaves arrive without their device axis."""
-        parts = loss_parts(self.loss_fn, self.loss_reduction, state.graphdef, state.model_state)
         dtype = self._dtype(state.params)
+        mask = trainable_mask(state.params, self.trainable)
+        stats = split_state(state.model_state)[0]
         if self.strategy == "shard_map":
             to_varying = functools.partial(mark_varying, axis_name=self.axis_name)
         else:
             to_varying = _identity  # pmap does not track replication
+        common = dict(
+            forward=self._forward(state, mask),
+            optimizer=self._optimizer(dtype, stats),
+            params=split_trainable(state.params, mask),
+            opt_state=state.opt_state,
+            axis_name=self.axis_name,
+            dtype=dtype,
+            to_varying=to_varying,
+            skip_nonfinite=self.skip_nonfinite,
+        )
+        accum = state.accum
         if self.path == "fused":
             micro = jax.tree.map(lambda x: x.reshape(self.accum_steps, -1, *x.shape[1:]), batch)
-            params, opt_state, metrics = fused_update(
-                parts,
-                self._optimizer(dtype),
-                state.params,
-                state.opt_state,
-                micro,
-                micro_weights,
-                axis_name=self.axis_name,
-                dtype=dtype,
-                to_varying=to_varying,
+            update = fused_update(
+                **common, batch_stats=stats, micro_batches=micro, micro_weights=micro_weights
             )
-            step, accum = state.step + 1, state.accum
         else:
-            params, opt_state, accum, metrics = multisteps_update(
-                parts,
-                self._optimizer(dtype),
-                state.params,
-                state.opt_state,
-                state.accum,
-                batch,
-                micro_weights,
+            update, accum = multisteps_update(
+                **common,
+                accum=state.accum,
+                batch_stats=stats,
+                batch=batch,
+                micro_weight=micro_weights,
                 accum_steps=self.accum_steps,
-                dtype=dtype,
-                to_varying=to_varying,
             )
-            step = state.step + metrics["emitted"].astype(state.step.dtype)
-        lr = learning_rate(opt_state)
+        return self._next_state(state, update, mask, accum)
+
+    def _next_state(self, state: TrainState, update: Update, mask: Any, accum: Any):
+        metrics = dict(update.metrics)
+        lr = learning_rate(update.opt_state)
         if lr is not None:
             metrics["learning_rate"] = lr
-        return state._replace(step=step, params=params, opt_state=opt_state, accum=accum), metrics
+        count = state.step.dtype
+        consecutive = jnp.where(
+            update.skipped,
+            state.consecutive_skips + 1,
+            jnp.where(update.applied, 0, state.consecutive_skips),
+        ).astype(count)
+        skipped = state.skipped_steps + update.skipped.astype(count)
+        metrics.update(skipped=update.skipped, skipped_steps=skipped, consecutive_skips=consecutive)
+        model_state = state.model_state
+        if model_state is not None:
+            _, rngs, constants = split_state(model_state)
+            model_state = nnx.merge_state(update.batch_stats, rngs, constants)
+        new = state._replace(
+            step=state.step + update.applied.astype(count),
+            params=combine(update.params, state.params, mask),
+            opt_state=update.opt_state,
+            accum=accum,
+            model_state=model_state,
+            skipped_steps=skipped,
+            consecutive_skips=consecutive,
+        )
+        return new, metrics
+
+    def _forward(self, state: TrainState, mask: Any):
+        """``forward(params, micro_batch, batch_stats, micro_index)`` of one device.
+
+        Randomness: every ``nnx.Rngs`` stream, and ``loss_fn``'s ``rng`` when
+        ``rng_seed`` is set, is keyed by :func:`jaxdp._state.micro_key` of the
+        updates applied so far, this device's mesh index and the micro-batch's
+        index in its window.
+        """
+        _, rngs, constants = split_state(state.model_state)
+        parts = loss_parts(
+            self.loss_fn,
+            self.loss_reduction,
+            state.graphdef,
+            configure=functools.partial(configure, mode=self.batch_stats, axis_name=self.axis_name),
+            with_rng=self.rng_seed is not None,
+        )
+        device = jax.lax.axis_index(self.axis_name)
+
+        def forward(params, batch, batch_stats, index):
+            seeded = reseed(rngs, state.step, device, index)
+            rng = None
+            if self.rng_seed is not None:
+                rng = micro_key(jax.random.key(self.rng_seed), state.step, device, index)
+
+            def objective(trainable):
+                full = combine(trainable, state.params, mask)
+                return parts(full, batch, batch_stats, seeded, constants, rng)
+
+            (value, (weight, new_stats)), grads = jax.value_and_grad(objective, has_aux=True)(
+                params
+            )
+            return grads, value, weight, new_stats
+
+        return forward
 
     # ---- helpers ----------------------------------------------------------------
 
@@ -249,12 +362,19 @@ class TrainStep:
         wide = any(jnp.dtype(x.dtype) == jnp.float64 for x in jax.tree.leaves(params))
         return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
-    def _optimizer(self, dtype: Any) -> optax.GradientTransformation:
+    def _optimizer(self, dtype: Any, batch_stats: Any) -> optax.GradientTransformation:
+        optimizer = skip_unused(self.optimizer) if self.skip_unused else self.optimizer
         if self.path == "fused":
-            return self.optimizer
-        inner = optax.chain(sync_on_emit(self.axis_name, dtype=dtype), self.optimizer)
+            return optimizer
+        wire = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, wire_dtype(x.dtype, dtype)), batch_stats
+        )
+        sync = sync_on_emit(self.axis_name, dtype=dtype, extra_like=wire)
         return optax.MultiSteps(
-            inner, self.accum_steps, use_grad_mean=False, accumulator_dtype=dtype
+            optax.chain(sync, optimizer),
+            self.accum_steps,
+            use_grad_mean=False,
+            accumulator_dtype=dtype,
         )
 
     def _opt_specs(self, opt_state: Any) -> Any:
@@ -269,7 +389,9 @@ class TrainStep:
         def replicated(tree):
             return jax.tree.map(lambda _: P(), tree)
 
-        accum = None if state.accum is None else AccumState(P(self.axis_name), P(self.axis_name))
+        accum = state.accum
+        if accum is not None:
+            accum = jax.tree.map(lambda _: P(self.axis_name), accum)
         return TrainState(
             P(),
             replicated(state.params),
@@ -277,6 +399,8 @@ class TrainStep:
             accum,
             state.graphdef,
             replicated(state.model_state),
+            P(),
+            P(),
         )
 
 
@@ -323,6 +447,12 @@ def make_train_step(
     loss_reduction: LossReduction = "mean",
     accum_dtype: Any = None,
     donate: bool = True,
+    batch_stats: BatchStats | None = None,
+    rng_seed: int | None = None,
+    trainable: Trainable = None,
+    skip_unused: bool = False,
+    skip_nonfinite: bool = True,
+    max_consecutive_skips: int | None = 10,
 ) -> TrainStep:
     """Builds a data-parallel step with gradient accumulation.
 
@@ -345,10 +475,44 @@ def make_train_step(
         float64 if any parameter is float64, else float32.
       donate: donate the input state's buffers to the output (saves memory;
         the state passed in must not be used again).
+      batch_stats: how BatchNorm modules (``nnx.BatchStat`` variables and an
+        ``axis_name``) compute statistics; required when the model has any.
+        ``"local"``: each device normalizes with its own micro-batch's
+        statistics and the running statistics kept are device 0's (DDP with
+        ``broadcast_buffers=True``). ``"sync"``: statistics over the
+        micro-batch of every device (SyncBatchNorm; jaxdp sets the modules'
+        ``axis_name``), at the cost of collectives in every micro-batch's
+        forward and backward. Either way the running statistics update once
+        per micro-batch.
+      rng_seed: if set, ``loss_fn`` is called with the keyword ``rng``, a key
+        derived from this seed like the NNX streams' (below).
+      trainable: which parameters train (default all): a pytree of bools, a
+        predicate ``(path, value) -> bool`` or an NNX filter. Frozen ones get
+        no gradient, no all-reduce bytes, no optimizer state and no update.
+      skip_unused: a parameter whose all-reduced gradient is exactly zero (not
+        used by any device's micro-batches) takes no optimizer step, like
+        torch skips parameters whose ``.grad`` is None; its momentum and
+        moments keep their values (state shared across parameters, such as
+        Adam's step count, still advances).
+      skip_nonfinite: if the all-reduced gradients or loss hold a NaN or Inf
+        (from any device), skip the update on every device: parameters,
+        optimizer state and batch statistics stay, the step count does not
+        advance, the accumulation window restarts; ``metrics["skipped"]``,
+        ``"skipped_steps"`` and ``"consecutive_skips"`` count them.
+      max_consecutive_skips: raise :class:`NonFiniteError` when this many
+        updates in a row were skipped (None: never; it is checked on the
+        host, so each call then waits for its step to finish).
 
     Gradients travel in one all-reduce per optimizer step, issued after the
     last micro-batch (``no_sync`` on the others), together with the loss and
-    weight sums.
+    weight sums and device 0's batch statistics.
+
+    Randomness: each micro-batch re-keys every ``nnx.Rngs`` stream of the
+    module as ``fold_in(fold_in(fold_in(stream_key, step), device),
+    micro_batch)`` with ``step`` the updates applied so far, ``device`` the
+    global mesh index and ``micro_batch`` the index in the window: masks differ
+    across devices and micro-batches and do not depend on how many processes
+    share the mesh.
     """
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps!r} must be a positive integer")
@@ -359,8 +523,30 @@ def make_train_step(
     ):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} must be one of {allowed}")
+    if batch_stats not in (None, "local", "sync"):
+        raise ValueError(f"batch_stats={batch_stats!r} must be None, 'local' or 'sync'")
+    if max_consecutive_skips is not None and (
+        not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1
+    ):
+        raise ValueError(
+            f"max_consecutive_skips={max_consecutive_skips!r} must be a positive integer or None"
+        )
     if len(mesh.axis_names) != 1:
         raise ValueError(f"mesh must have one (data) axis, got axes {mesh.axis_names}")
     return TrainStep(
-        loss_fn, optimizer, mesh, accum_steps, path, strategy, loss_reduction, accum_dtype, donate
+        loss_fn,
+        optimizer,
+        mesh,
+        accum_steps,
+        path,
+        strategy,
+        loss_reduction,
+        accum_dtype,
+        donate,
+        batch_stats=batch_stats,
+        rng_seed=rng_seed,
+        trainable=trainable,
+        skip_unused=skip_unused,
+        skip_nonfinite=skip_nonfinite,
+        max_consecutive_skips=max_consecutive_skips,
     )
