@@ -160,6 +160,12 @@ def multisteps_update(
         weight=weight,
         extra=device0(stats, axis_name, dtype),
     )
+    # MultiSteps resets its accumulators as (1 - emit) * acc, which keeps a NaN.
+    new_opt_state = new_opt_state._replace(
+        acc_grads=jax.tree.map(
+            lambda a: jnp.where(emit, jnp.zeros_like(a), a), new_opt_state.acc_grads
+        )
+    )
     sync = find_state(new_opt_state.inner_opt_state, SyncState)
     ok = sync.finite if skip_nonfinite else jnp.ones([], bool)
     applied, skipped = emit & ok, emit & ~ok
