@@ -53,8 +53,6 @@ from ._resume import SamplerPosition as SamplerPosition
 from ._resume import resume_position as resume_position
 from ._sampler import DistributedSampler as DistributedSampler
 from ._sampler import numpy_permutation as numpy_permutation
-from ._step import NonFiniteError as NonFiniteError
-from ._step import TrainState as TrainState
 from ._step import TrainStep as TrainStep
 from ._step import make_train_step as make_train_step
 from ._sync import ReplicaMismatchError as ReplicaMismatchError
@@ -62,6 +60,8 @@ from ._sync import SyncState as SyncState
 from ._sync import all_reduce_mean as all_reduce_mean
 from ._sync import check_replicas as check_replicas
 from ._sync import sync_on_emit as sync_on_emit
+from ._train_state import NonFiniteError as NonFiniteError
+from ._train_state import TrainState as TrainState
 
 __version__ = "0.1.0"
 

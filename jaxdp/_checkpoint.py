@@ -35,7 +35,7 @@ from ._resume import (
     is_per_device,
     named,
 )
-from ._step import TrainState
+from ._train_state import TrainState
 
 FORMAT = 1  # the layout of ``meta``; bumped when it changes
 

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._state import written_batch_stats
+from ._state import micro_key, reseed, split_state, written_batch_stats
+from ._trainable import combine
 
 LossReduction = Literal["mean", "weighted"]
 
@@ -79,6 +80,44 @@ def loss_parts(
         return value, (jnp.asarray(count).astype(value.dtype), batch_stats)
 
     return parts
+
+
+def micro_forward(
+    parts: Callable[..., Any],
+    params: Any,
+    mask: tuple[bool, ...],
+    model_state: Any,
+    step: jax.Array,
+    *,
+    axis_name: str,
+    rng_seed: int | None,
+) -> Callable[..., tuple[Any, jax.Array, jax.Array, Any]]:
+    """``forward(trainable, micro_batch, batch_stats, micro_index) -> (grads, value,
+    weight, new_batch_stats)`` on one device, differentiating ``trainable`` only
+    (frozen leaves come from ``params`` per ``mask``).
+
+    Randomness: every ``nnx.Rngs`` stream, and ``loss_fn``'s ``rng`` when
+    ``rng_seed`` is set, is keyed by :func:`jaxdp._state.micro_key` of ``step``
+    (updates applied so far), this device's mesh index and the micro-batch's
+    index in its window.
+    """
+    _, rngs, constants = split_state(model_state)
+    device = jax.lax.axis_index(axis_name)
+
+    def forward(trainable, batch, batch_stats, index):
+        seeded = reseed(rngs, step, device, index)
+        rng = None
+        if rng_seed is not None:
+            rng = micro_key(jax.random.key(rng_seed), step, device, index)
+
+        def objective(trainable):
+            full = combine(trainable, params, mask)
+            return parts(full, batch, batch_stats, seeded, constants, rng)
+
+        (value, (weight, new_stats)), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
+        return grads, value, weight, new_stats
+
+    return forward
 
 
 def _check_scalar(x: Any, what: str, reduction: str) -> None:

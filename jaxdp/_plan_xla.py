@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 from ._model import loss_parts, split_model
 from ._models import MODELS
 from ._plan import divisors, largest_divisor_at_most
-from ._step import TrainState, make_train_step
+from ._step import make_train_step
+from ._train_state import TrainState
 
 _MAX_COMPILES = 8  # per choice; each is fast (abstract batches) but not free
 _RESIDUAL_ROWS = (8, 16)  # two micro-batch sizes whose difference gives bytes per sample

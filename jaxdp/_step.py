@@ -5,63 +5,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._accumulate import AccumState, Update, fused_update, learning_rate, multisteps_update
+from ._accumulate import AccumState, fused_update, multisteps_update
 from ._layout import BatchSizes, batch_sizes
-from ._model import LossReduction, loss_parts, merge_model, split_model
-from ._state import (
-    BatchStats,
-    check_batch_stats,
-    configure,
-    micro_key,
-    reseed,
-    split_state,
-    wire_dtype,
-)
+from ._mesh import place
+from ._model import LossReduction, loss_parts, merge_model, micro_forward, split_model
+from ._state import BatchStats, check_batch_stats, configure, split_state, wire_dtype
 from ._sync import check_replicas, mark_varying, sync_on_emit
+from ._train_state import NonFiniteError, TrainState, advance
 from ._trainable import Trainable, combine, skip_unused, split_trainable, trainable_mask
 
 AccumulationPath = Literal["fused", "multisteps"]
 Strategy = Literal["shard_map", "pmap"]
-
-
-class TrainState(NamedTuple):
-    """Everything one optimizer step reads and writes.
-
-    Replicated on every device, except the per-device accumulators of the
-    ``multisteps`` path (``accum`` and MultiSteps' ``acc_grads``), which carry
-    a leading ``num_devices`` axis split over the mesh.
-    """
-
-    step: jax.Array  # optimizer updates applied so far (skipped ones not counted)
-    params: Any  # all parameters, frozen ones included
-    opt_state: Any  # of the trainable parameters only
-    accum: AccumState | None  # multisteps only
-    graphdef: Any  # NNX graph definition (static), None for a plain pytree
-    model_state: Any  # NNX non-parameter variables, None for a plain pytree
-    skipped_steps: jax.Array  # updates skipped for NaN/Inf gradients or loss, in total
-    consecutive_skips: jax.Array  # ... since the last applied update
-
-
-class NonFiniteError(RuntimeError):
-    """``max_consecutive_skips`` optimizer steps in a row had NaN or Inf gradients or loss.
-
-    ``state`` is the step's output: parameters, optimizer and model state as
-    after the last finite update.
-    """
-
-    def __init__(self, message: str, state: TrainState):
-        super().__init__(message)
-        self.state = state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +83,8 @@ class TrainStep:
         if self.batch_stats is not None and graphdef is None:
             raise ValueError("batch_stats needs an NNX module with BatchNorm, got a pytree")
         replicated = NamedSharding(self.mesh, P())
-        params = _place(params, replicated, copy=self.donate)
-        model_state = _place(model_state, replicated, copy=self.donate)
+        params = place(params, replicated, copy=self.donate)
+        model_state = place(model_state, replicated, copy=self.donate)
         check_replicas(params, self.mesh, name="params")
         mask = trainable_mask(params, self.trainable)
         dtype = self._dtype(params)
@@ -201,12 +164,12 @@ class TrainStep:
                 f"shape {shape} (one weight per micro-batch of the call)"
             )
         replicated = NamedSharding(self.mesh, P())
-        return self._split_batch(batch), _place(micro_weights, replicated)
+        return self._split_batch(batch), place(micro_weights, replicated)
 
     def _split_batch(self, batch: Any) -> Any:
         """Checks the batch identity, then splits the rows over the mesh."""
         self.sizes(batch)
-        return _place(batch, NamedSharding(self.mesh, P(self.axis_name)))
+        return place(batch, NamedSharding(self.mesh, P(self.axis_name)))
 
     def sizes(self, batch: Any) -> BatchSizes:
         """The batch identity of a batch for this step; raises if it does not fit."""
@@ -265,7 +228,23 @@ class TrainStep:
         else:
             to_varying = _identity  # pmap does not track replication
         common = dict(
-            forward=self._forward(state, mask),
+            forward=micro_forward(
+                loss_parts(
+                    self.loss_fn,
+                    self.loss_reduction,
+                    state.graphdef,
+                    configure=functools.partial(
+                        configure, mode=self.batch_stats, axis_name=self.axis_name
+                    ),
+                    with_rng=self.rng_seed is not None,
+                ),
+                state.params,
+                mask,
+                state.model_state,
+                state.step,
+                axis_name=self.axis_name,
+                rng_seed=self.rng_seed,
+            ),
             optimizer=self._optimizer(dtype, stats),
             params=split_trainable(state.params, mask),
             opt_state=state.opt_state,
@@ -289,70 +268,7 @@ class TrainStep:
                 micro_weight=micro_weights,
                 accum_steps=self.accum_steps,
             )
-        return self._next_state(state, update, mask, accum)
-
-    def _next_state(self, state: TrainState, update: Update, mask: Any, accum: Any):
-        metrics = dict(update.metrics)
-        lr = learning_rate(update.opt_state)
-        if lr is not None:
-            metrics["learning_rate"] = lr
-        count = state.step.dtype
-        consecutive = jnp.where(
-            update.skipped,
-            state.consecutive_skips + 1,
-            jnp.where(update.applied, 0, state.consecutive_skips),
-        ).astype(count)
-        skipped = state.skipped_steps + update.skipped.astype(count)
-        metrics.update(skipped=update.skipped, skipped_steps=skipped, consecutive_skips=consecutive)
-        model_state = state.model_state
-        if model_state is not None:
-            _, rngs, constants = split_state(model_state)
-            model_state = nnx.merge_state(update.batch_stats, rngs, constants)
-        new = state._replace(
-            step=state.step + update.applied.astype(count),
-            params=combine(update.params, state.params, mask),
-            opt_state=update.opt_state,
-            accum=accum,
-            model_state=model_state,
-            skipped_steps=skipped,
-            consecutive_skips=consecutive,
-        )
-        return new, metrics
-
-    def _forward(self, state: TrainState, mask: Any):
-        """``forward(params, micro_batch, batch_stats, micro_index)`` of one device.
-
-        Randomness: every ``nnx.Rngs`` stream, and ``loss_fn``'s ``rng`` when
-        ``rng_seed`` is set, is keyed by :func:`jaxdp._state.micro_key` of the
-        updates applied so far, this device's mesh index and the micro-batch's
-        index in its window.
-        """
-        _, rngs, constants = split_state(state.model_state)
-        parts = loss_parts(
-            self.loss_fn,
-            self.loss_reduction,
-            state.graphdef,
-            configure=functools.partial(configure, mode=self.batch_stats, axis_name=self.axis_name),
-            with_rng=self.rng_seed is not None,
-        )
-        device = jax.lax.axis_index(self.axis_name)
-
-        def forward(params, batch, batch_stats, index):
-            seeded = reseed(rngs, state.step, device, index)
-            rng = None
-            if self.rng_seed is not None:
-                rng = micro_key(jax.random.key(self.rng_seed), state.step, device, index)
-
-            def objective(trainable):
-                full = combine(trainable, state.params, mask)
-                return parts(full, batch, batch_stats, seeded, constants, rng)
-
-            (value, (weight, new_stats)), grads = jax.value_and_grad(objective, has_aux=True)(
-                params
-            )
-            return grads, value, weight, new_stats
-
-        return forward
+        return advance(state, update, combine(update.params, state.params, mask), accum)
 
     # ---- helpers ----------------------------------------------------------------
 
@@ -413,27 +329,6 @@ def _map_per_device(state: TrainState, fn: Callable[[Any], Any]) -> TrainState:
         return state
     opt_state = state.opt_state._replace(acc_grads=jax.tree.map(fn, state.opt_state.acc_grads))
     return state._replace(opt_state=opt_state, accum=jax.tree.map(fn, state.accum))
-
-
-def _place(tree: Any, sharding: NamedSharding, *, copy: bool = False) -> Any:
-    """Puts host or device values on the mesh with ``sharding``.
-
-    Host values are each process's local data (for a replicated sharding: the
-    whole value), so this works unchanged across processes. ``copy`` gives
-    device values fresh buffers, so donating the result never deletes arrays
-    the caller still holds.
-    """
-
-    def place(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            if not copy and x.sharding.is_equivalent_to(sharding, x.ndim):
-                return x
-            # Not device_put(may_alias=False): it still reuses the buffer of a
-            # shard that stays on the same device (jax 0.10.2).
-            return jax.jit(jnp.copy, out_shardings=sharding)(x)
-        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
-
-    return jax.tree.map(place, tree)
 
 
 def make_train_step(
