@@ -16,8 +16,11 @@ class TrainState(NamedTuple):
     """Everything one optimizer step reads and writes.
 
     Replicated on every device, except the per-device accumulators of the
-    ``multisteps`` path (``accum`` and MultiSteps' ``acc_grads``), which carry
-    a leading ``num_devices`` axis split over the mesh.
+    ``multisteps`` path (``accum``, with each device's batch statistics of the
+    open window, and MultiSteps' ``acc_grads``), which carry a leading
+    ``num_devices`` axis split over the mesh. ``model_state`` holds the
+    committed batch statistics (device 0's in ``batch_stats="local"``) and the
+    rng streams' initial keys.
     """
 
     step: jax.Array  # optimizer updates applied so far (skipped ones not counted)
