@@ -27,8 +27,11 @@ from ._mesh import DATA_AXIS as DATA_AXIS
 from ._mesh import data_mesh as data_mesh
 from ._mesh import emulate_cpu_devices as emulate_cpu_devices
 from ._models import CNN as CNN
+from ._models import CNNBN as CNNBN
 from ._models import MLP as MLP
 from ._models import MODELS as MODELS
+from ._models import BatchNorm as BatchNorm
+from ._models import EmbedBranch as EmbedBranch
 from ._models import LinearModel as LinearModel
 from ._models import Transformer as Transformer
 from ._models import build_model as build_model
@@ -53,7 +56,6 @@ from ._resume import SamplerPosition as SamplerPosition
 from ._resume import resume_position as resume_position
 from ._sampler import DistributedSampler as DistributedSampler
 from ._sampler import numpy_permutation as numpy_permutation
-from ._step import TrainState as TrainState
 from ._step import TrainStep as TrainStep
 from ._step import make_train_step as make_train_step
 from ._sync import ReplicaMismatchError as ReplicaMismatchError
@@ -61,11 +63,14 @@ from ._sync import SyncState as SyncState
 from ._sync import all_reduce_mean as all_reduce_mean
 from ._sync import check_replicas as check_replicas
 from ._sync import sync_on_emit as sync_on_emit
+from ._train_state import NonFiniteError as NonFiniteError
+from ._train_state import TrainState as TrainState
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CNN",
+    "CNNBN",
     "DATA_AXIS",
     "DTYPE_POLICIES",
     "MLP",
@@ -73,15 +78,18 @@ __all__ = [
     "OPTIMIZER_MOMENTS",
     "AccumState",
     "AllReduce",
+    "BatchNorm",
     "BatchSizes",
     "CheckpointError",
     "Checkpoints",
     "CompiledMemory",
     "CorruptCheckpointWarning",
     "DistributedSampler",
+    "EmbedBranch",
     "EpochSchedule",
     "LinearModel",
     "MemoryPlan",
+    "NonFiniteError",
     "OptimizerSpec",
     "ParityConfig",
     "ParityReport",

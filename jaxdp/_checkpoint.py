@@ -35,7 +35,7 @@ from ._resume import (
     is_per_device,
     named,
 )
-from ._step import TrainState
+from ._train_state import TrainState
 
 FORMAT = 1  # the layout of ``meta``; bumped when it changes
 
@@ -236,7 +236,9 @@ class Checkpoints:
             tree["opt_state"],
             tree["accum"],
             like.graphdef,
-            tree["model_state"],
+            jax.tree.map(_like_key, tree["model_state"], like.model_state),
+            tree["skipped_steps"],
+            tree["consecutive_skips"],
         )
 
     def _set_aside(self, failures: list[tuple[int, Exception]], used: pathlib.Path) -> None:
@@ -271,14 +273,29 @@ class Checkpoints:
 
 
 def _tree(state: TrainState) -> dict[str, Any]:
-    """What is saved: the state without its static NNX graph."""
+    """What is saved: the state without its static NNX graph, rng keys as their data."""
     return {
         "step": state.step,
         "params": state.params,
         "opt_state": state.opt_state,
         "accum": state.accum,
-        "model_state": state.model_state,
+        "model_state": jax.tree.map(_key_data, state.model_state),
+        "skipped_steps": state.skipped_steps,
+        "consecutive_skips": state.consecutive_skips,
     }
+
+
+def _is_key(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(x: Any) -> Any:
+    """An ``nnx.Rngs`` key as its uint32 data: orbax stores plain arrays."""
+    return jax.random.key_data(x) if _is_key(x) else x
+
+
+def _like_key(x: Any, like: Any) -> Any:
+    return jax.random.wrap_key_data(x, impl=jax.random.key_impl(like)) if _is_key(like) else x
 
 
 def _split(tree: Any) -> tuple[Any, Any]:

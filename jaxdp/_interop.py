@@ -31,7 +31,12 @@ _TO_TORCH_AXES = {2: (1, 0), 4: (3, 2, 0, 1)}
 
 
 def params_to_torch(params: Any) -> dict[str, np.ndarray]:
-    """A torch-style state_dict (numpy arrays) of an NNX module's or a pytree's parameters."""
+    """A torch-style state_dict (numpy arrays) of an NNX module's or a pytree's parameters.
+
+    For a module, its ``nnx.BatchStat`` variables come along as buffers under
+    their own names (:class:`jaxdp.BatchNorm`'s are torch's ``running_mean``,
+    ``running_var`` and ``num_batches_tracked``, in torch's conventions).
+    """
     out = {}
     for path, value in _flat_params(params).items():
         key, axes = _torch_key(path, np.ndim(value))
@@ -41,6 +46,8 @@ def params_to_torch(params: Any) -> dict[str, np.ndarray]:
 
 def torch_to_params(state_dict: Mapping[str, Any], like: Any) -> Any:
     """The parameters of ``like`` (an NNX module or a pytree) with values from ``state_dict``.
+
+    A module's ``nnx.BatchStat`` variables (buffers) are read too, by name.
 
     Keys may carry DDP's ``module.`` prefix. Returns a new module (or tree) of
     ``like``'s structure and dtypes; ``like`` is not changed. Raises
@@ -79,7 +86,7 @@ def _torch_key(path: tuple, ndim: int) -> tuple[str, tuple[int, ...]]:
 
 def _flat_params(tree: Any) -> dict[tuple, Any]:
     if isinstance(tree, nnx.Module):
-        tree = nnx.state(tree, nnx.Param)
+        tree = nnx.state(tree, nnx.Any(nnx.Param, nnx.BatchStat))
     if isinstance(tree, nnx.State):
         return {path: var.get_value() for path, var in nnx.to_flat_state(tree)}
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -88,7 +95,7 @@ def _flat_params(tree: Any) -> dict[tuple, Any]:
 
 def _replace_params(like: Any, values: dict[tuple, np.ndarray]) -> Any:
     if isinstance(like, nnx.Module):
-        graphdef, params, rest = nnx.split(like, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(like, nnx.Any(nnx.Param, nnx.BatchStat), ...)
         return nnx.merge(graphdef, _replace_params(params, values), rest)
     if isinstance(like, nnx.State):
         flat = [(path, var.replace(values[path])) for path, var in nnx.to_flat_state(like)]

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import jax
-from jax.sharding import Mesh
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 DATA_AXIS = "data"
 """Name of the mesh axis the batch is split over."""
@@ -82,3 +85,24 @@ def data_mesh(
             f"when running on {jax.process_count()} processes"
         )
     return Mesh(available[:num_devices], (axis_name,))
+
+
+def place(tree: Any, sharding: NamedSharding, *, copy: bool = False) -> Any:
+    """Puts host or device values on the mesh with ``sharding``.
+
+    Host values are each process's local data (for a replicated sharding: the
+    whole value), so this works unchanged across processes. ``copy`` gives
+    device values fresh buffers, so donating the result never deletes arrays
+    the caller still holds.
+    """
+
+    def put(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            if not copy and x.sharding.is_equivalent_to(sharding, x.ndim):
+                return x
+            # Not device_put(may_alias=False): it still reuses the buffer of a
+            # shard that stays on the same device (jax 0.10.2).
+            return jax.jit(jnp.copy, out_shardings=sharding)(x)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    return jax.tree.map(put, tree)

@@ -9,6 +9,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ._state import micro_key, reseed, split_state, written_batch_stats
+from ._trainable import combine
+
 LossReduction = Literal["mean", "weighted"]
 
 
@@ -32,21 +35,40 @@ def merge_model(graphdef: Any, params: Any, model_state: Any) -> Any:
 
 
 def loss_parts(
-    loss_fn: Callable[..., Any], reduction: LossReduction, graphdef: Any, model_state: Any
-) -> Callable[[Any, Any], tuple[jax.Array, jax.Array]]:
-    """``parts(params, micro_batch) -> (value, weight)``, differentiable in params.
+    loss_fn: Callable[..., Any],
+    reduction: LossReduction,
+    graphdef: Any,
+    *,
+    configure: Callable[[Any], None] | None = None,
+    with_rng: bool = False,
+) -> Callable[..., tuple[jax.Array, tuple[jax.Array, Any]]]:
+    """``parts(params, batch, batch_stats, rngs, constants, rng) -> (value, (weight,
+    new_batch_stats))``, differentiable in params.
 
     ``mean``: ``loss_fn`` returns the micro-batch's mean loss; weight is 1, so
     the step averages micro-batch means (DDP's ``loss / accum_steps``).
     ``weighted``: ``loss_fn`` returns ``(loss_sum, count)``; the step divides
     the total sum by the total count over all micro-batches and devices.
+    For an NNX module, ``batch_stats``, ``rngs`` and ``constants`` are the
+    groups of :func:`jaxdp._state.split_state` and ``configure`` adjusts the
+    merged module (the BatchNorm mode) before ``loss_fn`` sees it.
+    ``with_rng``: ``loss_fn`` also gets the keyword ``rng``.
     """
 
-    def parts(params: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
-        out = loss_fn(merge_model(graphdef, params, model_state), batch)
+    def parts(params, batch, batch_stats, rngs, constants, rng):
+        model = params
+        if graphdef is not None:
+            # Fresh Variables (same arrays) in this trace, so the forward may write them.
+            states = jax.tree.map(lambda x: x, (params, batch_stats, rngs, constants))
+            model = nnx.merge(graphdef, *states)
+            if configure is not None:
+                configure(model)
+        out = loss_fn(model, batch, rng=rng) if with_rng else loss_fn(model, batch)
+        if graphdef is not None:
+            batch_stats = written_batch_stats(model, constants)
         if reduction == "mean":
             _check_scalar(out, "loss_fn's return value", reduction)
-            return out, jnp.ones([], out.dtype)
+            return out, (jnp.ones([], out.dtype), batch_stats)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
                 "loss_fn must return a (loss_sum, count) tuple with "
@@ -55,9 +77,47 @@ def loss_parts(
         value, count = out
         _check_scalar(value, "loss_sum", reduction)
         _check_scalar(count, "count", reduction)
-        return value, jnp.asarray(count).astype(value.dtype)
+        return value, (jnp.asarray(count).astype(value.dtype), batch_stats)
 
     return parts
+
+
+def micro_forward(
+    parts: Callable[..., Any],
+    params: Any,
+    mask: tuple[bool, ...],
+    model_state: Any,
+    step: jax.Array,
+    *,
+    axis_name: str,
+    rng_seed: int | None,
+) -> Callable[..., tuple[Any, jax.Array, jax.Array, Any]]:
+    """``forward(trainable, micro_batch, batch_stats, micro_index) -> (grads, value,
+    weight, new_batch_stats)`` on one device, differentiating ``trainable`` only
+    (frozen leaves come from ``params`` per ``mask``).
+
+    Randomness: every ``nnx.Rngs`` stream, and ``loss_fn``'s ``rng`` when
+    ``rng_seed`` is set, is keyed by :func:`jaxdp._state.micro_key` of ``step``
+    (updates applied so far), this device's mesh index and the micro-batch's
+    index in its window.
+    """
+    _, rngs, constants = split_state(model_state)
+    device = jax.lax.axis_index(axis_name)
+
+    def forward(trainable, batch, batch_stats, index):
+        seeded = reseed(rngs, step, device, index)
+        rng = None
+        if rng_seed is not None:
+            rng = micro_key(jax.random.key(rng_seed), step, device, index)
+
+        def objective(trainable):
+            full = combine(trainable, params, mask)
+            return parts(full, batch, batch_stats, seeded, constants, rng)
+
+        (value, (weight, new_stats)), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
+        return grads, value, weight, new_stats
+
+    return forward
 
 
 def _check_scalar(x: Any, what: str, reduction: str) -> None:

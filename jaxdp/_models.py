@@ -9,6 +9,7 @@ Batches are ``(x, y)``; images are NHWC.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,130 @@ class CNN(nnx.Module):
         b, height, width, c = h.shape
         h = h.reshape(b, height // 2, 2, width // 2, 2, c).max(axis=(2, 4))
         h = jax.nn.relu(self.conv2(h)).mean(axis=(1, 2))
+        return self.head(h)
+
+
+class BatchNorm(nnx.Module):
+    """``torch.nn.BatchNorm1d/2d/3d`` over the last (feature) axis, with torch's buffers.
+
+    Training: normalizes with the batch mean and BIASED variance (``eps``
+    inside the square root) and updates ``running_mean`` and the UNBIASED
+    ``running_var`` as ``(1 - momentum) * old + momentum * batch`` (torch's
+    momentum: 0.1 here is flax's 0.9), over ``n`` values per feature: the
+    micro-batch's rows times spatial positions on this device, or on all
+    devices of ``axis_name`` (SyncBatchNorm: mean and variance are averaged
+    over the axis; jaxdp sets it with ``batch_stats="sync"``).
+    ``num_batches_tracked`` counts training forwards. With
+    ``use_running_average`` (``model.eval()``) it normalizes with the running
+    statistics. ``nnx.BatchNorm`` instead keeps the biased variance, so its
+    ``var`` is torch's ``running_var * (n - 1) / n`` only for a constant ``n``.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        momentum: float = 0.1,
+        epsilon: float = 1e-5,
+        use_running_average: bool = False,
+        axis_name: str | None = None,
+        param_dtype: Any = jnp.float32,
+    ):
+        self.scale = nnx.Param(jnp.ones(num_features, param_dtype))
+        self.bias = nnx.Param(jnp.zeros(num_features, param_dtype))
+        self.running_mean = nnx.BatchStat(jnp.zeros(num_features, param_dtype))
+        self.running_var = nnx.BatchStat(jnp.ones(num_features, param_dtype))
+        self.num_batches_tracked = nnx.BatchStat(jnp.zeros([], jnp.int32))
+        self.momentum = momentum
+        self.epsilon = epsilon
+        self.use_running_average = use_running_average
+        self.axis_name = axis_name
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.use_running_average:
+            mean, var = self.running_mean[...], self.running_var[...]
+        else:
+            axes = tuple(range(x.ndim - 1))
+            n = math.prod(x.shape[:-1])
+            mean = x.mean(axes)
+            if self.axis_name is not None:
+                mean = jax.lax.pmean(mean, self.axis_name)
+            var = jnp.square(x - mean).mean(axes)  # two passes, as torch
+            if self.axis_name is not None:
+                var = jax.lax.pmean(var, self.axis_name)
+                n *= jax.lax.axis_size(self.axis_name)
+            m = self.momentum
+            stats = jax.lax.stop_gradient((mean, var * (n / (n - 1))))
+            self.running_mean[...] = (1 - m) * self.running_mean[...] + m * stats[0]
+            self.running_var[...] = (1 - m) * self.running_var[...] + m * stats[1]
+            self.num_batches_tracked[...] = self.num_batches_tracked[...] + 1
+        return (x - mean) / jnp.sqrt(var + self.epsilon) * self.scale[...] + self.bias[...]
+
+
+class CNNBN(nnx.Module):
+    """:class:`CNN` with a :class:`BatchNorm` after each convolution (convolutions without
+    bias: BatchNorm removes it, and its gradient would be rounding noise)."""
+
+    def __init__(
+        self,
+        in_channels: int = 1,
+        channels: tuple[int, int] = (8, 16),
+        num_classes: int = 10,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Any = jnp.float32,
+    ):
+        conv = dict(
+            kernel_size=(3, 3),
+            padding=((1, 1), (1, 1)),
+            use_bias=False,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.conv1 = nnx.Conv(in_channels, channels[0], **conv)
+        self.bn1 = BatchNorm(channels[0], param_dtype=param_dtype)
+        self.conv2 = nnx.Conv(channels[0], channels[1], **conv)
+        self.bn2 = BatchNorm(channels[1], param_dtype=param_dtype)
+        self.head = nnx.Linear(channels[1], num_classes, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.relu(self.bn1(self.conv1(x)))
+        b, height, width, c = h.shape
+        h = h.reshape(b, height // 2, 2, width // 2, 2, c).max(axis=(2, 4))
+        h = jax.nn.relu(self.bn2(self.conv2(h))).mean(axis=(1, 2))
+        return self.head(h)
+
+
+class EmbedBranch(nnx.Module):
+    """Tokens ``[B, T]`` -> mean embedding -> ``fc`` (ReLU) -> ``branch`` (residual,
+    ReLU) only for micro-batches holding a row that starts with token 0 -> ``head``.
+
+    The embedding is meant to stay frozen (``trainable=TRAINABLE["embed_branch"]``)
+    and ``branch`` goes unused by every micro-batch without such a row.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 16,
+        d_embed: int = 8,
+        hidden: int = 16,
+        num_classes: int = 4,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Any = jnp.float32,
+    ):
+        kw = dict(param_dtype=param_dtype, rngs=rngs)
+        self.embed = nnx.Embed(vocab_size, d_embed, **kw)
+        self.fc = nnx.Linear(d_embed, hidden, **kw)
+        self.branch = nnx.Linear(hidden, hidden, **kw)
+        self.head = nnx.Linear(hidden, num_classes, **kw)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        h = jax.nn.relu(self.fc(self.embed(tokens).mean(axis=1)))
+        # A data-dependent choice, as torch's `if`; the branch not taken gets
+        # an exactly zero gradient.
+        use = jnp.any(tokens[:, 0] == 0)
+        h = jnp.where(use, h + jax.nn.relu(self.branch(h)), h)
         return self.head(h)
 
 
@@ -187,6 +312,14 @@ MODELS: dict[str, tuple[Callable[..., nnx.Module], Callable[..., jax.Array]]] = 
     "mlp": (MLP, _cross_entropy),
     "cnn": (CNN, _cross_entropy),
     "transformer": (Transformer, _cross_entropy),
+    "cnn_bn": (CNNBN, _cross_entropy),
+    "embed_branch": (EmbedBranch, _cross_entropy),
+}
+
+# ``make_train_step(trainable=...)`` of the reference models that freeze parameters
+# (torch_ref sets ``requires_grad=False`` on the others): predicates on the path.
+TRAINABLE: dict[str, Callable[[tuple[str, ...], Any], bool]] = {
+    "embed_branch": lambda path, value: path[0] != "embed",
 }
 
 

@@ -29,8 +29,9 @@ from ._layout import (
     process_share,
 )
 from ._mesh import data_mesh
-from ._models import build_model, model_loss
+from ._models import MODELS, TRAINABLE, build_model, model_loss
 from ._sampler import Permutation
+from ._state import batch_norm_modules
 from ._step import AccumulationPath, Strategy, make_train_step
 
 Dtype = Literal["float32", "float64"]
@@ -58,6 +59,11 @@ OPTIMIZERS = {
     # max_grad_norm below the models' initial gradient norms, so clipping acts.
     "adamw_clip": OptimizerSpec("adamw", 1e-2, weight_decay=1e-2, max_grad_norm=0.05),
 }
+
+# Models with a branch some steps leave unused on every rank: torch_ref runs DDP with
+# find_unused_parameters=True, and jaxdp with skip_unused=True (torch skips the update
+# of a parameter whose .grad is None).
+UNUSED_BRANCH = frozenset({"embed_branch"})
 
 # Allowed |jaxdp - torch| <= ATOL + RTOL * |torch|, elementwise, per dtype.
 RTOL = {
@@ -124,7 +130,7 @@ def clip_grad_norm_like_torch(max_norm: float) -> optax.GradientTransformation:
 class ParityConfig:
     """One comparison; the batch identity is ``num_devices * accum_steps * micro_batch_size``."""
 
-    model: str = "mlp"  # linear, mlp, cnn, transformer
+    model: str = "mlp"  # linear, mlp, cnn, transformer, cnn_bn, embed_branch
     optimizer: str | OptimizerSpec = "adamw"  # a key of OPTIMIZERS, or a spec
     num_devices: int = 2  # jaxdp devices == torch DDP ranks
     accum_steps: int = 2
@@ -137,6 +143,7 @@ class ParityConfig:
     last_window: LastWindow = "drop"
     shuffle: bool = True
     seed: int = 0  # weights and data; the sampler uses seed + epoch
+    sync_batchnorm: bool = False  # cnn_bn: SyncBatchNorm / batch_stats="sync" (else DDP's)
     torch_device: Literal["cpu", "cuda"] = "cpu"  # cuda: nccl, one GPU per rank, TF32 off
 
 
@@ -180,6 +187,8 @@ def torch_config(config: ParityConfig) -> Any:
         last_window=config.last_window,
         dtype=config.dtype,
         device=config.torch_device,
+        sync_batchnorm=config.sync_batchnorm,
+        find_unused_parameters=config.model in UNUSED_BRANCH,
     )
 
 
@@ -207,9 +216,16 @@ def run_torch(config: ParityConfig, data: Any, initial: dict) -> Trajectory:
 
 
 def run_jaxdp(
-    config: ParityConfig, data: Any, initial: dict, *, permutation: Permutation | None = None
+    config: ParityConfig,
+    data: Any,
+    initial: dict,
+    *,
+    permutation: Permutation | None = None,
+    **options: Any,
 ) -> Trajectory:
     """jaxdp on ``num_devices`` devices, in torch's data order, from torch's weights.
+
+    ``options`` override the :func:`make_train_step` options the model implies.
 
     ``permutation`` replaces ``torch_ref.torch_permutation`` (e.g. a table of
     torch's orders, so a process need not import torch). On a mesh spanning
@@ -222,13 +238,22 @@ def run_jaxdp(
 
         permutation = torch_ref.torch_permutation
     with jax.default_matmul_precision("highest"):
-        return _run_jaxdp(config, data, initial, permutation)
+        return _run_jaxdp(config, data, initial, permutation, options)
 
 
-def _run_jaxdp(config: ParityConfig, data: Any, initial: dict, permutation: Permutation):
+def _run_jaxdp(
+    config: ParityConfig,
+    data: Any,
+    initial: dict,
+    permutation: Permutation,
+    options: dict[str, Any],
+) -> Trajectory:
     model = build_model(config.model, param_dtype=jnp.dtype(config.dtype))
     mesh = data_mesh(config.num_devices)
     share = process_share(mesh, _sizes(config))
+    batch_stats = None
+    if batch_norm_modules(model):
+        batch_stats = "sync" if config.sync_batchnorm else "local"
     step = make_train_step(
         model_loss(config.model),
         optax_like_torch(_spec(config)),
@@ -236,6 +261,10 @@ def _run_jaxdp(config: ParityConfig, data: Any, initial: dict, permutation: Perm
         accum_steps=config.accum_steps,
         path=config.path,
         strategy=config.strategy,
+        batch_stats=batch_stats,
+        trainable=TRAINABLE.get(config.model),
+        # torch's optimizers skip the parameters DDP leaves without a gradient.
+        **{"skip_unused": config.model in UNUSED_BRANCH, **options},
     )
     state = step.init(torch_to_params(initial, model))
     states, losses = [], []
@@ -380,6 +409,10 @@ def _check(config: ParityConfig) -> None:
         raise ValueError(f"steps={config.steps} must be at least 1")
     if config.torch_device not in ("cpu", "cuda"):
         raise ValueError(f"torch_device={config.torch_device!r} must be 'cpu' or 'cuda'")
+    if config.sync_batchnorm and config.model != "cnn_bn":
+        raise ValueError(
+            f"sync_batchnorm=True needs a model with BatchNorm (cnn_bn), got {config.model!r}"
+        )
     if config.dtype == "float64" and not jax.config.jax_enable_x64:
         raise ValueError("dtype='float64' needs jax_enable_x64 (set it before creating arrays)")
 
@@ -394,7 +427,7 @@ def add_parity_command(sub: Any) -> None:
         "torch_ref; compares weights and losses after every optimizer step and prints the "
         "largest differences. Exit status 1 if a step is beyond tolerance.",
     )
-    p.add_argument("--model", choices=["linear", "mlp", "cnn", "transformer"], default="mlp")
+    p.add_argument("--model", choices=sorted(MODELS), default="mlp")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=defaults.optimizer)
     p.add_argument("--num-devices", type=int, default=defaults.num_devices)
     p.add_argument("--accum-steps", type=int, default=defaults.accum_steps)
@@ -412,6 +445,12 @@ def add_parity_command(sub: Any) -> None:
         default=defaults.torch_device,
         help="where torch_ref trains (cuda: nccl, one GPU per rank, TF32 off); jaxdp uses "
         "JAX's default backend (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sync-batchnorm",
+        action="store_true",
+        help="cnn_bn: SyncBatchNorm in torch_ref, batch_stats='sync' in jaxdp (default: DDP's "
+        "per-rank statistics with broadcast_buffers=True, batch_stats='local')",
     )
     p.set_defaults(run=_run_parity_command)
 

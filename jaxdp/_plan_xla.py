@@ -4,7 +4,7 @@
 device: the step is one SPMD program). Where the estimate of
 :mod:`jaxdp._plan` and XLA are compared, the parts line up as
 
-- arguments: weights + optimizer state + the per-device batch (+ the step counter);
+- arguments: weights + optimizer state + the per-device batch (+ the step counters);
 - temporaries: micro-batch gradients + the float32 accumulator + activations
   (+ XLA's fusion scratch, which the estimate does not model);
 - outputs not aliased to arguments: the metrics (the state is donated).
@@ -29,7 +29,9 @@ from jax.sharding import PartitionSpec as P
 from ._model import loss_parts, split_model
 from ._models import MODELS
 from ._plan import divisors, largest_divisor_at_most
-from ._step import TrainState, make_train_step
+from ._state import split_state
+from ._step import make_train_step
+from ._train_state import TrainState
 
 _MAX_COMPILES = 8  # per choice; each is fast (abstract batches) but not free
 _RESIDUAL_ROWS = (8, 16)  # two micro-batch sizes whose difference gives bytes per sample
@@ -150,8 +152,12 @@ def activation_bytes_per_sample(spec: ModelSpec) -> float:
     graphdef, params, rest = split_model(nnx.eval_shape(spec.make))
 
     def residuals(params: Any, rest: Any, batch: Any) -> list[jax.Array]:
-        parts = loss_parts(spec.loss, "mean", graphdef, rest)
-        return jax.tree.leaves(jax.vjp(lambda p: parts(p, batch), params)[1])
+        parts = loss_parts(spec.loss, "mean", graphdef)
+
+        def loss(p: Any) -> jax.Array:
+            return parts(p, batch, *split_state(rest), None)[0]
+
+        return jax.tree.leaves(jax.vjp(loss, params)[1])
 
     small, large = (
         _nbytes(jax.eval_shape(residuals, params, rest, spec.batch(rows)))

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from ._layout import BatchSizes
-from ._step import TrainState
+from ._train_state import TrainState
 
 
 class SamplerPosition(NamedTuple):

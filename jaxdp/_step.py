@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -14,29 +14,17 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._accumulate import AccumState, fused_update, learning_rate, multisteps_update
+from ._accumulate import AccumState, fused_update, multisteps_update
 from ._layout import BatchSizes, batch_sizes
-from ._model import LossReduction, loss_parts, merge_model, split_model
+from ._mesh import place
+from ._model import LossReduction, loss_parts, merge_model, micro_forward, split_model
+from ._state import BatchStats, check_batch_stats, configure, split_state, wire_dtype
 from ._sync import check_replicas, mark_varying, sync_on_emit
+from ._train_state import NonFiniteError, TrainState, advance
+from ._trainable import Trainable, combine, skip_unused, split_trainable, trainable_mask
 
 AccumulationPath = Literal["fused", "multisteps"]
 Strategy = Literal["shard_map", "pmap"]
-
-
-class TrainState(NamedTuple):
-    """Everything one optimizer step reads and writes.
-
-    Replicated on every device, except the per-device accumulators of the
-    ``multisteps`` path (``accum`` and MultiSteps' ``acc_grads``), which carry
-    a leading ``num_devices`` axis split over the mesh.
-    """
-
-    step: jax.Array  # optimizer updates applied so far
-    params: Any
-    opt_state: Any
-    accum: AccumState | None  # multisteps only
-    graphdef: Any  # NNX graph definition (static), None for a plain pytree
-    model_state: Any  # NNX non-parameter variables, None for a plain pytree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +51,13 @@ class TrainStep:
     loss_reduction: LossReduction
     accum_dtype: Any
     donate: bool
+    batch_stats: BatchStats | None = None
+    rng_seed: int | None = None
+    trainable: Trainable = None
+    skip_unused: bool = False
+    skip_nonfinite: bool = True
+    max_consecutive_skips: int | None = 10
     _jitted: Callable[..., Any] = dataclasses.field(init=False, repr=False)
-    _in_flight: list[Any] = dataclasses.field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
         donate = (0,) if self.donate else ()
@@ -84,38 +77,48 @@ class TrainStep:
         """Replicates params (or an NNX module's) and builds the optimizer state.
 
         Checks that every replica holds the same parameters (raises
-        :class:`ReplicaMismatchError` naming the first differing leaf).
+        :class:`ReplicaMismatchError` naming the first differing leaf), that
+        ``batch_stats`` fits the model's BatchNorm modules, and ``trainable``
+        its parameters. The optimizer state covers trainable parameters only.
         """
+        check_batch_stats(params_or_module, self.batch_stats, self.axis_name)
         graphdef, params, model_state = split_model(params_or_module)
+        if self.batch_stats is not None and graphdef is None:
+            raise ValueError("batch_stats needs an NNX module with BatchNorm, got a pytree")
         replicated = NamedSharding(self.mesh, P())
-        params = _place(params, replicated, copy=self.donate)
-        model_state = _place(model_state, replicated, copy=self.donate)
+        params = place(params, replicated, copy=self.donate)
+        model_state = place(model_state, replicated, copy=self.donate)
         check_replicas(params, self.mesh, name="params")
+        mask = trainable_mask(params, self.trainable)
         dtype = self._dtype(params)
-        opt = self._optimizer(dtype)
-        step = jax.device_put(jnp.zeros([], jnp.int32), replicated)
+        stats = split_state(model_state)[0]
+        opt = self._optimizer(dtype, stats)
+        # step, skipped_steps, consecutive_skips: three buffers, each donated once.
+        step, *counters = (jax.device_put(jnp.zeros([], jnp.int32), replicated) for _ in range(3))
+
+        def init_fused(params):
+            return opt.init(split_trainable(params, mask))
+
         if self.path == "fused":
-            opt_state = jax.jit(opt.init, out_shardings=replicated)(params)
-            return TrainState(step, params, opt_state, None, graphdef, model_state)
+            opt_state = jax.jit(init_fused, out_shardings=replicated)(params)
+            return TrainState(step, params, opt_state, None, graphdef, model_state, *counters)
         per_device = NamedSharding(self.mesh, P(self.axis_name))
 
+        def stack(tree):
+            return jax.tree.map(lambda x: jnp.zeros((self.num_devices, *x.shape), x.dtype), tree)
+
         def init_multisteps(params):
-            state = opt.init(params)
-            stacked = jax.tree.map(
-                lambda x: jnp.zeros((self.num_devices, *x.shape), x.dtype), state.acc_grads
-            )
-            return state._replace(acc_grads=stacked)
+            state = init_fused(params)
+            return state._replace(acc_grads=stack(state.acc_grads))
 
         specs = self._opt_specs(jax.eval_shape(init_multisteps, params))
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
         opt_state = jax.jit(init_multisteps, out_shardings=shardings)(params)
         accum = AccumState(
-            *(
-                jax.device_put(jnp.zeros([self.num_devices], dtype), per_device)
-                for _ in AccumState._fields
-            )
+            *(jax.device_put(jnp.zeros([self.num_devices], dtype), per_device) for _ in range(2)),
+            jax.jit(stack, out_shardings=per_device)(stats),
         )
-        return TrainState(step, params, opt_state, accum, graphdef, model_state)
+        return TrainState(step, params, opt_state, accum, graphdef, model_state, *counters)
 
     def model(self, state: TrainState) -> Any:
         """The trained parameters, or the NNX module with them merged in."""
@@ -132,19 +135,39 @@ class TrainStep:
         per micro-batch, shape ``[accum_steps]``; ``multisteps``: a scalar);
         default all ones. A micro-batch of weight 0 adds nothing: that is how
         padding fills an incomplete last window (:func:`epoch_schedule`).
+
+        Raises :class:`NonFiniteError` when ``state`` comes after
+        ``max_consecutive_skips`` skipped updates in a row: the call after the
+        one that reached the limit (reading the counter waits for that call).
         """
         inputs = self._inputs(batch, micro_weights)
-        if self._in_flight:
-            # Emulated CPU devices run their collectives on a shared thread pool;
-            # dozens of queued steps on 2 cores starved XLA's in-process
-            # all-reduce until its rendezvous timeout aborted the process
-            # (docs/decisions.md). One call in flight still overlaps the host's
-            # next batch with this step's compute.
-            jax.block_until_ready(self._in_flight.pop())
-        new_state, metrics = self._jitted(state, *inputs)
-        if self.num_devices > 1 and self.mesh.devices.flat[0].platform == "cpu":
-            self._in_flight.append(metrics)
-        return new_state, metrics
+        self._wait_for(state)
+        return self._jitted(state, *inputs)
+
+    def _wait_for(self, state: TrainState) -> None:
+        """Waits for the call that made ``state`` where needed: at most one call in flight.
+
+        With ``max_consecutive_skips``, its skip counter is read (a host read,
+        so it waits); a run of skips that reached the limit raises here, before
+        this call's batch is used and while ``state`` is still intact. Otherwise,
+        on several CPU devices: their collectives share one thread pool, and
+        dozens of queued steps on 2 cores starved XLA's in-process all-reduce
+        until its rendezvous timeout aborted the process (docs/decisions.md).
+        One call in flight still overlaps the host's next batch with a step.
+        """
+        limit = self.max_consecutive_skips
+        if limit is not None and self.skip_nonfinite:
+            skips = int(state.consecutive_skips)
+            if skips >= limit:
+                raise NonFiniteError(
+                    f"{skips} optimizer steps in a row had NaN or Inf gradients or loss and were "
+                    f"skipped (max_consecutive_skips={limit}); parameters and optimizer state are "
+                    f"those of step {int(state.step)}, in this error's .state (this call's batch "
+                    "was not used)",
+                    state,
+                )
+        elif self.num_devices > 1 and self.mesh.devices.flat[0].platform == "cpu":
+            jax.block_until_ready(state.step)
 
     def compile(self, state: TrainState, batch: Any, micro_weights: Any = None) -> Any:
         """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""
@@ -161,12 +184,12 @@ class TrainStep:
                 f"shape {shape} (one weight per micro-batch of the call)"
             )
         replicated = NamedSharding(self.mesh, P())
-        return self._split_batch(batch), _place(micro_weights, replicated)
+        return self._split_batch(batch), place(micro_weights, replicated)
 
     def _split_batch(self, batch: Any) -> Any:
         """Checks the batch identity, then splits the rows over the mesh."""
         self.sizes(batch)
-        return _place(batch, NamedSharding(self.mesh, P(self.axis_name)))
+        return place(batch, NamedSharding(self.mesh, P(self.axis_name)))
 
     @property
     def process_count(self) -> int:
@@ -176,15 +199,23 @@ class TrainStep:
     def sizes(self, batch: Any) -> BatchSizes:
         """The (global) batch identity of a batch for this step; raises if it does not fit.
 
-        With several processes, ``batch`` is this process's part: its rows of the
+        A ``jax.Array`` leaf counts with its (global) shape. Host data (numpy) is
+        this process's part: with several processes, its rows of the
         device-major global batch (:func:`process_share`), the same number on
         every process, so the global batch has ``process_count`` times as many.
         """
-        rows = {np.shape(x)[0] if np.ndim(x) else 0 for x in jax.tree.leaves(batch)}
-        if len(rows) != 1:
-            raise ValueError(f"every batch leaf needs the same leading size, got {sorted(rows)}")
-        (rows,) = rows
-        total = rows * self.process_count
+        leaves = jax.tree.leaves(batch)
+        local = {np.shape(x)[0] if np.ndim(x) else 0 for x in leaves}
+        scale = {1 if isinstance(x, jax.Array) else self.process_count for x in leaves}
+        if len(local) != 1:
+            raise ValueError(f"every batch leaf needs the same leading size, got {sorted(local)}")
+        if len(scale) != 1:
+            raise ValueError(
+                "with several processes, a batch must be all host arrays (this process's rows) "
+                "or all jax.Arrays (global), not a mix"
+            )
+        ((rows,), (factor,)) = local, scale
+        total = rows * factor
         try:
             if self.path == "fused":
                 return batch_sizes(
@@ -205,7 +236,7 @@ class TrainStep:
                 micro_batch_size=total // self.num_devices,
             )
         except ValueError as e:
-            if self.process_count == 1:
+            if total == rows:
                 raise
             raise ValueError(
                 f"this process's batch has {rows} rows; {self.process_count} processes make "
@@ -246,44 +277,55 @@ class TrainStep:
 
     def _local_step(self, state: TrainState, batch: Any, micro_weights: jax.Array):
         """One device's step; per-device leaves arrive without their device axis."""
-        parts = loss_parts(self.loss_fn, self.loss_reduction, state.graphdef, state.model_state)
         dtype = self._dtype(state.params)
+        mask = trainable_mask(state.params, self.trainable)
+        stats = split_state(state.model_state)[0]
         if self.strategy == "shard_map":
             to_varying = functools.partial(mark_varying, axis_name=self.axis_name)
         else:
             to_varying = _identity  # pmap does not track replication
+        common = dict(
+            forward=micro_forward(
+                loss_parts(
+                    self.loss_fn,
+                    self.loss_reduction,
+                    state.graphdef,
+                    configure=functools.partial(
+                        configure, mode=self.batch_stats, axis_name=self.axis_name
+                    ),
+                    with_rng=self.rng_seed is not None,
+                ),
+                state.params,
+                mask,
+                state.model_state,
+                state.step,
+                axis_name=self.axis_name,
+                rng_seed=self.rng_seed,
+            ),
+            optimizer=self._optimizer(dtype, stats),
+            params=split_trainable(state.params, mask),
+            opt_state=state.opt_state,
+            axis_name=self.axis_name,
+            dtype=dtype,
+            to_varying=to_varying,
+            skip_nonfinite=self.skip_nonfinite,
+        )
+        accum = state.accum
         if self.path == "fused":
             micro = jax.tree.map(lambda x: x.reshape(self.accum_steps, -1, *x.shape[1:]), batch)
-            params, opt_state, metrics = fused_update(
-                parts,
-                self._optimizer(dtype),
-                state.params,
-                state.opt_state,
-                micro,
-                micro_weights,
-                axis_name=self.axis_name,
-                dtype=dtype,
-                to_varying=to_varying,
+            update = fused_update(
+                **common, batch_stats=stats, micro_batches=micro, micro_weights=micro_weights
             )
-            step, accum = state.step + 1, state.accum
         else:
-            params, opt_state, accum, metrics = multisteps_update(
-                parts,
-                self._optimizer(dtype),
-                state.params,
-                state.opt_state,
-                state.accum,
-                batch,
-                micro_weights,
+            update, accum = multisteps_update(
+                **common,
+                accum=state.accum,
+                batch_stats=stats,
+                batch=batch,
+                micro_weight=micro_weights,
                 accum_steps=self.accum_steps,
-                dtype=dtype,
-                to_varying=to_varying,
             )
-            step = state.step + metrics["emitted"].astype(state.step.dtype)
-        lr = learning_rate(opt_state)
-        if lr is not None:
-            metrics["learning_rate"] = lr
-        return state._replace(step=step, params=params, opt_state=opt_state, accum=accum), metrics
+        return advance(state, update, combine(update.params, state.params, mask), accum)
 
     # ---- helpers ----------------------------------------------------------------
 
@@ -293,12 +335,19 @@ class TrainStep:
         wide = any(jnp.dtype(x.dtype) == jnp.float64 for x in jax.tree.leaves(params))
         return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
-    def _optimizer(self, dtype: Any) -> optax.GradientTransformation:
+    def _optimizer(self, dtype: Any, batch_stats: Any) -> optax.GradientTransformation:
+        optimizer = skip_unused(self.optimizer) if self.skip_unused else self.optimizer
         if self.path == "fused":
-            return self.optimizer
-        inner = optax.chain(sync_on_emit(self.axis_name, dtype=dtype), self.optimizer)
+            return optimizer
+        wire = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, wire_dtype(x.dtype, dtype)), batch_stats
+        )
+        sync = sync_on_emit(self.axis_name, dtype=dtype, extra_like=wire)
         return optax.MultiSteps(
-            inner, self.accum_steps, use_grad_mean=False, accumulator_dtype=dtype
+            optax.chain(sync, optimizer),
+            self.accum_steps,
+            use_grad_mean=False,
+            accumulator_dtype=dtype,
         )
 
     def _opt_specs(self, opt_state: Any) -> Any:
@@ -313,7 +362,9 @@ class TrainStep:
         def replicated(tree):
             return jax.tree.map(lambda _: P(), tree)
 
-        accum = None if state.accum is None else AccumState(P(self.axis_name), P(self.axis_name))
+        accum = state.accum
+        if accum is not None:
+            accum = jax.tree.map(lambda _: P(self.axis_name), accum)
         return TrainState(
             P(),
             replicated(state.params),
@@ -321,6 +372,8 @@ class TrainStep:
             accum,
             state.graphdef,
             replicated(state.model_state),
+            P(),
+            P(),
         )
 
 
@@ -335,27 +388,6 @@ def _map_per_device(state: TrainState, fn: Callable[[Any], Any]) -> TrainState:
     return state._replace(opt_state=opt_state, accum=jax.tree.map(fn, state.accum))
 
 
-def _place(tree: Any, sharding: NamedSharding, *, copy: bool = False) -> Any:
-    """Puts host or device values on the mesh with ``sharding``.
-
-    Host values are each process's local data (for a replicated sharding: the
-    whole value), so this works unchanged across processes. ``copy`` gives
-    device values fresh buffers, so donating the result never deletes arrays
-    the caller still holds.
-    """
-
-    def place(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            if not copy and x.sharding.is_equivalent_to(sharding, x.ndim):
-                return x
-            # Not device_put(may_alias=False): it still reuses the buffer of a
-            # shard that stays on the same device (jax 0.10.2).
-            return jax.jit(jnp.copy, out_shardings=sharding)(x)
-        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
-
-    return jax.tree.map(place, tree)
-
-
 def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -367,6 +399,12 @@ def make_train_step(
     loss_reduction: LossReduction = "mean",
     accum_dtype: Any = None,
     donate: bool = True,
+    batch_stats: BatchStats | None = None,
+    rng_seed: int | None = None,
+    trainable: Trainable = None,
+    skip_unused: bool = False,
+    skip_nonfinite: bool = True,
+    max_consecutive_skips: int | None = 10,
 ) -> TrainStep:
     """Builds a data-parallel step with gradient accumulation.
 
@@ -389,10 +427,45 @@ def make_train_step(
         float64 if any parameter is float64, else float32.
       donate: donate the input state's buffers to the output (saves memory;
         the state passed in must not be used again).
+      batch_stats: how BatchNorm modules (``nnx.BatchStat`` variables and an
+        ``axis_name``) compute statistics; required when the model has any.
+        ``"local"``: each device normalizes with its own micro-batch's
+        statistics and the running statistics kept are device 0's (DDP with
+        ``broadcast_buffers=True``). ``"sync"``: statistics over the
+        micro-batch of every device (SyncBatchNorm; jaxdp sets the modules'
+        ``axis_name``), at the cost of collectives in every micro-batch's
+        forward and backward. Either way the running statistics update once
+        per micro-batch.
+      rng_seed: if set, ``loss_fn`` is called with the keyword ``rng``, a key
+        derived from this seed like the NNX streams' (below).
+      trainable: which parameters train (default all): a pytree of bools, a
+        predicate ``(path, value) -> bool`` or an NNX filter. Frozen ones get
+        no gradient, no all-reduce bytes, no optimizer state and no update.
+      skip_unused: a parameter whose all-reduced gradient is exactly zero (not
+        used by any device's micro-batches) takes no optimizer step, like
+        torch skips parameters whose ``.grad`` is None; its momentum and
+        moments keep their values (state shared across parameters, such as
+        Adam's step count, still advances).
+      skip_nonfinite: if the all-reduced gradients or loss hold a NaN or Inf
+        (from any device), skip the update on every device: parameters,
+        optimizer state and batch statistics stay, the step count does not
+        advance, the accumulation window restarts; ``metrics["skipped"]``,
+        ``"skipped_steps"`` and ``"consecutive_skips"`` count them.
+      max_consecutive_skips: raise :class:`NonFiniteError` from the call after
+        this many updates in a row were skipped (None: never). It is checked on
+        the host, on the state a call is given, so each call waits for the
+        previous one: at most one call in flight.
 
     Gradients travel in one all-reduce per optimizer step, issued after the
     last micro-batch (``no_sync`` on the others), together with the loss and
-    weight sums.
+    weight sums and device 0's batch statistics.
+
+    Randomness: each micro-batch re-keys every ``nnx.Rngs`` stream of the
+    module as ``fold_in(fold_in(fold_in(stream_key, step), device),
+    micro_batch)`` with ``step`` the updates applied so far, ``device`` the
+    global mesh index and ``micro_batch`` the index in the window: masks differ
+    across devices and micro-batches and do not depend on how many processes
+    share the mesh.
     """
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps!r} must be a positive integer")
@@ -403,8 +476,30 @@ def make_train_step(
     ):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} must be one of {allowed}")
+    if batch_stats not in (None, "local", "sync"):
+        raise ValueError(f"batch_stats={batch_stats!r} must be None, 'local' or 'sync'")
+    if max_consecutive_skips is not None and (
+        not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1
+    ):
+        raise ValueError(
+            f"max_consecutive_skips={max_consecutive_skips!r} must be a positive integer or None"
+        )
     if len(mesh.axis_names) != 1:
         raise ValueError(f"mesh must have one (data) axis, got axes {mesh.axis_names}")
     return TrainStep(
-        loss_fn, optimizer, mesh, accum_steps, path, strategy, loss_reduction, accum_dtype, donate
+        loss_fn,
+        optimizer,
+        mesh,
+        accum_steps,
+        path,
+        strategy,
+        loss_reduction,
+        accum_dtype,
+        donate,
+        batch_stats=batch_stats,
+        rng_seed=rng_seed,
+        trainable=trainable,
+        skip_unused=skip_unused,
+        skip_nonfinite=skip_nonfinite,
+        max_consecutive_skips=max_consecutive_skips,
     )

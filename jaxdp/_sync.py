@@ -36,9 +36,32 @@ def all_reduce_mean(
     three travel in ONE all-reduce (a single variadic psum), so the loss metric
     and the token count cost no extra collective.
     """
-    grad_sum, loss_sum, weight = jax.lax.psum((grad_sum, loss_sum, weight), axis_name)
+    grads, loss, _ = all_reduce_step(grad_sum, loss_sum, weight, (), axis_name)
+    return grads, loss
+
+
+def all_reduce_step(
+    grad_sum: Any, loss_sum: jax.Array, weight: jax.Array, extra: Any, axis_name: str = DATA_AXIS
+) -> tuple[Any, jax.Array, Any]:
+    """:func:`all_reduce_mean` with ``extra`` summed over devices in the same psum.
+
+    jaxdp passes device 0's batch statistics as ``extra`` (zeros elsewhere),
+    so committing them costs their bytes in the one all-reduce, not a
+    collective of their own.
+    """
+    grad_sum, loss_sum, weight, extra = jax.lax.psum((grad_sum, loss_sum, weight, extra), axis_name)
     grads = jax.tree.map(lambda g: (g / weight.astype(g.dtype)).astype(g.dtype), grad_sum)
-    return grads, loss_sum / weight.astype(loss_sum.dtype)
+    return grads, loss_sum / weight.astype(loss_sum.dtype), extra
+
+
+def all_finite(grads: Any, loss: jax.Array) -> jax.Array:
+    """True when the all-reduced gradients and loss hold no NaN or Inf.
+
+    Decided after the all-reduce, so every device decides the same: a NaN or
+    Inf on any device (or an overflow of the sum) makes the sum non-finite.
+    """
+    flags = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
+    return jnp.all(jnp.stack([jnp.isfinite(loss), *flags]))
 
 
 class SyncState(NamedTuple):
@@ -50,18 +73,23 @@ class SyncState(NamedTuple):
 
     loss: jax.Array
     grad_norm: jax.Array
+    finite: jax.Array  # gradients and loss free of NaN and Inf (see all_finite)
+    extra: Any = ()  # the all-reduced ``extra`` (jaxdp: device 0's batch statistics)
 
 
 def sync_on_emit(
-    axis_name: str = DATA_AXIS, *, dtype: Any = jnp.float32
+    axis_name: str = DATA_AXIS, *, dtype: Any = jnp.float32, extra_like: Any = ()
 ) -> optax.GradientTransformationExtraArgs:
     """All-reduces accumulated gradients only on the step that emits an update.
 
     Meant as the first link of the chain wrapped by ``optax.MultiSteps`` with
     ``use_grad_mean=False``: it receives the per-device SUM of micro-batch
     gradients and needs, as extra arguments, ``emit`` (a replicated bool),
-    ``loss_sum`` and ``weight`` (per-device sums over the window). The loss and
-    gradient norm of the last emitted step are kept in ``dtype``.
+    ``loss_sum`` and ``weight`` (per-device sums over the window), and
+    optionally ``extra``, a tree shaped like ``extra_like`` summed over
+    devices in the same psum. The loss and gradient norm of the last emitted
+    step are kept in ``dtype``, with whether it was finite and the summed
+    ``extra``.
 
     MultiSteps (optax 0.2.8) runs its inner chain on every mini-step and masks
     the result, so an unguarded psum here would run every micro-batch. The
@@ -71,10 +99,11 @@ def sync_on_emit(
 
     def init(params: Any) -> SyncState:
         del params
-        return SyncState(jnp.zeros([], dtype), jnp.zeros([], dtype))
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), extra_like)
+        return SyncState(jnp.zeros([], dtype), jnp.zeros([], dtype), jnp.ones([], bool), zeros)
 
-    def update(updates, state, params=None, *, emit, loss_sum, weight, **extra):
-        del extra
+    def update(updates, state, params=None, *, emit, loss_sum, weight, extra=(), **unused):
+        del unused
         # Gradients leave in the parameters' dtypes, as in the fused path.
         dtypes = (
             jax.tree.map(lambda g: g.dtype, updates)
@@ -83,17 +112,18 @@ def sync_on_emit(
         )
 
         def reduce(operands):
-            grads, loss = all_reduce_mean(*operands, axis_name)
+            grads, loss, summed = all_reduce_step(*operands, axis_name)
+            finite = all_finite(grads, loss)
             grads = jax.tree.map(lambda g, d: g.astype(d), grads, dtypes)
             norm = optax.tree.norm(grads).astype(dtype)
-            return grads, SyncState(loss.astype(dtype), norm)
+            return grads, SyncState(loss.astype(dtype), norm, finite, summed)
 
         def skip(operands):
             # Fresh constants: replicated like the psum result, as lax.cond needs.
             zeros = jax.tree.map(lambda g, d: jnp.zeros(g.shape, d), operands[0], dtypes)
             return zeros, state
 
-        return jax.lax.cond(emit, reduce, skip, (updates, loss_sum, weight))
+        return jax.lax.cond(emit, reduce, skip, (updates, loss_sum, weight, extra))
 
     return optax.GradientTransformationExtraArgs(init, update)
 

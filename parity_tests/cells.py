@@ -90,19 +90,64 @@ LAST_WINDOW = [
     for policy, path in (("drop", "fused"), ("step", "fused"), ("step", "multisteps"))
 ]
 
-
 # jaxdp on 2 processes x 2 devices (parity_tests/test_distributed_parity.py) against
 # torch_ref DDP on 4 ranks; the run: the MLP, 5 steps of 4 x 2 micro-batches.
 MULTI_PROCESS = ParityConfig(
     model="mlp", optimizer="adamw", num_devices=4, accum_steps=2, steps=5, dtype="float64"
 )
 
-ALL = [*FLOAT64, *FLOAT32, *LAST_WINDOW, MULTI_PROCESS]
+
+# BatchNorm: DDP's per-rank statistics (broadcast_buffers=True) against
+# batch_stats="local", SyncBatchNorm against "sync"; weights and running statistics.
+BATCH_NORM = [
+    ParityConfig(
+        model="cnn_bn",
+        optimizer=optimizer,
+        num_devices=2,
+        accum_steps=k,
+        steps=STEPS,
+        path=path,
+        strategy=strategy,
+        sync_batchnorm=sync,
+    )
+    for sync in (False, True)
+    for k, path, strategy, optimizer in (
+        (1, "fused", "shard_map" if sync else "pmap", "sgd_momentum"),
+        (2, "fused", "pmap" if sync else "shard_map", "adamw"),
+        (2, "multisteps", "shard_map", "sgd_nesterov_wd"),
+    )
+]
+
+# A frozen embedding and a branch unused by every rank in some steps (data in
+# order: steps 3, 6, 9 leave it unused everywhere, steps 2, 5, 8 use it on one
+# rank's micro-batch only). SGD only: torch's AdamW keeps a step count per
+# parameter, which a skipped parameter does not advance (docs/decisions.md).
+UNUSED = [
+    ParityConfig(
+        model="embed_branch",
+        optimizer=optimizer,
+        num_devices=n,
+        accum_steps=k,
+        steps=STEPS,
+        path=path,
+        strategy=strategy,
+        num_samples=160,
+        shuffle=False,
+    )
+    for n, k, path, strategy, optimizer in (
+        (2, 2, "fused", "shard_map", "sgd_nesterov_wd"),
+        (2, 2, "multisteps", "pmap", "sgd_momentum"),
+        (1, 4, "fused", "shard_map", "sgd_momentum"),
+    )
+]
+
+ALL = [*FLOAT64, *FLOAT32, *LAST_WINDOW, MULTI_PROCESS, *BATCH_NORM, *UNUSED]
 
 
 def cell_id(config: ParityConfig) -> str:
     n, k = config.num_devices, config.accum_steps
     extra = f"-{config.last_window}" if config.last_window != "drop" else ""
+    extra += "-syncbn" if config.sync_batchnorm else ""
     return (
         f"{config.model}-{config.optimizer}-n{n}k{k}-{config.path}-{config.strategy}"
         f"-{config.dtype}{extra}"

@@ -7,8 +7,10 @@ import shutil
 
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 from helpers import RTOL, assert_trees_close
 
 import jaxdp
@@ -340,3 +342,48 @@ def test_loss_plot_is_a_png(three):
 def test_bad_config_is_refused(changes, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(BASE, **changes)
+
+
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+def test_batch_statistics_rng_streams_and_skip_counts_round_trip(tmp_path, path):
+    class Net(nnx.Module):
+        def __init__(self):
+            rngs = nnx.Rngs(0, dropout=1)
+            self.fc = nnx.Linear(4, 8, param_dtype=np.float64, rngs=rngs)
+            self.bn = jaxdp.BatchNorm(8, param_dtype=np.float64)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.bn(self.fc(x))).sum(axis=1)
+
+    def loss(model, batch):
+        return (model(batch) ** 2).mean()
+
+    step = jaxdp.make_train_step(
+        loss,
+        optax.adam(1e-2),
+        mesh=jaxdp.data_mesh(2),
+        accum_steps=2,
+        path=path,
+        batch_stats="local",
+        trainable=lambda path, value: path[0] != "fc" or path[1] != "bias",
+    )
+    sizes = jaxdp.batch_sizes(num_devices=2, accum_steps=2, micro_batch_size=2)
+    x = np.random.default_rng(0).normal(size=(8, 4))
+    bad = x.copy()
+    bad[0, 0] = np.nan
+    state = step.init(Net())
+    for batch in (x, bad, x):
+        calls = [batch] if path == "fused" else jaxdp.micro_batches(batch, sizes)
+        for call in calls:
+            state, _ = step(state, call)
+    checkpoints = jaxdp.Checkpoints(tmp_path / "ckpt")
+    checkpoints.save(state, position=jaxdp.SamplerPosition(0, 3), sizes=sizes, samples=24)
+    restored = checkpoints.restore(step.init(Net()), sizes=sizes).state
+    assert int(restored.skipped_steps) == 1 and int(restored.step) == 2
+    keys = [nnx.filter_state(s.model_state, nnx.RngKey) for s in (restored, state)]
+    assert_trees_close(*(jax.tree.map(jax.random.key_data, k) for k in keys), rtol=0)
+    stats = [nnx.filter_state(s.model_state, nnx.BatchStat) for s in (restored, state)]
+    assert_trees_close(*stats, rtol=0)
+    assert int(restored.model_state["bn"]["num_batches_tracked"][...]) == 4
+    assert_trees_close(restored.opt_state, state.opt_state, rtol=0)

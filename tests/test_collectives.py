@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import mlp_params, mse_loss, regression_data
@@ -99,3 +100,50 @@ def test_report_names_each_all_reduce():
     step, state, batch = compiled_step("fused", "shard_map", 2, mlp_params())
     text = jaxdp.format_report(jaxdp.all_reduces(step.compile(state, batch)))
     assert "top level" in text and f"{gradient_bytes(mlp_params()) + 16:,}" in text
+
+
+def cnn_bn_step(batch_stats, path, accum_steps=2):
+    model = jaxdp.build_model("cnn_bn", param_dtype=jnp.float64)
+    step = jaxdp.make_train_step(
+        jaxdp.model_loss("cnn_bn"),
+        optax.sgd(0.1),
+        mesh=jaxdp.data_mesh(NUM_DEVICES),
+        accum_steps=accum_steps,
+        path=path,
+        batch_stats=batch_stats,
+    )
+    rows = NUM_DEVICES * MICRO * (accum_steps if path == "fused" else 1)
+    rng = np.random.default_rng(0)
+    batch = (rng.normal(size=(rows, 8, 8, 1)), rng.integers(0, 10, size=rows))
+    params = nnx.state(model, nnx.Param)
+    stats = nnx.state(model, nnx.BatchStat)
+    return step, step.init(model), batch, gradient_bytes(params), len(jax.tree.leaves(stats))
+
+
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+def test_local_batch_statistics_ride_in_the_one_all_reduce(path):
+    step, state, batch, grad_bytes, stats = cnn_bn_step("local", path)
+    reduces = jaxdp.all_reduces(step.compile(state, batch))
+    assert len(reduces) == 1, jaxdp.format_report(reduces)
+    (reduce,) = reduces
+    # Device 0's running mean and variance (8 + 16 channels) and two counters,
+    # all as float64, next to the gradients and the loss and weight sums.
+    assert stats == 6
+    assert reduce.bytes == grad_bytes + 2 * 8 + (2 * (8 + 16) + 2) * 8
+    assert not reduce.in_loop
+
+
+def test_sync_batch_statistics_cost_collectives_in_every_micro_batch():
+    """SyncBatchNorm's price, as in torch: per BatchNorm layer and micro-batch, channel-wide
+    all-reduces in the forward (the mean, then the variance around it) and the backward."""
+    accum_steps = 3
+    step, state, batch, grad_bytes, _ = cnn_bn_step("sync", "fused", accum_steps)
+    reduces = jaxdp.all_reduces(step.compile(state, batch))
+    top = [r for r in reduces if not r.in_loop]
+    assert len(top) == 1 and top[0].bytes == grad_bytes + 2 * 8 + 50 * 8
+    in_loop = [r for r in reduces if r.in_loop]
+    assert in_loop and all(r.executions == (accum_steps, accum_steps) for r in in_loop)
+    # Per layer 2 in the forward and their transposes in the backward (3 with jax
+    # 0.10.2 on CPU: how XLA groups the backward's reductions is its choice).
+    vectors, rest = divmod(sum(r.bytes for r in in_loop) // 8, 8 + 16)
+    assert rest == 0 and 4 <= vectors <= 6, jaxdp.format_report(reduces)

@@ -192,7 +192,7 @@ def test_cli_unreachable_global_batch_exits_with_the_rule():
 
 # ---- XLA's memory analysis --------------------------------------------------------
 # What is compared, per device (see jaxdp._plan_xla):
-#   arguments   = weights + optimizer state + the per-device batch (+ the step counter);
+#   arguments   = weights + optimizer state + the per-device batch (+ the step counters);
 #   temporaries = gradients + fp32 accumulator + activations (+ XLA's fusion scratch);
 #   total       = arguments + temporaries + outputs not aliased to arguments (metrics).
 # The activation estimate is the residuals JAX's autodiff saves (before XLA's fusion).
@@ -227,8 +227,9 @@ def test_estimate_within_20_percent_of_xla(name, kwargs, micro_batch_size, accum
     arguments = plan.weights + plan.optimizer_state + inputs
     temporaries = plan.gradients + plan.accumulator
     temporaries += micro_batch_size * plan.activation_bytes_per_sample
-    # Exact but for the int32 step counter, Adam's int32 count and the fp32 micro-batch weights.
-    assert actual.arguments - arguments == 4 + 4 + 4 * accum_steps
+    # Exact but for the int32 step and skip counters (3), Adam's int32 count and the fp32
+    # micro-batch weights.
+    assert actual.arguments - arguments == 3 * 4 + 4 + 4 * accum_steps
     assert abs(arguments + temporaries - actual.total) <= 0.2 * actual.total
     # The one all-reduce carries the fp32 gradient sums and two fp32 scalars.
     reduces = jaxdp.all_reduces(compiled)
@@ -272,4 +273,4 @@ def test_bf16_policy_table_matches_the_compiled_arguments():
     actual = xla.CompiledSteps(spec, "adamw", jaxdp.data_mesh(2)).memory(4, 1)
     inputs = 4 * xla.input_bytes_per_sample(spec)
     assert plan.weights + plan.optimizer_state == 6 * params
-    assert actual.arguments - (plan.weights + plan.optimizer_state + inputs) == 4 + 4 + 4
+    assert actual.arguments - (plan.weights + plan.optimizer_state + inputs) == 3 * 4 + 4 + 4

@@ -2,8 +2,10 @@
 
 Attribute names are the parameter layout shared with jaxdp's Flax NNX models:
 the state_dict key ``a.b.weight`` is the NNX parameter path ``a.b.kernel`` (or
-``scale``/``embedding``), see ``_notes/models.md``. Nothing here registers a
-buffer, so a state_dict holds parameters only.
+``scale``/``embedding``), see ``_notes/models.md``. Only ``cnn_bn`` registers
+buffers (BatchNorm's ``running_mean``, ``running_var``, ``num_batches_tracked``,
+the names jaxdp's ``BatchNorm`` uses); ``embed_branch`` has a frozen embedding
+(``requires_grad=False``) and a branch only some micro-batches use.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import math
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-MODELS = ("linear", "mlp", "cnn", "transformer")
+MODELS = ("linear", "mlp", "cnn", "transformer", "cnn_bn", "embed_branch")
 """The reference model names, as ``build_model``, ``compute_loss`` and ``make_data`` take them."""
 
 DTypeLike = str | np.dtype | torch.dtype
@@ -64,6 +67,90 @@ class CNN(nn.Module):
         h = x.permute(0, 3, 1, 2)
         h = F.max_pool2d(F.relu(self.conv1(h)), kernel_size=2, stride=2)
         h = F.relu(self.conv2(h)).mean(dim=(2, 3))
+        return self.head(h)
+
+
+class CNNBN(nn.Module):
+    """``CNN`` with ``BatchNorm2d`` after each convolution (the convolutions without bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.permute(0, 3, 1, 2)
+        h = F.max_pool2d(F.relu(self.bn1(self.conv1(h))), kernel_size=2, stride=2)
+        h = F.relu(self.bn2(self.conv2(h))).mean(dim=(2, 3))
+        return self.head(h)
+
+
+class CPUSyncBatchNorm(nn.BatchNorm2d):
+    """``nn.SyncBatchNorm``'s statistics with plain differentiable collectives.
+
+    ``nn.SyncBatchNorm`` runs only on GPUs (its kernels are CUDA's). In training
+    under an initialized process group this normalizes with the mean and biased
+    variance over every rank's batch (sums all-reduced with
+    ``torch.distributed.nn.functional.all_reduce``, whose backward all-reduces
+    the gradients, as SyncBatchNorm's backward does) and updates the running
+    variance with the unbiased variance over the global count, as
+    SyncBatchNorm does.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return super().forward(x)
+        from torch.distributed.nn.functional import all_reduce
+
+        dims = [d for d in range(x.dim()) if d != 1]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        n = x.numel() // x.size(1) * dist.get_world_size()
+        mean = all_reduce(x.sum(dims)) / n
+        var = all_reduce((x - mean.view(shape)).square().sum(dims)) / n
+        with torch.no_grad():
+            self.num_batches_tracked.add_(1)
+            self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
+            self.running_var.mul_(1 - self.momentum).add_(self.momentum * var * n / (n - 1))
+        y = (x - mean.view(shape)) / torch.sqrt(var.view(shape) + self.eps)
+        return y * self.weight.view(shape) + self.bias.view(shape)
+
+
+def convert_sync_batchnorm(module: nn.Module, device: str) -> nn.Module:
+    """``nn.SyncBatchNorm.convert_sync_batchnorm`` on CUDA; on CPU every ``BatchNorm2d``
+    becomes a ``CPUSyncBatchNorm`` with the same parameters and buffers."""
+    if device == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    for name, child in module.named_children():
+        if type(child) is nn.BatchNorm2d:
+            sync = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum)
+            sync.to(child.weight.dtype)
+            sync.load_state_dict(child.state_dict())
+            setattr(module, name, sync)
+        else:
+            convert_sync_batchnorm(child, device)
+    return module
+
+
+class EmbedBranch(nn.Module):
+    """Tokens ``[B, 6]`` -> frozen embedding (mean over tokens) -> ``fc`` (ReLU) ->
+    ``h + relu(branch(h))`` only for a micro-batch holding a row that starts with
+    token 0 -> ``head``: 4 logits. ``branch`` goes unused in the other micro-batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.embed.weight.requires_grad_(False)
+        self.fc = nn.Linear(8, 16)
+        self.branch = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc(self.embed(x).mean(dim=1)))
+        if bool((x[:, 0] == 0).any()):
+            h = h + F.relu(self.branch(h))
         return self.head(h)
 
 
@@ -147,6 +234,8 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "mlp": MLP,
     "cnn": CNN,
     "transformer": Transformer,
+    "cnn_bn": CNNBN,
+    "embed_branch": EmbedBranch,
 }
 
 
@@ -211,8 +300,12 @@ def make_data(
 
     linear: x uniform in [0, 1) ``[n, 8]``, y zeros ``[n, 1]`` (float, unused).
     mlp: x normal ``[n, 16]``, y int64 in [0, 4), the argmax of a fixed random
-    linear teacher. cnn: x normal NHWC ``[n, 8, 8, 1]``, y int64 in [0, 10)
-    from a linear teacher on the flattened image. transformer: int64 token
+    linear teacher. cnn, cnn_bn: x normal NHWC ``[n, 8, 8, 1]``, y int64 in
+    [0, 10) from a linear teacher on the flattened image. embed_branch: int64
+    tokens ``[n, 6]`` in [1, 16), y in [0, 4) from a linear teacher on the token
+    counts; in row blocks of 16 (a global batch of 16 read in order), every row
+    of blocks 0, 3, 6, ... starts with token 0, only the block's row 1 in
+    blocks 1, 4, ..., and none in blocks 2, 5, ... transformer: int64 token
     sequences ``[n, 9]`` in [0, 32) that step by +1 or +2 (mod 32) from a
     random start; x is the first 8 tokens, y the next-token targets.
     Floating arrays are in ``dtype``; the same ``seed`` gives the same arrays.
@@ -232,6 +325,14 @@ def make_data(
             np.int64
         )
         return tokens[:, :-1].copy(), tokens[:, 1:].copy()
+    if name == "embed_branch":
+        tokens = rng.integers(1, 16, size=(num_samples, 6))
+        block = np.arange(num_samples) // 16
+        tokens[block % 3 == 0, 0] = 0  # every micro-batch of these 16 rows uses the branch
+        tokens[(block % 3 == 1) & (np.arange(num_samples) % 16 == 1), 0] = 0  # one row of 16
+        counts = np.stack([np.bincount(row, minlength=16) for row in tokens])
+        y = np.argmax(counts @ rng.normal(size=(16, 4)), axis=1).astype(np.int64)
+        return tokens.astype(np.int64), y
     shape, classes = ((16,), 4) if name == "mlp" else ((8, 8, 1), 10)
     x = rng.normal(size=(num_samples, *shape))
     teacher = rng.normal(size=(math.prod(shape), classes))

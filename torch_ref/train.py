@@ -41,7 +41,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ._launch import launch, pin_cuda_precision
-from .models import build_model, check_model_name, compute_loss, numpy_state_dict, torch_dtype
+from .models import (
+    build_model,
+    check_model_name,
+    compute_loss,
+    convert_sync_batchnorm,
+    numpy_state_dict,
+    torch_dtype,
+)
 from .optim import OptimConfig, build_optimizer
 
 Data = tuple[np.ndarray, np.ndarray]
@@ -66,6 +73,8 @@ class TrainConfig:
     last_window: Literal["drop", "step"] = "drop"  # the epoch's incomplete window
     dtype: str = "float64"  # parameters and floating data
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl, one GPU per rank, TF32 off)
+    sync_batchnorm: bool = False  # DDP: BatchNorm statistics over all ranks (SyncBatchNorm)
+    find_unused_parameters: bool = False  # DDP's: allow parameters without a gradient
 
     def __post_init__(self) -> None:
         check_model_name(self.model)
@@ -209,12 +218,25 @@ def _run(
     dtype = torch_dtype(config.dtype)
     module = build_model(config.model, dtype=dtype)
     module.load_state_dict(
-        {k: torch.as_tensor(v, dtype=dtype) for k, v in initial_state.items()}, strict=True
+        {
+            k: torch.as_tensor(v, dtype=dtype if v.dtype.kind == "f" else None)
+            for k, v in initial_state.items()
+        },
+        strict=True,
     )
     module.to(device)
     model = module
     if ddp:
-        model = DDP(module, device_ids=[device] if config.device == "cuda" else None)
+        if config.sync_batchnorm:
+            module = convert_sync_batchnorm(module, config.device)
+        # broadcast_buffers=True (the default): rank 0's buffers (BatchNorm's running
+        # statistics) are broadcast at the start of every forward, no_sync ones too.
+        model = DDP(
+            module,
+            device_ids=[device] if config.device == "cuda" else None,
+            broadcast_buffers=True,
+            find_unused_parameters=config.find_unused_parameters,
+        )
     optimizer = build_optimizer(model.parameters(), config.optimizer)
     sampler, loader = _loader(config, data, dtype, rank=rank, world_size=world_size)
     result = Result(states=[], losses=[], final={})

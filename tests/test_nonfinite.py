@@ -1,0 +1,160 @@
+"""Non-finite steps: every replica skips them identically, as if the batch never came."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxdp
+
+NUM_DEVICES, ACCUM, MICRO = 4, 2, 4
+
+
+class Net(nnx.Module):
+    """Every kind of state: parameters, batch statistics, a dropout stream."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(0, dropout=1)
+        self.fc = nnx.Linear(6, 16, param_dtype=jnp.float64, rngs=rngs)
+        self.bn = jaxdp.BatchNorm(16, param_dtype=jnp.float64)
+        self.dropout = nnx.Dropout(0.2, rngs=rngs)
+        self.out = nnx.Linear(16, 1, param_dtype=jnp.float64, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.dropout(jax.nn.relu(self.bn(self.fc(x)))))
+
+
+def loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def batches(count=4):
+    rng = np.random.default_rng(0)
+    rows = NUM_DEVICES * ACCUM * MICRO
+    out = []
+    for _ in range(count):
+        x = rng.normal(size=(rows, 6))
+        out.append((x, np.sin(x).sum(axis=1, keepdims=True)))
+    return out
+
+
+def poisoned(batch, device, micro_batch, value=np.nan):
+    x, y = (a.copy() for a in batch)
+    x[(device * ACCUM + micro_batch) * MICRO + 1, 2] = value
+    return x, y
+
+
+def make(path, strategy="shard_map", **kw):
+    return jaxdp.make_train_step(
+        loss,
+        optax.adamw(1e-2, weight_decay=1e-2),
+        mesh=jaxdp.data_mesh(NUM_DEVICES),
+        accum_steps=ACCUM,
+        path=path,
+        strategy=strategy,
+        batch_stats="local",
+        **kw,
+    )
+
+
+def calls(step, batch):
+    if step.path == "fused":
+        return [batch]
+    sizes = jaxdp.batch_sizes(num_devices=NUM_DEVICES, accum_steps=ACCUM, micro_batch_size=MICRO)
+    return list(jaxdp.micro_batches(batch, sizes))
+
+
+def run(step, data):
+    state, history = step.init(Net()), []
+    for batch in data:
+        for call in calls(step, batch):
+            state, metrics = step(state, call)
+            history.append(jax.device_get(metrics))
+    return state, history
+
+
+def host(state):
+    """Everything a step may change, as numpy by path (rng keys as their data)."""
+    tree = (state.step, state.params, state.opt_state, state.model_state)
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): np.asarray(_plain(x)) for path, x in leaves}
+
+
+@pytest.mark.parametrize(
+    "path, strategy, device, micro_batch",
+    [
+        ("fused", "shard_map", 1, 1),
+        ("fused", "pmap", 0, 0),
+        ("multisteps", "shard_map", 0, 0),
+        ("multisteps", "pmap", 3, 1),
+    ],
+)
+def test_nan_on_one_device_skips_the_step_everywhere_like_a_run_without_that_batch(
+    path, strategy, device, micro_batch
+):
+    data = batches()
+    mesh = jaxdp.data_mesh(NUM_DEVICES)
+    step = make(path, strategy)
+    state, history = step.init(Net()), []
+    for batch in [data[0], poisoned(data[1], device, micro_batch), data[2], data[3]]:
+        before = host(state)  # the window's start: a skip returns to it, window restarted
+        for call in calls(step, batch):
+            state, metrics = step(state, call)
+            history.append(jax.device_get(metrics))
+            for tree, name in ((state.params, "params"), (state.model_state, "model_state")):
+                jaxdp.check_replicas(jax.tree.map(_plain, tree), mesh, name=name)
+            if metrics["skipped"]:  # nothing moved: parameters, optimizer, statistics, step
+                np.testing.assert_equal(host(state), before)
+    clean, _ = run(make(path, strategy), [data[0], data[2], data[3]])
+
+    skipped = [bool(m["skipped"]) for m in history]
+    per_step = 1 if path == "fused" else ACCUM
+    assert skipped == [False] * (2 * per_step - 1) + [True] + [False] * (2 * per_step)
+    assert int(state.step) == 3 and int(state.skipped_steps) == 1
+    assert int(history[2 * per_step - 1]["consecutive_skips"]) == 1
+    assert int(history[-1]["consecutive_skips"]) == 0
+    assert np.isnan(history[2 * per_step - 1]["loss"])
+    # Bitwise: the skipped step changed nothing, not even the dropout keys' step.
+    np.testing.assert_equal(host(state), host(clean))
+
+
+def _plain(x):
+    return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+
+def test_inf_counts_as_non_finite():
+    data = batches(2)
+    step = make("fused")
+    state, history = run(step, [poisoned(data[0], 2, 0, np.inf), data[1]])
+    assert [bool(m["skipped"]) for m in history] == [True, False]
+    assert int(state.step) == 1
+
+
+def test_consecutive_skips_stop_training_with_the_last_good_state():
+    data = batches(4)
+    step = make("fused", max_consecutive_skips=2)
+    state, _ = step(step.init(Net()), data[0])
+    good = host(state)
+    state, metrics = step(state, poisoned(data[1], 0, 0))
+    assert int(metrics["consecutive_skips"]) == 1
+    # The call that reaches the limit returns; the counter is read (waiting for
+    # it) when the next call starts, which raises before using its batch.
+    state, metrics = step(state, poisoned(data[2], 3, 1))
+    assert int(metrics["consecutive_skips"]) == 2
+    with pytest.raises(
+        jaxdp.NonFiniteError, match=r"2 optimizer steps in a row.*max_consecutive_skips=2.*step 1"
+    ) as error:
+        step(state, data[3])
+    np.testing.assert_equal(host(error.value.state), good)
+    assert int(error.value.state.skipped_steps) == 2
+
+
+def test_skip_nonfinite_false_lets_nan_through():
+    data = batches(1)
+    step = make("fused", skip_nonfinite=False)
+    state, metrics = step(step.init(Net()), poisoned(data[0], 1, 0))
+    assert not bool(metrics["skipped"]) and int(state.step) == 1
+    assert np.isnan(np.asarray(state.params["fc"]["kernel"][...])).all()
