@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ._bench._runner import add_bench_command
 from ._parity import add_parity_command
 from ._plan_cli import add_parser as plan_parser
 
@@ -169,7 +170,7 @@ def _stop_on_signals() -> Iterator[list[int | None]]:
 
 # One entry per subcommand: a function that adds its parser to ``sub`` and
 # sets ``run`` (taking the parsed namespace, returning the exit status).
-SUBCOMMANDS = (_train_parser, add_parity_command, plan_parser)
+SUBCOMMANDS = (_train_parser, add_parity_command, plan_parser, add_bench_command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -78,13 +78,19 @@ def stepper(config: Any, model: nn.Module, rows: Window) -> Callable[[], float]:
     return lambda: _train_window(config, model, optimizer, rows, device).item()
 
 
-def ga_stepper(bm: BenchModel, accum_steps: int) -> tuple[Callable[[], float], int]:
-    """Single-process gradient accumulation: the step and its global batch size."""
+def ga_stepper(bm: BenchModel, accum_steps: int, threads: int) -> tuple[Callable[[], float], int]:
+    """Single-process gradient accumulation on ``threads`` torch threads: the step and
+    its global batch size. Steps of other thread counts may run in between."""
     config = train_config(bm, num_devices=1, accum_steps=accum_steps)
     rows = bm.micro_batch_size * accum_steps
-    return stepper(
-        config, torch_model(bm), window(bm.data(rows), bm.micro_batch_size, accum_steps)
-    ), rows
+    step = stepper(config, torch_model(bm), window(bm.data(rows), bm.micro_batch_size, accum_steps))
+
+    def run() -> float:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return step()
+
+    return run, rows
 
 
 def run_ddp(

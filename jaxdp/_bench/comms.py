@@ -21,7 +21,7 @@ from ._common import BenchModel, bench_models, optimizer, param_bytes, standard_
 
 NUM_DEVICES = 4
 ACCUM_STEPS = (1, 2, 4, 8, 16)
-QUICK_ACCUM_STEPS = (1, 2, 4)
+QUICK_ACCUM_STEPS = (1, 2)
 RING_DEVICES = (8, 64, 512)
 # Per-GPU bandwidth in one direction, bytes/s.
 LINKS = {

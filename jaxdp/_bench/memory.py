@@ -69,12 +69,14 @@ def largest_fitting(total: Callable[[int], int], budget: int, *, limit: int = 2*
 def measure_model(
     bm: BenchModel, accum_steps: Sequence[int], mesh: Any, budget: int
 ) -> dict[str, Any]:
-    from .._plan_xla import CompiledSteps, compiled_memory
+    from .._plan_xla import CompiledSteps, compiled_memory, input_bytes_per_sample, param_count
     from .._step import make_train_step
 
     n = mesh.devices.size
     steps = CompiledSteps(bm.spec(), "adamw", mesh)
     per_device = bm.micro_batch_size * max(accum_steps)  # fixed global batch: n * per_device
+    accumulator = 4 * param_count(bm.spec())  # jaxdp's float32 gradient sum
+    row_bytes = input_bytes_per_sample(bm.spec())
     rows = []
     for k in accum_steps:
         micro = per_device // k
@@ -86,6 +88,11 @@ def measure_model(
                 "fused": dataclasses.asdict(fused) | {"total": fused.total},
                 "single_micro_batch": dataclasses.asdict(single) | {"total": single.total},
                 "temp_ratio": fused.temporaries / single.temporaries,
+                # What the loop adds to one micro-batch's step: the accumulator, and
+                # the micro-batch it slices out of the batch argument.
+                "excess_bytes": fused.temporaries - single.temporaries,
+                "accumulator_bytes": accumulator if k > 1 else 0,
+                "micro_input_bytes": micro * row_bytes if k > 1 else 0,
             }
         )
     without = largest_fitting(lambda b: steps.memory(b, 1).total, budget)
