@@ -104,9 +104,10 @@ def test_fused_step_memory_against_one_micro_batch(quick):
     for r in model["rows"]:
         fused, single = r["fused"], r["single_micro_batch"]
         assert r["temp_ratio"] == pytest.approx(fused["temporaries"] / single["temporaries"])
-        # No K micro-batches of activations: the loop adds the float32 accumulator and
-        # the micro-batch it slices out (plus a little loop state), nothing per K.
-        bound = r["accumulator_bytes"] + r["micro_input_bytes"] + 1024
+        # No K micro-batches of activations: the loop adds at most the float32
+        # accumulator and the micro-batch it slices out, give or take a few percent of
+        # loop state and alignment (observed up to 2%), nothing that grows with K.
+        bound = 1.05 * (r["accumulator_bytes"] + r["micro_input_bytes"]) + 1024
         assert fused["temporaries"] - single["temporaries"] == r["excess_bytes"] <= bound
         # Same global batch: the arguments differ only by the K micro-batch weights.
         assert fused["arguments"] == first["fused"]["arguments"] + 4 * (r["accum_steps"] - 1)

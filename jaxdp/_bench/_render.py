@@ -64,8 +64,6 @@ def run_section(r: dict[str, dict[str, Any]]) -> str:
             f"{n} {r[n]['env']['load_average_end'][0]:.1f}" for n in RESULTS[1:5] if n in r
         ),
     ]
-    if run.get("note"):
-        lines.append(f"- Note: {run['note']}")
     return "\n".join(lines)
 
 
@@ -214,6 +212,8 @@ def memory_section(m: dict[str, Any]) -> str:
                     "total",
                     "one micro-batch step: temporaries",
                     "temp ratio",
+                    "excess",
+                    "accumulator + micro-batch inputs",
                 ],
                 rows,
             )

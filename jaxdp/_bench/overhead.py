@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     emulate_cpu_devices(1)
     started = time.perf_counter()
     ks = QUICK_ACCUM_STEPS if args.quick else ACCUM_STEPS
-    repeats, sample_seconds = (2, 0.01) if args.quick else (11, 0.1)
+    repeats, sample_seconds = (2, 0.01) if args.quick else (9, 0.1)
     models = [
         measure_model(bm, ks, repeats=repeats, sample_seconds=sample_seconds)
         for bm in bench_models(args.quick)
