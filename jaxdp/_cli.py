@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ._bench._runner import add_bench_command
 from ._launch import add_launch_command
 from ._parity import add_parity_command
 from ._plan_cli import add_parser as plan_parser
@@ -186,7 +187,13 @@ def _stop_on_signals() -> Iterator[list[int | None]]:
 
 # One entry per subcommand: a function that adds its parser to ``sub`` and
 # sets ``run`` (taking the parsed namespace, returning the exit status).
-SUBCOMMANDS = (_train_parser, add_parity_command, plan_parser, add_launch_command)
+SUBCOMMANDS = (
+    _train_parser,
+    add_parity_command,
+    plan_parser,
+    add_launch_command,
+    add_bench_command,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

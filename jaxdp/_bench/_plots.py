@@ -1,0 +1,150 @@
+"""The PNG figures of BENCHMARKS.md, drawn from the results JSON (matplotlib, no display)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PATH_STYLE = {"fused": "o-", "multisteps": "s--", "naive": "x:"}
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def overhead(result: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    models = result["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        for name in ("fused", "multisteps"):
+            rows = [r for r in model["rows"] if r["path"] == name]
+            ks = [r["accum_steps"] for r in rows]
+            ax.plot(ks, [r["ratio"] for r in rows], PATH_STYLE[name], label=name)
+            lo = [min(r["ratios"]) for r in rows]
+            hi = [max(r["ratios"]) for r in rows]
+            ax.fill_between(ks, lo, hi, alpha=0.15)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.axhline(1.05, color="red", lw=0.8, ls="--", label="target 1.05")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("accum_steps K")
+        ax.set_ylabel("time per optimizer step / floor")
+        ax.set_title(f"{model['model']}: {model['describe']}", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle("Accumulation overhead (median; band: min-max over repeats)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def vs_torch(result: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    labels = [f"{r['model']}\n{r['mode'].split(',')[0]}" for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["jaxdp_samples_per_second"] for r in rows], 0.4, label="jaxdp")
+    ax.bar(
+        [i + 0.2 for i in x], [r["torch_samples_per_second"] for r in rows], 0.4, label="torch_ref"
+    )
+    for i, r in zip(x, rows, strict=True):
+        ax.annotate(
+            f"{r['speedup']:.2f}x",
+            (i, r["jaxdp_samples_per_second"]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("samples / s (median)")
+    ax.set_title(
+        f"jaxdp vs torch_ref on {result['threads']} CPU threads "
+        f"(data parallel: {result['num_devices']} emulated devices vs gloo ranks)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def comms(result: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for model in result["models"]:
+        for name in ("fused", "multisteps", "naive"):
+            rows = [r for r in model["rows"] if r["path"] == name]
+            left.plot(
+                [r["accum_steps"] for r in rows],
+                [r["ratio_to_gradient_bytes"] for r in rows],
+                PATH_STYLE[name],
+                label=f"{model['model']} {name}",
+            )
+    left.set_xscale("log", base=2)
+    left.set_yscale("log", base=2)
+    left.set_xlabel("accum_steps K")
+    left.set_ylabel("all-reduce bytes per step / gradient bytes")
+    left.set_title(f"Per optimizer step, {result['num_devices']} devices", fontsize=9)
+    left.legend(fontsize=7)
+    for link in result["links"]:
+        for model in {r["model"] for r in result["ring"]}:
+            rows = [r for r in result["ring"] if r["link"] == link and r["model"] == model]
+            style = "-" if link.startswith("NVLink") else "--"
+            right.plot(
+                [r["num_devices"] for r in rows],
+                [1e3 * r["seconds"] for r in rows],
+                style,
+                marker="o",
+                label=f"{model}, {link.split(' (')[0]}",
+            )
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.set_xlabel("GPUs N")
+    right.set_ylabel("ms per all-reduce (ring, bandwidth term)")
+    right.set_title("Ring model: 2(N-1)/N x bytes / bandwidth", fontsize=9)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def memory(result: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for model in result["models"]:
+        ks = [r["accum_steps"] for r in model["rows"]]
+        fused = [r["fused"]["temporaries"] / 1e6 for r in model["rows"]]
+        single = [r["single_micro_batch"]["temporaries"] / 1e6 for r in model["rows"]]
+        (line,) = left.plot(ks, fused, "o-", label=f"{model['model']} fused step, temporaries")
+        left.plot(
+            ks, single, "x:", color=line.get_color(), label=f"{model['model']} one micro-batch"
+        )
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("accum_steps K (global batch fixed, micro-batch = per-device rows / K)")
+    left.set_ylabel("MB per device (XLA)")
+    left.set_title("Temporaries of the compiled step", fontsize=9)
+    left.legend(fontsize=7)
+    names = [m["model"] for m in result["models"]]
+    without = [m["largest_without_accumulation"]["global_batch_size"] for m in result["models"]]
+    with_accum = [m["largest_with_accumulation"]["global_batch_size"] for m in result["models"]]
+    x = range(len(names))
+    right.bar([i - 0.2 for i in x], without, 0.4, label="without accumulation (K=1)")
+    right.bar([i + 0.2 for i in x], with_accum, 0.4, label="fused, micro-batch fixed, K grows")
+    right.set_xticks(list(x), names)
+    right.set_yscale("log")
+    right.set_ylabel("largest global batch (rows)")
+    right.set_title(f"Fits {result['budget'] / 2**20:.0f} MiB per device", fontsize=9)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+FIGURES = {"overhead": overhead, "vs_torch": vs_torch, "comms": comms, "memory": memory}

@@ -1,0 +1,123 @@
+"""``jaxdp bench``: runs the measurements in fresh processes, then draws and writes the results.
+
+Each measurement runs as ``python -m jaxdp._bench.<name>``: it must set its
+own emulated device count before JAX starts, and a fresh process keeps one
+measurement's threads, caches and memory from touching the next one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CPU_MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory")
+ALL_MEASUREMENTS = (*CPU_MEASUREMENTS, "gpu")  # gpu only when named: it needs a GPU
+
+
+def add_bench_command(sub: argparse._SubParsersAction) -> None:
+    """``jaxdp bench``: registered in ``jaxdp._cli.SUBCOMMANDS``."""
+    p = sub.add_parser(
+        "bench",
+        help="measure accumulation overhead, speed against torch_ref, communication, memory",
+        description="Runs jaxdp's benchmarks (each in a fresh process), writes "
+        "<out>/<name>.json and PNG figures, and fills the generated tables of the "
+        "markdown file (BENCHMARKS.md). The CPU measurements run by default, about "
+        "5 minutes on 2 cores; the GPU one only when named (--only gpu).",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="smoke sizes, for the tests (no figures to trust)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmarks/results"),
+        help="results directory (default: %(default)s)",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=ALL_MEASUREMENTS,
+        default=None,
+        metavar="NAME",
+        help=f"run only this measurement (repeatable): one of {', '.join(ALL_MEASUREMENTS)}",
+    )
+    p.add_argument(
+        "--markdown",
+        type=Path,
+        default=Path("BENCHMARKS.md"),
+        help="file whose generated parts are rewritten (default: %(default)s; created if missing)",
+    )
+    p.add_argument("--no-markdown", action="store_true", help="write JSON and PNG only")
+    p.set_defaults(run=_run_command)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    names = tuple(dict.fromkeys(args.only)) if args.only else CPU_MEASUREMENTS
+    command = "bin/jaxdp bench" + " --quick" * args.quick
+    command += "".join(f" --only {name}" for name in args.only or ())
+    command += f" --out {args.out}" if args.out != Path("benchmarks/results") else ""
+    markdown = None if args.no_markdown else args.markdown
+    return run(names, out=args.out, quick=args.quick, markdown=markdown, command=command)
+
+
+def _env(name: str) -> dict[str, str]:
+    env = dict(os.environ)
+    # The measurements import this very jaxdp, installed or not.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    if name != "gpu":
+        env["JAX_PLATFORMS"] = "cpu"  # the CPU figures, even on a GPU machine
+    return env
+
+
+def _run_batch(names: tuple[str, ...], *, out: Path, quick: bool) -> int:
+    """Starts ``names`` together, each ``python -m jaxdp._bench.<name>``; waits for all."""
+    running = {}
+    for name in names:
+        argv = [sys.executable, "-m", f"jaxdp._bench.{name}", "--out", str(out)]
+        argv += ["--quick"] if quick and name != "gpu" else []
+        print(f"jaxdp bench: {name} ...", flush=True)
+        running[name] = (subprocess.Popen(argv, env=_env(name)), time.perf_counter())
+    status = 0
+    for name, (process, t0) in running.items():
+        code = process.wait()
+        print(f"jaxdp bench: {name} done in {time.perf_counter() - t0:.0f} s", flush=True)
+        if code != 0:
+            print(f"jaxdp bench: {name} failed (exit status {code})", file=sys.stderr)
+            status = status or code
+    return status
+
+
+def run(
+    names: tuple[str, ...], *, out: Path, quick: bool, markdown: Path | None, command: str
+) -> int:
+    """Runs ``names`` one after the other (``quick``: all at once), stops at a failure,
+    records the run's command and wall time, and renders figures and tables."""
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    # --quick runs the measurements side by side: its timings are smoke, not figures,
+    # and compiling dominates it. A real run runs them one after the other.
+    batches = [names] if quick else [(name,) for name in names]
+    for batch in batches:
+        status = _run_batch(batch, out=out, quick=quick)
+        if status != 0:
+            return status
+    if set(CPU_MEASUREMENTS) <= set(names):  # a full run: its command and wall time
+        record: dict[str, Any] = {
+            "command": command,
+            "quick": quick,
+            "wall_seconds": time.perf_counter() - started,
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
+        (out / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+    from ._render import render
+
+    render(out, markdown)
+    print(f"jaxdp bench: results in {out}" + (f", tables in {markdown}" if markdown else ""))
+    return 0

@@ -1,0 +1,144 @@
+"""Memory: XLA's analysis of the compiled fused step against K, and the batch that fits.
+
+At a fixed global batch, the fused step over ``K`` micro-batches of
+``per_device / K`` rows is compared with a step over ONE micro-batch of that
+size (``K = 1``): accumulation should add the gradient accumulator, not ``K``
+micro-batches of activations. Then the largest global batch whose compiled
+step fits a stated per-device budget, without accumulation (``K = 1``, the
+micro-batch grows) and with it (the micro-batch fixed, ``K`` grows). Figures
+are per device from ``compiled.memory_analysis()`` (compiled with abstract
+batches: nothing is allocated). Deterministic: no timing.
+
+Run: ``python -m jaxdp._bench.memory --out DIR [--quick]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._common import BenchModel, bench_models, standard_args
+
+NUM_DEVICES = 4
+ACCUM_STEPS = (1, 2, 4, 8, 16)
+QUICK_ACCUM_STEPS = (1, 2)
+BUDGET = 2**28  # 256 MiB per device: small enough that the CPU search stays quick
+QUICK_BUDGET = 2**22
+MAX_COMPILES = 12  # per search
+
+
+def largest_fitting(total: Callable[[int], int], budget: int, *, limit: int = 2**30) -> dict:
+    """The largest ``n >= 1`` with ``total(n) <= budget``, for ``total`` increasing in ``n``.
+
+    XLA's total is close to affine in the batch rows and in ``K`` beyond ``K = 1``
+    (at ``K = 1`` there is no loop and no accumulator): the line through the
+    two nearest compiled points predicts the answer, which is compiled, and so
+    is the size one above the answer to show it does not fit. Each compile
+    narrows the bracket ``[fits, does not fit)``; at most ``MAX_COMPILES``.
+    """
+    seen: dict[int, int] = {}
+
+    def fits(n: int) -> bool:
+        if n not in seen:
+            seen[n] = total(n)
+        return seen[n] <= budget
+
+    if not fits(1):
+        return {"largest": 0, "compiles": 1, "total": seen[1], "verified": True}
+    lo, hi = 1, limit + 1  # fits(lo); hi does not fit, or lies past the limit
+    probe = 2
+    while hi - lo > 1 and len(seen) < MAX_COMPILES:
+        if fits(probe):
+            lo = probe
+        else:
+            hi = probe
+        points = sorted(seen)
+        a = max((n for n in points if n < lo and n > 1), default=None)  # K = 1 is off the line
+        left, right = (lo, hi) if hi in seen else ((a, lo) if a is not None else (lo, lo))
+        slope = (seen[right] - seen[left]) / (right - left) if right != left else 0.0
+        guess = lo + int((budget - seen[lo]) // slope) if slope > 0 else 2 * lo
+        probe = min(max(guess, lo + 1), hi - 1)
+        if probe in seen:  # the line points at a compiled size: step next to it
+            probe = lo + 1 if probe <= lo else hi - 1
+    verified = hi - lo == 1 and hi in seen
+    return {"largest": lo, "compiles": len(seen), "total": seen[lo], "verified": verified}
+
+
+def measure_model(
+    bm: BenchModel, accum_steps: Sequence[int], mesh: Any, budget: int
+) -> dict[str, Any]:
+    from .._plan_xla import CompiledSteps, compiled_memory, input_bytes_per_sample, param_count
+    from .._step import make_train_step
+
+    n = mesh.devices.size
+    steps = CompiledSteps(bm.spec(), "adamw", mesh)
+    per_device = bm.micro_batch_size * max(accum_steps)  # fixed global batch: n * per_device
+    accumulator = 4 * param_count(bm.spec())  # jaxdp's float32 gradient sum
+    row_bytes = input_bytes_per_sample(bm.spec())
+    rows = []
+    for k in accum_steps:
+        micro = per_device // k
+        fused, single = steps.memory(micro, k), steps.memory(micro, 1)
+        rows.append(
+            {
+                "accum_steps": k,
+                "micro_batch_size": micro,
+                "fused": dataclasses.asdict(fused) | {"total": fused.total},
+                "single_micro_batch": dataclasses.asdict(single) | {"total": single.total},
+                "temp_ratio": fused.temporaries / single.temporaries,
+                # What the loop adds to one micro-batch's step: the accumulator, and
+                # the micro-batch it slices out of the batch argument.
+                "excess_bytes": fused.temporaries - single.temporaries,
+                "accumulator_bytes": accumulator if k > 1 else 0,
+                "micro_input_bytes": micro * row_bytes if k > 1 else 0,
+            }
+        )
+    without = largest_fitting(lambda b: steps.memory(b, 1).total, budget)
+    m = bm.micro_batch_size
+    with_accum = largest_fitting(lambda k: steps.memory(m, k).total, budget)
+    multi = make_train_step(bm.spec().loss, steps.step(1).optimizer, mesh=mesh, path="multisteps")
+    multisteps = compiled_memory(multi.compile(multi.init(bm.spec().make()), bm.data(n * m)))
+    return {
+        "model": bm.name,
+        "describe": bm.describe(),
+        "global_batch_size": n * per_device,
+        "rows": rows,
+        "budget": budget,
+        "largest_without_accumulation": without
+        | {"micro_batch_size": without["largest"], "global_batch_size": n * without["largest"]},
+        "largest_with_accumulation": with_accum
+        | {
+            "micro_batch_size": m,
+            "accum_steps": with_accum["largest"],
+            "global_batch_size": n * m * with_accum["largest"],
+        },
+        "multisteps_micro_step": dataclasses.asdict(multisteps) | {"total": multisteps.total},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = standard_args(__doc__.split("\n")[0], argv)
+    from .._mesh import data_mesh, emulate_cpu_devices
+
+    emulate_cpu_devices(NUM_DEVICES)
+    started = time.perf_counter()
+    ks = QUICK_ACCUM_STEPS if args.quick else ACCUM_STEPS
+    budget = QUICK_BUDGET if args.quick else BUDGET
+    mesh = data_mesh(NUM_DEVICES)
+    models = [measure_model(bm, ks, mesh, budget) for bm in bench_models(args.quick)]
+    from ._common import write_result
+
+    result = {
+        "quick": args.quick,
+        "num_devices": NUM_DEVICES,
+        "accum_steps": list(ks),
+        "budget": budget,
+        "models": models,
+    }
+    write_result(args.out, "memory", result, started)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""jaxdp bench --quick: well-formed outputs, and the figures that are deterministic.
+
+One quick run (a subprocess: each measurement sets its own emulated device
+count before JAX starts) feeds every test here, so they share one xdist
+worker. Timings are checked for shape only, never against a threshold.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jaxdp._bench import _render, gpu
+
+ROOT = pathlib.Path(__file__).parent.parent
+MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory")
+# Hand-written text around a generated part, which rendering must keep.
+HAND_WRITTEN = (
+    "# Benchmarks\n\nkept before\n\n<!-- bench:targets -->\nstale\n<!-- /bench:targets -->\n"
+    "\nkept after\n"
+)
+
+pytestmark = pytest.mark.xdist_group("bench")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    markdown = out / "BENCHMARKS.md"
+    markdown.write_text(HAND_WRITTEN)
+    command = [sys.executable, "-m", "jaxdp._bench", "--quick", "--out", str(out)]
+    command += ["--markdown", str(markdown)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return out, markdown, {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+def test_every_measurement_writes_its_json_and_figure(quick):
+    out, _, results = quick
+    assert set(results) == {*MEASUREMENTS, "run"}
+    for name in MEASUREMENTS:
+        assert results[name]["quick"] is True
+        assert results[name]["wall_seconds"] > 0
+        assert results[name]["env"]["versions"]["jax"]
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert results["run"]["command"].startswith("bin/jaxdp bench --quick")
+    # --quick runs them side by side
+    assert results["run"]["wall_seconds"] >= max(results[n]["wall_seconds"] for n in MEASUREMENTS)
+
+
+def test_timings_are_well_formed(quick):
+    overhead, vs_torch = quick[2]["overhead"], quick[2]["vs_torch"]
+    for model in overhead["models"]:
+        assert {(r["path"], r["accum_steps"]) for r in model["rows"]} == {
+            (path, k) for path in ("fused", "multisteps") for k in overhead["accum_steps"]
+        }
+        for r in model["rows"]:
+            assert len(r["ratios"]) == overhead["repeats"]
+            assert r["floor_seconds"] > 0
+            assert min(r["ratios"]) <= r["ratio"] <= max(r["ratios"])
+    modes = [r["mode"] for r in vs_torch["rows"]]
+    assert modes == ["accumulation, 1 device", "data parallel, 2 devices (CPU emulation)"]
+    for r in vs_torch["rows"]:
+        assert r["jaxdp_samples_per_second"] > 0 and r["torch_samples_per_second"] > 0
+        if not r["paired"]:  # else: the median of per-round ratios
+            assert r["speedup"] == pytest.approx(
+                r["jaxdp_samples_per_second"] / r["torch_samples_per_second"]
+            )
+
+
+def test_one_all_reduce_of_the_gradient_bytes_per_step_naive_sends_k_times(quick):
+    comms = quick[2]["comms"]
+    (model,) = comms["models"]
+    assert model["params"] == 16 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4  # the 16-32-32-4 MLP
+    grad = model["gradient_bytes"]
+    assert grad == 4 * model["params"]  # float32
+    for r in model["rows"]:
+        k = r["accum_steps"]
+        if r["path"] == "naive":
+            assert (r["executions_per_step"], r["bytes_per_step"]) == (k, k * grad)
+        else:  # fused, multisteps: the loss and weight sums (2 x float32) ride along
+            assert (r["executions_per_step"], r["bytes_per_step"]) == (1, grad + 8)
+    assert {r["accum_steps"] for r in model["rows"]} == set(comms["accum_steps"])
+
+
+def test_ring_model_is_the_closed_form(quick):
+    comms = quick[2]["comms"]
+    assert len(comms["ring"]) == 2 * len(comms["links"]) * len(comms["ring_devices"])
+    for r in comms["ring"]:
+        n = r["num_devices"]
+        assert r["seconds"] == pytest.approx(2 * (n - 1) / n * r["payload_bytes"] / r["bandwidth"])
+        assert r["naive_seconds"] == pytest.approx(comms["naive_factor"] * r["seconds"])
+    gpt2 = next(r for r in comms["ring"] if r["model"] == "gpt2-small")
+    assert gpt2["payload_bytes"] == 4 * 124_439_808
+
+
+def test_fused_step_memory_against_one_micro_batch(quick):
+    memory = quick[2]["memory"]
+    (model,) = memory["models"]
+    first = model["rows"][0]
+    assert first["accum_steps"] == 1 and first["temp_ratio"] == 1.0
+    for r in model["rows"]:
+        fused, single = r["fused"], r["single_micro_batch"]
+        assert r["temp_ratio"] == pytest.approx(fused["temporaries"] / single["temporaries"])
+        # No K micro-batches of activations: the loop adds at most the float32
+        # accumulator and the micro-batch it slices out, give or take a few percent of
+        # loop state and alignment (observed up to 2%), nothing that grows with K.
+        bound = 1.05 * (r["accumulator_bytes"] + r["micro_input_bytes"]) + 1024
+        assert fused["temporaries"] - single["temporaries"] == r["excess_bytes"] <= bound
+        # Same global batch: the arguments differ only by the K micro-batch weights.
+        assert fused["arguments"] == first["fused"]["arguments"] + 4 * (r["accum_steps"] - 1)
+    for key in ("largest_without_accumulation", "largest_with_accumulation"):
+        fit = model[key]
+        assert fit["verified"] and 0 < fit["total"] <= memory["budget"]
+    with_accum = model["largest_with_accumulation"]
+    assert with_accum["global_batch_size"] == (
+        memory["num_devices"] * with_accum["micro_batch_size"] * with_accum["accum_steps"]
+    )
+
+
+def test_markdown_gets_every_table_and_keeps_the_hand_written_text(quick):
+    out, markdown, _ = quick
+    text = markdown.read_text()
+    assert text.startswith("# Benchmarks\n\nkept before\n") and "kept after" in text
+    assert "stale" not in text
+    for name in _render.SECTIONS:
+        assert text.count(f"<!-- bench:{name} -->") == 1
+        assert text.count(f"<!-- /bench:{name} -->") == 1
+    assert "(overhead.png)" in text and "Pending a lent GPU" in text
+    # Rendering again from the same results changes nothing.
+    _render.render(out, markdown)
+    assert markdown.read_text() == text
+
+
+def test_gpu_script_imports_without_a_gpu_and_counts_gpt2_small(tmp_path):
+    import dataclasses
+
+    published = dataclasses.replace(gpu.GPT2_SMALL, vocab_size=50257)
+    assert gpu.param_count(published) == 124_439_808
+    flops = gpu.flops_per_token(published)
+    n = 124_439_808 - 1024 * 768  # without the position embeddings
+    assert flops == {"6N": 6 * n, "6N+attention": 6 * n + 12 * 12 * 768 * 1024}
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    model = nnx.eval_shape(lambda: gpu.nnx_model(gpu.TINY, dtype=jnp.bfloat16))
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert sum(int(np.prod(p.shape)) for p in params) == gpu.param_count(gpu.TINY)
+    assert gpu.main(["--out", str(tmp_path)]) == 2  # no GPU here: it says so and stops
+    assert not list(tmp_path.iterdir())
