@@ -107,7 +107,7 @@ def fused_update(
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    ok = all_finite(grads, loss) if skip_nonfinite else jnp.ones([], bool)
+    ok = all_finite(grads, loss, wire) if skip_nonfinite else jnp.ones([], bool)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     return Update(
         select(ok, new_params, params),

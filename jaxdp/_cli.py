@@ -121,6 +121,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from ._distributed import ENV_CPU_DEVICES, initialize
     from ._resume import CheckpointError
     from ._train import TrainConfig, train
+    from ._train_state import NonFiniteError
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     try:
@@ -145,7 +146,7 @@ def _run_train(args: argparse.Namespace) -> int:
         warnings.showwarning = _show_warning
         try:
             summary = train(config, stop=lambda _: stopped_by[0] is not None)
-        except CheckpointError as e:
+        except (CheckpointError, NonFiniteError) as e:
             raise SystemExit(f"jaxdp train: error: {e}") from None
     if args.summary_out and jax.process_index() == 0:
         with open(args.summary_out, "w") as f:

@@ -32,8 +32,9 @@ ENV_TIMEOUT = "JAXDP_TIMEOUT_S"
 ENV_HEARTBEAT_TIMEOUT = "JAXDP_HEARTBEAT_TIMEOUT_S"
 
 # JAX's own defaults are 300 s to start and 100 s of missed heartbeats; these
-# end a job whose peer never started, or died, within 2 minutes and 1 minute.
-DEFAULT_TIMEOUT_S = 120
+# end a job whose peer never started (JAX aborts ~5 s after the deadline), or
+# died, within 2 minutes and about 1 minute.
+DEFAULT_TIMEOUT_S = 100
 DEFAULT_HEARTBEAT_TIMEOUT_S = 60
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):(\d+)$")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import IO, Any
 
 from ._distributed import (
@@ -33,6 +34,7 @@ from ._distributed import (
 
 DEFAULT_GRACE_S = 10.0
 _POLL_S = 0.05
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def launch(
@@ -124,7 +126,9 @@ class _Group:
         self.out, self.err = out, err
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pumps: list[threading.Thread] = []
+        self.exits: list[tuple[int, int]] = []  # (rank, status) in the order they exited
         self.lock = threading.Lock()
+        self.preexec = _die_with_launcher()
 
     def start(self, rank: int, argv: list[str], env: dict[str, str]) -> None:
         # A session of its own: signals reach it only through the launcher,
@@ -136,6 +140,7 @@ class _Group:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            preexec_fn=self.preexec,
         )
         self.procs.append(proc)
         prefix = f"[rank {rank}] ".encode()
@@ -143,6 +148,18 @@ class _Group:
             pump = threading.Thread(target=self._pump, args=(source, sink, prefix), daemon=True)
             pump.start()
             self.pumps.append(pump)
+        # A waiter per rank records exits in the order they happen: the rank
+        # that failed first is named, not a peer that died of its failure.
+        threading.Thread(target=self._wait, args=(rank, proc), daemon=True).start()
+
+    def _wait(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        status = _status(proc.wait())
+        with self.lock:
+            self.exits.append((rank, status))
+
+    def running(self) -> int:
+        with self.lock:
+            return len(self.procs) - len(self.exits)
 
     def _pump(self, source: IO[bytes], sink: IO[bytes], prefix: bytes) -> None:
         for line in iter(source.readline, b""):
@@ -161,7 +178,7 @@ class _Group:
         failed: tuple[int, int] | None = None
         forwarded: int | None = None
         kill_at = float("inf")  # when the survivors get SIGKILL
-        while any(p.poll() is None for p in self.procs):
+        while self.running():
             if received and forwarded is None:
                 forwarded = received[0]
                 name = signal.Signals(forwarded).name
@@ -173,7 +190,7 @@ class _Group:
                 failed = self._first_failure()
                 if failed is not None:
                     rank, status = failed
-                    running = sum(p.poll() is None for p in self.procs)
+                    running = self.running()
                     self.say(
                         f"rank {rank} (pid {self.procs[rank].pid}) exited with status "
                         f"{_describe(status)}; stopping the other {running} rank(s)"
@@ -195,11 +212,8 @@ class _Group:
         return 0
 
     def _first_failure(self) -> tuple[int, int] | None:
-        for rank, proc in enumerate(self.procs):
-            code = proc.poll()
-            if code is not None and code != 0:
-                return rank, _status(code)
-        return None
+        with self.lock:
+            return next(((rank, status) for rank, status in self.exits if status != 0), None)
 
     def signal_all(self, signum: int) -> None:
         for proc in self.procs:
@@ -227,6 +241,23 @@ def _describe(status: int) -> str:
         except ValueError:
             pass
     return str(status)
+
+
+def _die_with_launcher() -> Callable[[], None] | None:
+    """On Linux, what a child runs before ``exec`` so that it gets SIGKILL if the
+    launcher dies, however it dies (a SIGKILL, a crash): no rank outlives it.
+    Elsewhere None: the launcher's own exit paths still stop every rank."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: the child only calls
+    launcher = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher:  # it died before prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 def _free_port() -> int:
@@ -272,7 +303,7 @@ def add_launch_command(sub: Any) -> None:
         "--timeout-s",
         type=int,
         default=None,
-        help="seconds to wait for all processes to connect (default: jaxdp.initialize's 120)",
+        help="seconds to wait for all processes to connect (default: jaxdp.initialize's 100)",
     )
     p.add_argument(
         "--heartbeat-timeout-s",

@@ -138,34 +138,44 @@ class TrainStep:
 
         Raises :class:`NonFiniteError` when ``state`` comes after
         ``max_consecutive_skips`` skipped updates in a row: the call after the
-        one that reached the limit (reading the counter waits for that call).
+        one that reached the limit (:meth:`check`; this call's batch is unused).
         """
         inputs = self._inputs(batch, micro_weights)
         self._wait_for(state)
         return self._jitted(state, *inputs)
 
+    def check(self, state: TrainState) -> None:
+        """Raises :class:`NonFiniteError` if ``state`` follows ``max_consecutive_skips``
+        skipped updates in a row (a host read: it waits for the call that made it).
+
+        Every call checks the state it is given; check the last call's state
+        after a loop, or a limit reached by the last call goes unreported.
+        """
+        limit = self.max_consecutive_skips
+        if limit is None or not self.skip_nonfinite:
+            return
+        skips = int(state.consecutive_skips)
+        if skips >= limit:
+            raise NonFiniteError(
+                f"{skips} optimizer steps in a row had NaN or Inf gradients or loss and were "
+                f"skipped (max_consecutive_skips={limit}); parameters and optimizer state are "
+                f"those of step {int(state.step)}, in this error's .state",
+                state,
+            )
+
     def _wait_for(self, state: TrainState) -> None:
         """Waits for the call that made ``state`` where needed: at most one call in flight.
 
-        With ``max_consecutive_skips``, its skip counter is read (a host read,
-        so it waits); a run of skips that reached the limit raises here, before
-        this call's batch is used and while ``state`` is still intact. Otherwise,
-        on several CPU devices: their collectives share one thread pool, and
-        dozens of queued steps on 2 cores starved XLA's in-process all-reduce
-        until its rendezvous timeout aborted the process (docs/decisions.md).
-        One call in flight still overlaps the host's next batch with a step.
+        With ``max_consecutive_skips``, :meth:`check` reads the skip counter
+        (waiting for it) and raises before this call's batch is used, while
+        ``state`` is intact. Otherwise, on several CPU devices: their
+        collectives share one thread pool, and dozens of queued steps on 2 cores
+        starved XLA's in-process all-reduce until its rendezvous timeout aborted
+        the process (docs/decisions.md). One call in flight still overlaps the
+        host's next batch with a step.
         """
-        limit = self.max_consecutive_skips
-        if limit is not None and self.skip_nonfinite:
-            skips = int(state.consecutive_skips)
-            if skips >= limit:
-                raise NonFiniteError(
-                    f"{skips} optimizer steps in a row had NaN or Inf gradients or loss and were "
-                    f"skipped (max_consecutive_skips={limit}); parameters and optimizer state are "
-                    f"those of step {int(state.step)}, in this error's .state (this call's batch "
-                    "was not used)",
-                    state,
-                )
+        if self.max_consecutive_skips is not None and self.skip_nonfinite:
+            self.check(state)
         elif self.num_devices > 1 and self.mesh.devices.flat[0].platform == "cpu":
             jax.block_until_ready(state.step)
 

@@ -54,13 +54,15 @@ def all_reduce_step(
     return grads, loss_sum / weight.astype(loss_sum.dtype), extra
 
 
-def all_finite(grads: Any, loss: jax.Array) -> jax.Array:
-    """True when the all-reduced gradients and loss hold no NaN or Inf.
+def all_finite(grads: Any, loss: jax.Array, extra: Any = ()) -> jax.Array:
+    """True when the all-reduced gradients, loss and ``extra`` hold no NaN or Inf.
 
     Decided after the all-reduce, so every device decides the same: a NaN or
     Inf on any device (or an overflow of the sum) makes the sum non-finite.
+    ``extra`` is the rest of the payload (the batch statistics to commit).
     """
-    flags = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
+    leaves = jax.tree.leaves((grads, extra))
+    flags = [jnp.all(jnp.isfinite(g)) for g in leaves if jnp.issubdtype(g.dtype, jnp.inexact)]
     return jnp.all(jnp.stack([jnp.isfinite(loss), *flags]))
 
 
@@ -113,7 +115,7 @@ def sync_on_emit(
 
         def reduce(operands):
             grads, loss, summed = all_reduce_step(*operands, axis_name)
-            finite = all_finite(grads, loss)
+            finite = all_finite(grads, loss, summed)
             grads = jax.tree.map(lambda g, d: g.astype(d), grads, dtypes)
             norm = optax.tree.norm(grads).astype(dtype)
             return grads, SyncState(loss.astype(dtype), norm, finite, summed)

@@ -357,6 +357,7 @@ class _Run:
                         say(f"epoch {epoch} done: step {record['step']} loss {record['loss']:.4f}")
                 if stop is not None and agree(stop(position)):
                     return True
+        self.step.check(self.state)  # a skip limit reached by the last call
         return False
 
     def _calls(

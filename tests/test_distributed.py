@@ -2,6 +2,7 @@
 and what happens when a process fails. Multi-process runs are subprocesses with their
 own device counts (jaxdp launch --devices-per-process), never this process's 8."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -245,6 +246,41 @@ def test_launch_stops_the_others_when_one_fails_and_exits_with_its_status(tmp_pa
     assert took < GRACE_S + 20
     survivor = int(done.stdout.split()[-1])
     assert not pathlib.Path(f"/proc/{survivor}").exists()
+
+
+def alive(pid):
+    """Running (a zombie left for a non-reaping init to collect counts as ended)."""
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_no_rank_outlives_a_killed_launcher(tmp_path):
+    """SIGKILL cannot be caught: the ranks must still end (Linux parent-death signal)."""
+    script = tmp_path / "script.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    launcher = subprocess.Popen(
+        [*LAUNCH, "--nprocs", "2", "--", str(script)], stdout=subprocess.PIPE, cwd=ROOT
+    )
+    ranks = {}
+    try:
+        for _ in range(2):
+            assert launcher.stdout.readline().endswith(b"up\n")
+        ranks = children(launcher.pid)
+        assert sorted(ranks) == [0, 1]
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in ranks.values()):
+            assert time.monotonic() < deadline, f"ranks {ranks} outlived the launcher"
+            time.sleep(0.05)
+    finally:
+        launcher.kill()
+        for pid in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_process_local_batches_and_an_uncaught_exception_on_two_processes(tmp_path):

@@ -104,7 +104,10 @@ def test_nan_on_one_device_skips_the_step_everywhere_like_a_run_without_that_bat
         for call in calls(step, batch):
             state, metrics = step(state, call)
             history.append(jax.device_get(metrics))
-            for tree, name in ((state.params, "params"), (state.model_state, "model_state")):
+            # The optimizer state too, but for the multisteps path's per-device rows.
+            opt = [x for x in jax.tree.leaves(state.opt_state) if x.sharding.is_fully_replicated]
+            trees = {"params": state.params, "model_state": state.model_state, "opt_state": opt}
+            for name, tree in trees.items():
                 jaxdp.check_replicas(jax.tree.map(_plain, tree), mesh, name=name)
             if metrics["skipped"]:  # nothing moved: parameters, optimizer, statistics, step
                 np.testing.assert_equal(host(state), before)
@@ -150,6 +153,16 @@ def test_consecutive_skips_stop_training_with_the_last_good_state():
         step(state, data[3])
     np.testing.assert_equal(host(error.value.state), good)
     assert int(error.value.state.skipped_steps) == 2
+
+
+def test_check_reports_a_limit_reached_by_the_last_call():
+    data = batches(2)
+    step = make("fused", max_consecutive_skips=1)
+    state = step.init(Net())
+    step.check(state)  # nothing skipped yet
+    state, _ = step(state, poisoned(data[0], 0, 0))
+    with pytest.raises(jaxdp.NonFiniteError, match=r"1 optimizer steps in a row.*=1.*step 0"):
+        step.check(state)
 
 
 def test_skip_nonfinite_false_lets_nan_through():
