@@ -23,6 +23,22 @@ from .._plan_xla import ModelSpec, reference_model
 OPTIMIZER = OptimizerSpec("adamw", 1e-3, weight_decay=1e-2)
 
 
+def micro_loss(bm: BenchModel, module: Any) -> tuple[Callable[[Any, Any], Any], Any]:
+    """``(loss(params, micro_batch), params)``: one micro-batch's mean loss as the
+    step computes it (jaxdp's own ``loss_parts``), differentiable in params."""
+    from .._model import loss_parts, split_model
+    from .._state import split_state
+
+    graphdef, params, rest = split_model(module)
+    parts = loss_parts(bm.spec().loss, "mean", graphdef)
+    groups = split_state(rest)
+
+    def loss(params: Any, batch: Any) -> Any:
+        return parts(params, batch, *groups, None)[0]
+
+    return loss, params
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchModel:
     """A reference model at benchmark sizes, with its micro-batch size."""

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._common import BenchModel, bench_models, optimizer, param_bytes, standard_args
+from ._common import BenchModel, bench_models, micro_loss, optimizer, param_bytes, standard_args
 
 NUM_DEVICES = 4
 ACCUM_STEPS = (1, 2, 4, 8, 16)
@@ -43,10 +43,7 @@ def naive_step(bm: BenchModel, module: Any, mesh: Any, accum_steps: int) -> Any:
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from .._model import loss_parts, split_model
-
-    graphdef, _, rest = split_model(module)
-    parts = loss_parts(bm.spec().loss, "mean", graphdef, rest)
+    loss, _ = micro_loss(bm, module)
     axis, opt = mesh.axis_names[0], optimizer()
     scale = 1.0 / (accum_steps * mesh.devices.size)
 
@@ -54,7 +51,7 @@ def naive_step(bm: BenchModel, module: Any, mesh: Any, accum_steps: int) -> Any:
         micro = jax.tree.map(lambda x: x.reshape(accum_steps, -1, *x.shape[1:]), batch)
 
         def body(acc, mb):
-            grads = jax.grad(lambda p: parts(p, mb)[0])(params)  # summed over devices
+            grads = jax.grad(loss)(params, mb)  # summed over devices
             return jax.tree.map(jnp.add, acc, grads), None
 
         grads, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)

@@ -16,7 +16,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._common import BenchModel, bench_models, interleaved, median, optimizer, standard_args
+from ._common import (
+    BenchModel,
+    bench_models,
+    interleaved,
+    median,
+    micro_loss,
+    optimizer,
+    standard_args,
+)
 
 ACCUM_STEPS = (1, 2, 4, 8, 16)
 QUICK_ACCUM_STEPS = (2,)
@@ -43,11 +51,8 @@ def _floor(bm: BenchModel, module: Any) -> dict[str, Callable[[], Any]]:
     import jax
     import optax
 
-    from .._model import loss_parts, split_model
-
-    graphdef, params, rest = split_model(module)
-    parts = loss_parts(bm.spec().loss, "mean", graphdef, rest)
-    grad = jax.jit(jax.value_and_grad(parts, has_aux=True))
+    loss, params = micro_loss(bm, module)
+    grad = jax.jit(jax.value_and_grad(loss))
     micro = jax.device_put(bm.data(bm.micro_batch_size))
     _, grads = grad(params, micro)
     opt = optimizer()
