@@ -189,12 +189,7 @@ class _Group:
             if failed is None and forwarded is None:
                 failed = self._first_failure()
                 if failed is not None:
-                    rank, status = failed
-                    running = self.running()
-                    self.say(
-                        f"rank {rank} (pid {self.procs[rank].pid}) exited with status "
-                        f"{_describe(status)}; stopping the other {running} rank(s)"
-                    )
+                    self._report(failed)
                     self.signal_all(signal.SIGTERM)
                     kill_at = time.monotonic() + grace_s
             if time.monotonic() >= kill_at:
@@ -203,6 +198,10 @@ class _Group:
             time.sleep(_POLL_S)
         for pump in self.pumps:
             pump.join(timeout=5)
+        if failed is None and forwarded is None:
+            failed = self._first_failure()  # all may have ended between two polls
+            if failed is not None:
+                self._report(failed)
         if failed is not None:
             rank, status = failed
             self.say(f"failed: rank {rank} exited with status {_describe(status)}")
@@ -210,6 +209,13 @@ class _Group:
         if forwarded is not None:
             return 128 + forwarded
         return 0
+
+    def _report(self, failed: tuple[int, int]) -> None:
+        rank, status = failed
+        self.say(
+            f"rank {rank} (pid {self.procs[rank].pid}) exited with status "
+            f"{_describe(status)}; stopping the other {self.running()} rank(s)"
+        )
 
     def _first_failure(self) -> tuple[int, int] | None:
         with self.lock:

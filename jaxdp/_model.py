@@ -92,9 +92,11 @@ def micro_forward(
     axis_name: str,
     rng_seed: int | None,
 ) -> Callable[..., tuple[Any, jax.Array, jax.Array, Any]]:
-    """``forward(trainable, micro_batch, batch_stats, micro_index) -> (grads, value,
-    weight, new_batch_stats)`` on one device, differentiating ``trainable`` only
-    (frozen leaves come from ``params`` per ``mask``).
+    """``forward(trainable, micro_batch, batch_stats, micro_index, scale) -> (grads,
+    value, weight, new_batch_stats)`` on one device, differentiating ``trainable``
+    only (frozen leaves come from ``params`` per ``mask``). ``scale`` multiplies
+    the loss before differentiation, so value and gradients come out scaled
+    without a pass over the gradients (the weight is returned unscaled).
 
     Randomness: every ``nnx.Rngs`` stream, and ``loss_fn``'s ``rng`` when
     ``rng_seed`` is set, is keyed by :func:`jaxdp._state.micro_key` of ``step``
@@ -104,7 +106,7 @@ def micro_forward(
     _, rngs, constants = split_state(model_state)
     device = jax.lax.axis_index(axis_name)
 
-    def forward(trainable, batch, batch_stats, index):
+    def forward(trainable, batch, batch_stats, index, scale):
         seeded = reseed(rngs, step, device, index)
         rng = None
         if rng_seed is not None:
@@ -112,7 +114,8 @@ def micro_forward(
 
         def objective(trainable):
             full = combine(trainable, params, mask)
-            return parts(full, batch, batch_stats, seeded, constants, rng)
+            value, aux = parts(full, batch, batch_stats, seeded, constants, rng)
+            return value * scale.astype(value.dtype), aux
 
         (value, (weight, new_stats)), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
         return grads, value, weight, new_stats

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from ._train_state import NonFiniteError, TrainState, advance
 from ._trainable import Trainable, combine, skip_unused, split_trainable, trainable_mask
 
 AccumulationPath = Literal["fused", "multisteps"]
+_IN_FLIGHT = 2  # calls a step lets run ahead of the host (see TrainStep._wait_for)
 Strategy = Literal["shard_map", "pmap"]
 
 
@@ -58,6 +60,11 @@ class TrainStep:
     skip_nonfinite: bool = True
     max_consecutive_skips: int | None = 10
     _jitted: Callable[..., Any] = dataclasses.field(init=False, repr=False)
+    # The skip counters (metrics, never donated) of the last calls: what bounds
+    # the calls in flight and watches max_consecutive_skips.
+    _recent: collections.deque[jax.Array] = dataclasses.field(
+        init=False, repr=False, default_factory=lambda: collections.deque(maxlen=_IN_FLIGHT)
+    )
 
     def __post_init__(self) -> None:
         donate = (0,) if self.donate else ()
@@ -136,13 +143,17 @@ class TrainStep:
         default all ones. A micro-batch of weight 0 adds nothing: that is how
         padding fills an incomplete last window (:func:`epoch_schedule`).
 
-        Raises :class:`NonFiniteError` when ``state`` comes after
-        ``max_consecutive_skips`` skipped updates in a row: the call after the
-        one that reached the limit (:meth:`check`; this call's batch is unused).
+        Raises :class:`NonFiniteError`, before using this call's batch, when
+        the call two before this one had reached ``max_consecutive_skips``
+        skipped updates in a row and ``state`` (from the call just before) still
+        continues that run (:meth:`check`).
         """
         inputs = self._inputs(batch, micro_weights)
         self._wait_for(state)
-        return self._jitted(state, *inputs)
+        state, metrics = self._jitted(state, *inputs)
+        if self._bounded():
+            self._recent.append(metrics["consecutive_skips"])
+        return state, metrics
 
     def check(self, state: TrainState) -> None:
         """Raises :class:`NonFiniteError` if ``state`` follows ``max_consecutive_skips``
@@ -163,21 +174,27 @@ class TrainStep:
                 state,
             )
 
-    def _wait_for(self, state: TrainState) -> None:
-        """Waits for the call that made ``state`` where needed: at most one call in flight.
+    def _bounded(self) -> bool:
+        watch = self.max_consecutive_skips is not None and self.skip_nonfinite
+        return watch or (self.num_devices > 1 and self.mesh.devices.flat[0].platform == "cpu")
 
-        With ``max_consecutive_skips``, :meth:`check` reads the skip counter
-        (waiting for it) and raises before this call's batch is used, while
-        ``state`` is intact. Otherwise, on several CPU devices: their
-        collectives share one thread pool, and dozens of queued steps on 2 cores
-        starved XLA's in-process all-reduce until its rendezvous timeout aborted
-        the process (docs/decisions.md). One call in flight still overlaps the
-        host's next batch with a step.
+    def _wait_for(self, state: TrainState) -> None:
+        """At most ``_IN_FLIGHT`` calls in flight, and the skip limit watched.
+
+        Waits for the call two before this one (usually done already) by reading
+        its skip counter; only when that one had reached the limit does it read
+        ``state``'s (waiting for the call just before), so the step does not
+        sync the host every call. Why bound the calls in flight at all: on
+        several CPU devices the collectives share one thread pool, and dozens of
+        queued steps on 2 cores starved XLA's in-process all-reduce until its
+        rendezvous timeout aborted the process (docs/decisions.md).
         """
-        if self.max_consecutive_skips is not None and self.skip_nonfinite:
+        if len(self._recent) < _IN_FLIGHT:
+            return
+        older = int(self._recent.popleft())
+        limit = self.max_consecutive_skips
+        if limit is not None and self.skip_nonfinite and older >= limit:
             self.check(state)
-        elif self.num_devices > 1 and self.mesh.devices.flat[0].platform == "cpu":
-            jax.block_until_ready(state.step)
 
     def compile(self, state: TrainState, batch: Any, micro_weights: Any = None) -> Any:
         """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""
@@ -352,9 +369,9 @@ class TrainStep:
         wire = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, wire_dtype(x.dtype, dtype)), batch_stats
         )
-        sync = sync_on_emit(self.axis_name, dtype=dtype, extra_like=wire)
+        sync = sync_on_emit(self.axis_name, dtype=dtype, extra_like=wire, inner=optimizer)
         return optax.MultiSteps(
-            optax.chain(sync, optimizer),
+            sync,
             self.accum_steps,
             use_grad_mean=False,
             accumulator_dtype=dtype,
@@ -461,10 +478,10 @@ def make_train_step(
         optimizer state and batch statistics stay, the step count does not
         advance, the accumulation window restarts; ``metrics["skipped"]``,
         ``"skipped_steps"`` and ``"consecutive_skips"`` count them.
-      max_consecutive_skips: raise :class:`NonFiniteError` from the call after
-        this many updates in a row were skipped (None: never). It is checked on
-        the host, on the state a call is given, so each call waits for the
-        previous one: at most one call in flight.
+      max_consecutive_skips: raise :class:`NonFiniteError` when this many
+        updates in a row were skipped and the next call's update is skipped too
+        (None: never). It is watched on the host, two calls behind, so at most
+        two calls are in flight; :meth:`TrainStep.check` tests a state at once.
 
     Gradients travel in one all-reduce per optimizer step, issued after the
     last micro-batch (``no_sync`` on the others), together with the loss and

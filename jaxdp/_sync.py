@@ -49,21 +49,40 @@ def all_reduce_step(
     so committing them costs their bytes in the one all-reduce, not a
     collective of their own.
     """
+    grad_sum, loss, weight, extra = all_reduce_sums(grad_sum, loss_sum, weight, extra, axis_name)
+    return mean_grads(grad_sum, weight), loss, extra
+
+
+def all_reduce_sums(
+    grad_sum: Any, loss_sum: jax.Array, weight: jax.Array, extra: Any, axis_name: str = DATA_AXIS
+) -> tuple[Any, jax.Array, jax.Array, Any]:
+    """The one psum of :func:`all_reduce_step`, leaving the gradients as global SUMS:
+    ``(grad_sum, mean loss, total weight, extra)``. Dividing later, where the
+    optimizer reads them, fuses the division into its pass over the gradients."""
     grad_sum, loss_sum, weight, extra = jax.lax.psum((grad_sum, loss_sum, weight, extra), axis_name)
-    grads = jax.tree.map(lambda g: (g / weight.astype(g.dtype)).astype(g.dtype), grad_sum)
-    return grads, loss_sum / weight.astype(loss_sum.dtype), extra
+    return grad_sum, loss_sum / weight.astype(loss_sum.dtype), weight, extra
 
 
-def all_finite(grads: Any, loss: jax.Array, extra: Any = ()) -> jax.Array:
-    """True when the all-reduced gradients, loss and ``extra`` hold no NaN or Inf.
+def mean_grads(grad_sum: Any, weight: jax.Array, like: Any = None) -> Any:
+    """``grad_sum / weight``, in the dtypes of ``like`` (default: the sums')."""
+    like = grad_sum if like is None else like
+    return jax.tree.map(lambda g, p: (g / weight.astype(g.dtype)).astype(p.dtype), grad_sum, like)
+
+
+def all_finite(grad_norm: jax.Array, loss: jax.Array, extra: Any = ()) -> jax.Array:
+    """True when the all-reduced gradients (by their global norm), loss and ``extra``
+    hold no NaN or Inf.
 
     Decided after the all-reduce, so every device decides the same: a NaN or
     Inf on any device (or an overflow of the sum) makes the sum non-finite.
+    A NaN or Inf in any gradient makes the norm the step reports NaN or Inf,
+    so no second pass over the gradients is needed; gradients so large that
+    their squares overflow (above ~1.8e19 in float32) count as non-finite too.
     ``extra`` is the rest of the payload (the batch statistics to commit).
     """
-    leaves = jax.tree.leaves((grads, extra))
-    flags = [jnp.all(jnp.isfinite(g)) for g in leaves if jnp.issubdtype(g.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack([jnp.isfinite(loss), *flags]))
+    flags = [jnp.isfinite(grad_norm), jnp.isfinite(loss)]
+    flags += [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(extra)]
+    return jnp.all(jnp.stack(flags))
 
 
 class SyncState(NamedTuple):
@@ -80,52 +99,75 @@ class SyncState(NamedTuple):
 
 
 def sync_on_emit(
-    axis_name: str = DATA_AXIS, *, dtype: Any = jnp.float32, extra_like: Any = ()
+    axis_name: str = DATA_AXIS,
+    *,
+    dtype: Any = jnp.float32,
+    extra_like: Any = (),
+    inner: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    """All-reduces accumulated gradients only on the step that emits an update.
+    """All-reduces accumulated gradients (and runs ``inner``) only on the step that emits.
 
-    Meant as the first link of the chain wrapped by ``optax.MultiSteps`` with
-    ``use_grad_mean=False``: it receives the per-device SUM of micro-batch
-    gradients and needs, as extra arguments, ``emit`` (a replicated bool),
-    ``loss_sum`` and ``weight`` (per-device sums over the window), and
-    optionally ``extra``, a tree shaped like ``extra_like`` summed over
-    devices in the same psum. The loss and gradient norm of the last emitted
-    step are kept in ``dtype``, with whether it was finite and the summed
-    ``extra``.
+    Meant to be wrapped by ``optax.MultiSteps`` with ``use_grad_mean=False``: it
+    receives the per-device SUM of micro-batch gradients and needs, as extra
+    arguments, ``emit`` (a replicated bool), ``loss_sum`` and ``weight``
+    (per-device sums over the window), and optionally ``extra``, a tree shaped
+    like ``extra_like`` summed over devices in the same psum. The loss and
+    gradient norm of the last emitted step are kept in ``dtype``, with whether
+    it was finite and the summed ``extra``. With ``inner`` (the user's
+    optimizer) its state is ``(SyncState, inner_state)``, the layout of
+    ``optax.chain(sync_on_emit(...), inner)``, and it returns ``inner``'s updates.
 
-    MultiSteps (optax 0.2.8) runs its inner chain on every mini-step and masks
-    the result, so an unguarded psum here would run every micro-batch. The
-    ``lax.cond`` makes the all-reduce run only when ``emit`` is true; the other
-    branch returns zeros that MultiSteps discards.
+    MultiSteps (optax 0.2.8) runs its inner transformation on every mini-step
+    and masks the result, so an unguarded psum here would run every
+    micro-batch. The ``lax.cond`` makes the all-reduce, and ``inner``'s update,
+    run only when ``emit`` is true; the other branch returns zeros that
+    MultiSteps discards.
     """
 
-    def init(params: Any) -> SyncState:
-        del params
+    def init(params: Any) -> Any:
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), extra_like)
-        return SyncState(jnp.zeros([], dtype), jnp.zeros([], dtype), jnp.ones([], bool), zeros)
+        sync = SyncState(jnp.zeros([], dtype), jnp.zeros([], dtype), jnp.ones([], bool), zeros)
+        return sync if inner is None else (sync, inner.init(params))
 
     def update(updates, state, params=None, *, emit, loss_sum, weight, extra=(), **unused):
         del unused
         # Gradients leave in the parameters' dtypes, as in the fused path.
-        dtypes = (
-            jax.tree.map(lambda g: g.dtype, updates)
-            if params is None
-            else (jax.tree.map(lambda p: p.dtype, params))
+        like = updates if params is None else params
+        grads_like = jax.tree.map(
+            lambda g, p: jax.ShapeDtypeStruct(g.shape, p.dtype), updates, like
         )
+        if inner is None:
+            out_updates, out_inner = grads_like, None
+        else:
+            out_updates, out_inner = jax.eval_shape(
+                lambda g, s: inner.update(g, s, params), grads_like, state[1]
+            )
 
         def reduce(operands):
-            grads, loss, summed = all_reduce_step(*operands, axis_name)
-            finite = all_finite(grads, loss, summed)
-            grads = jax.tree.map(lambda g, d: g.astype(d), grads, dtypes)
-            norm = optax.tree.norm(grads).astype(dtype)
-            return grads, SyncState(loss.astype(dtype), norm, finite, summed)
+            grad_sum, loss_sum, weight, extra, inner_state = operands
+            grad_sum, loss, weight, summed = all_reduce_sums(
+                grad_sum, loss_sum, weight, extra, axis_name
+            )
+            norm = optax.tree.norm(grad_sum) / weight
+            sync = SyncState(
+                loss.astype(dtype), norm.astype(dtype), all_finite(norm, loss, summed), summed
+            )
+            grads = mean_grads(grad_sum, weight, like=grads_like)
+            if inner is None:
+                return grads, sync
+            new_updates, inner_state = inner.update(grads, inner_state, params)
+            return new_updates, (sync, inner_state)
 
         def skip(operands):
             # Fresh constants: replicated like the psum result, as lax.cond needs.
-            zeros = jax.tree.map(lambda g, d: jnp.zeros(g.shape, d), operands[0], dtypes)
-            return zeros, state
+            zeros = jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype), out_updates)
+            if inner is None:
+                return zeros, state
+            kept = jax.tree.map(lambda o, x: x.astype(o.dtype), out_inner, operands[-1])
+            return zeros, (state[0], kept)
 
-        return jax.lax.cond(emit, reduce, skip, (updates, loss_sum, weight, extra))
+        inner_state = None if inner is None else state[1]
+        return jax.lax.cond(emit, reduce, skip, (updates, loss_sum, weight, extra, inner_state))
 
     return optax.GradientTransformationExtraArgs(init, update)
 

@@ -136,23 +136,41 @@ def test_inf_counts_as_non_finite():
     assert int(state.step) == 1
 
 
+def skip_twice(step, data):
+    """A finite step, then two skipped ones (the limit of 2): (state, good params)."""
+    state, _ = step(step.init(Net()), data[0])
+    good = host(state)
+    state, _ = step(state, poisoned(data[1], 0, 0))
+    state, metrics = step(state, poisoned(data[2], 3, 1))
+    assert int(metrics["consecutive_skips"]) == 2
+    return state, good
+
+
 def test_consecutive_skips_stop_training_with_the_last_good_state():
     data = batches(4)
     step = make("fused", max_consecutive_skips=2)
-    state, _ = step(step.init(Net()), data[0])
-    good = host(state)
-    state, metrics = step(state, poisoned(data[1], 0, 0))
-    assert int(metrics["consecutive_skips"]) == 1
-    # The call that reaches the limit returns; the counter is read (waiting for
-    # it) when the next call starts, which raises before using its batch.
-    state, metrics = step(state, poisoned(data[2], 3, 1))
-    assert int(metrics["consecutive_skips"]) == 2
+    state, good = skip_twice(step, data)
+    # The step watches two calls behind (no host sync every call): the next call
+    # sees the limit's call still running or just done, and goes on ...
+    state, _ = step(state, poisoned(data[3], 1, 0))
+    # ... and the one after it raises, before using its batch, as the run of
+    # skips went on past the limit.
     with pytest.raises(
-        jaxdp.NonFiniteError, match=r"2 optimizer steps in a row.*max_consecutive_skips=2.*step 1"
+        jaxdp.NonFiniteError, match=r"3 optimizer steps in a row.*max_consecutive_skips=2.*step 1"
     ) as error:
-        step(state, data[3])
+        step(state, data[0])
     np.testing.assert_equal(host(error.value.state), good)
-    assert int(error.value.state.skipped_steps) == 2
+    assert int(error.value.state.skipped_steps) == 3
+
+
+def test_a_finite_step_after_the_limit_ends_the_run_of_skips():
+    data = batches(4)
+    step = make("fused", max_consecutive_skips=2)
+    state, _ = skip_twice(step, data)
+    state, metrics = step(state, data[3])  # finite: applied, the run is over
+    assert int(metrics["consecutive_skips"]) == 0
+    state, _ = step(state, data[0])  # sees the limit two calls back, but not in its state
+    assert int(state.step) == 3 and int(state.skipped_steps) == 2
 
 
 def test_check_reports_a_limit_reached_by_the_last_call():
