@@ -253,6 +253,64 @@ def process_share(
     )
 
 
+def call_sizes(
+    batch: Any,
+    *,
+    path: Literal["fused", "multisteps"],
+    num_devices: int,
+    accum_steps: int,
+    process_count: int = 1,
+) -> BatchSizes:
+    """The (global) batch identity of ``batch`` as one call of a step takes it.
+
+    ``fused``: a global batch (``global_batch_size`` rows); ``multisteps``: a
+    global micro-batch (``num_devices * micro_batch_size`` rows). A
+    ``jax.Array`` leaf counts with its (global) shape. Host data (numpy) is this
+    process's part: with several processes, its rows of the device-major global
+    batch (:func:`process_share`), the same number on every process, so the
+    global batch has ``process_count`` times as many.
+
+    Raises:
+      ValueError: naming the rule and the numbers it breaks.
+    """
+    leaves = jax.tree.leaves(batch)
+    local = {np.shape(x)[0] if np.ndim(x) else 0 for x in leaves}
+    scale = {1 if isinstance(x, jax.Array) else process_count for x in leaves}
+    if len(local) != 1:
+        raise ValueError(f"every batch leaf needs the same leading size, got {sorted(local)}")
+    if len(scale) != 1:
+        raise ValueError(
+            "with several processes, a batch must be all host arrays (this process's rows) "
+            "or all jax.Arrays (global), not a mix"
+        )
+    ((rows,), (factor,)) = local, scale
+    total = rows * factor
+    try:
+        if path == "fused":
+            return batch_sizes(
+                num_devices=num_devices, accum_steps=accum_steps, global_batch_size=total
+            )
+        if total < 1 or total % num_devices:
+            raise ValueError(
+                f"a multisteps call takes one global micro-batch of num_devices * "
+                f"micro_batch_size rows: {total} rows must be a positive multiple of "
+                f"num_devices={num_devices} (the accum_steps={accum_steps} "
+                "micro-batches of a step come in separate calls)"
+            )
+        return batch_sizes(
+            num_devices=num_devices,
+            accum_steps=accum_steps,
+            micro_batch_size=total // num_devices,
+        )
+    except ValueError as e:
+        if total == rows:
+            raise
+        raise ValueError(
+            f"this process's batch has {rows} rows; {process_count} processes make "
+            f"a global batch of {total} rows: {e}"
+        ) from None
+
+
 def check_rows(batch: Any, rows: int, rule: str) -> None:
     """Raises unless every leaf of ``batch`` has ``rows`` rows on its leading axis."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -16,16 +15,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._accumulate import AccumState, fused_update, multisteps_update
-from ._layout import BatchSizes, batch_sizes
+from ._layout import BatchSizes, call_sizes
 from ._mesh import place
 from ._model import LossReduction, loss_parts, merge_model, micro_forward, split_model
 from ._state import BatchStats, check_batch_stats, configure, split_state, wire_dtype
 from ._sync import check_replicas, mark_varying, sync_on_emit
-from ._train_state import NonFiniteError, TrainState, advance
+from ._train_state import SkipWatch, TrainState, advance
 from ._trainable import Trainable, combine, skip_unused, split_trainable, trainable_mask
 
 AccumulationPath = Literal["fused", "multisteps"]
-_IN_FLIGHT = 2  # calls a step lets run ahead of the host (see TrainStep._wait_for)
 Strategy = Literal["shard_map", "pmap"]
 
 
@@ -60,15 +58,14 @@ class TrainStep:
     skip_nonfinite: bool = True
     max_consecutive_skips: int | None = 10
     _jitted: Callable[..., Any] = dataclasses.field(init=False, repr=False)
-    # The skip counters (metrics, never donated) of the last calls: what bounds
-    # the calls in flight and watches max_consecutive_skips.
-    _recent: collections.deque[jax.Array] = dataclasses.field(
-        init=False, repr=False, default_factory=lambda: collections.deque(maxlen=_IN_FLIGHT)
-    )
+    _watch: SkipWatch = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         donate = (0,) if self.donate else ()
         object.__setattr__(self, "_jitted", jax.jit(self._global_step, donate_argnums=donate))
+        limit = self.max_consecutive_skips if self.skip_nonfinite else None
+        cpu = self.num_devices > 1 and self.mesh.devices.flat[0].platform == "cpu"
+        object.__setattr__(self, "_watch", SkipWatch(limit, bound=cpu))
 
     @property
     def num_devices(self) -> int:
@@ -149,52 +146,19 @@ class TrainStep:
         continues that run (:meth:`check`).
         """
         inputs = self._inputs(batch, micro_weights)
-        self._wait_for(state)
+        self._watch.before(state)
         state, metrics = self._jitted(state, *inputs)
-        if self._bounded():
-            self._recent.append(metrics["consecutive_skips"])
+        self._watch.after(metrics)
         return state, metrics
 
     def check(self, state: TrainState) -> None:
         """Raises :class:`NonFiniteError` if ``state`` follows ``max_consecutive_skips``
         skipped updates in a row (a host read: it waits for the call that made it).
 
-        Every call checks the state it is given; check the last call's state
-        after a loop, or a limit reached by the last call goes unreported.
+        Every call watches the calls before it; check the last call's state
+        after a loop, or a limit reached by the last calls goes unreported.
         """
-        limit = self.max_consecutive_skips
-        if limit is None or not self.skip_nonfinite:
-            return
-        skips = int(state.consecutive_skips)
-        if skips >= limit:
-            raise NonFiniteError(
-                f"{skips} optimizer steps in a row had NaN or Inf gradients or loss and were "
-                f"skipped (max_consecutive_skips={limit}); parameters and optimizer state are "
-                f"those of step {int(state.step)}, in this error's .state",
-                state,
-            )
-
-    def _bounded(self) -> bool:
-        watch = self.max_consecutive_skips is not None and self.skip_nonfinite
-        return watch or (self.num_devices > 1 and self.mesh.devices.flat[0].platform == "cpu")
-
-    def _wait_for(self, state: TrainState) -> None:
-        """At most ``_IN_FLIGHT`` calls in flight, and the skip limit watched.
-
-        Waits for the call two before this one (usually done already) by reading
-        its skip counter; only when that one had reached the limit does it read
-        ``state``'s (waiting for the call just before), so the step does not
-        sync the host every call. Why bound the calls in flight at all: on
-        several CPU devices the collectives share one thread pool, and dozens of
-        queued steps on 2 cores starved XLA's in-process all-reduce until its
-        rendezvous timeout aborted the process (docs/decisions.md).
-        """
-        if len(self._recent) < _IN_FLIGHT:
-            return
-        older = int(self._recent.popleft())
-        limit = self.max_consecutive_skips
-        if limit is not None and self.skip_nonfinite and older >= limit:
-            self.check(state)
+        self._watch.check(state)
 
     def compile(self, state: TrainState, batch: Any, micro_weights: Any = None) -> Any:
         """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""
@@ -224,51 +188,15 @@ class TrainStep:
         return len({d.process_index for d in self.mesh.devices.flat})
 
     def sizes(self, batch: Any) -> BatchSizes:
-        """The (global) batch identity of a batch for this step; raises if it does not fit.
-
-        A ``jax.Array`` leaf counts with its (global) shape. Host data (numpy) is
-        this process's part: with several processes, its rows of the
-        device-major global batch (:func:`process_share`), the same number on
-        every process, so the global batch has ``process_count`` times as many.
-        """
-        leaves = jax.tree.leaves(batch)
-        local = {np.shape(x)[0] if np.ndim(x) else 0 for x in leaves}
-        scale = {1 if isinstance(x, jax.Array) else self.process_count for x in leaves}
-        if len(local) != 1:
-            raise ValueError(f"every batch leaf needs the same leading size, got {sorted(local)}")
-        if len(scale) != 1:
-            raise ValueError(
-                "with several processes, a batch must be all host arrays (this process's rows) "
-                "or all jax.Arrays (global), not a mix"
-            )
-        ((rows,), (factor,)) = local, scale
-        total = rows * factor
-        try:
-            if self.path == "fused":
-                return batch_sizes(
-                    num_devices=self.num_devices,
-                    accum_steps=self.accum_steps,
-                    global_batch_size=total,
-                )
-            if total < 1 or total % self.num_devices:
-                raise ValueError(
-                    f"a multisteps call takes one global micro-batch of num_devices * "
-                    f"micro_batch_size rows: {total} rows must be a positive multiple of "
-                    f"num_devices={self.num_devices} (the accum_steps={self.accum_steps} "
-                    "micro-batches of a step come in separate calls)"
-                )
-            return batch_sizes(
-                num_devices=self.num_devices,
-                accum_steps=self.accum_steps,
-                micro_batch_size=total // self.num_devices,
-            )
-        except ValueError as e:
-            if total == rows:
-                raise
-            raise ValueError(
-                f"this process's batch has {rows} rows; {self.process_count} processes make "
-                f"a global batch of {total} rows: {e}"
-            ) from None
+        """The (global) batch identity of a batch for one call of this step; raises
+        if it does not fit (:func:`jaxdp._layout.call_sizes`)."""
+        return call_sizes(
+            batch,
+            path=self.path,
+            num_devices=self.num_devices,
+            accum_steps=self.accum_steps,
+            process_count=self.process_count,
+        )
 
     def _global_step(self, state: TrainState, batch: Any, micro_weights: jax.Array):
         specs = self._state_specs(state)
