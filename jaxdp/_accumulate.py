@@ -2,7 +2,7 @@
 
 Both run inside ``shard_map`` (or ``pmap``) on ONE device's data and state and
 communicate only through one psum per optimizer step
-(:func:`jaxdp._sync.all_reduce_step`). They accumulate per-device SUMS of
+(:func:`jaxdp._sync.all_reduce_sums`). They accumulate per-device SUMS of
 micro-batch gradients, losses and weights, and divide by the global weight
 after the all-reduce. Device 0's batch statistics ride in the same psum, and
 the finiteness of its result decides, identically on every device, whether

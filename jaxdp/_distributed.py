@@ -72,7 +72,7 @@ def initialize(
       local_device_ids: the GPUs this process drives (default: all visible).
       cpu_devices: CPU devices this process emulates (:func:`emulate_cpu_devices`).
       timeout_s: how long every process waits for all of them to connect, and at
-        exit for all of them to finish (JAX's shutdown barrier); default 120.
+        exit for all of them to finish (JAX's shutdown barrier); default 100.
       heartbeat_timeout_s: a process silent this long counts as dead, and JAX
         ends the others with an error naming it; default 60.
 
@@ -83,7 +83,8 @@ def initialize(
     After a multi-process start, an uncaught exception ends its process at once
     (status 1, 130 for KeyboardInterrupt) instead of waiting ``timeout_s`` in
     JAX's shutdown barrier while its peers block in a collective; the peers then
-    end within ``heartbeat_timeout_s`` (under ``jaxdp launch``, at once).
+    end within ``heartbeat_timeout_s`` (under ``jaxdp launch``, within its
+    ``--grace-s``).
 
     Raises:
       ValueError: a setting is malformed or out of range (naming it and where it

@@ -28,6 +28,7 @@ class BatchSizes(NamedTuple):
     global_batch_size: int
 
     def describe(self) -> str:
+        """The identity with its numbers, as jaxdp's logs and errors print it."""
         return (
             f"global_batch_size={self.global_batch_size} = num_devices={self.num_devices}"
             f" x accum_steps={self.accum_steps} x micro_batch_size={self.micro_batch_size}"

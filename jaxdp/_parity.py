@@ -157,6 +157,13 @@ class Trajectory:
 
 @dataclasses.dataclass
 class ParityReport:
+    """The comparison of one jaxdp run with its torch_ref twin, step by step.
+
+    Differences are elementwise over each parameter in torch's state_dict
+    layout; a step passes when every element satisfies ``|jaxdp - torch| <=
+    atol + rtol * |torch|`` and so does the loss.
+    """
+
     config: ParityConfig
     rtol: float
     atol: float

@@ -371,7 +371,8 @@ def make_train_step(
       optimizer: any optax transformation; jaxdp applies it once per step.
       mesh: a one-axis mesh (:func:`data_mesh`); the batch is split over it.
       accum_steps: micro-batches per device per optimizer step.
-      path: ``"fused"`` (one call per step, ``lax.scan`` over micro-batches) or
+      path: ``"fused"`` (one call per step, ``lax.scan`` over micro-batches; no
+        loop for one micro-batch) or
         ``"multisteps"`` (one call per micro-batch, ``optax.MultiSteps``).
       strategy: ``"shard_map"`` or the legacy ``"pmap"``.
       loss_reduction: ``"mean"``: the update follows the mean of the
@@ -406,10 +407,12 @@ def make_train_step(
         optimizer state and batch statistics stay, the step count does not
         advance, the accumulation window restarts; ``metrics["skipped"]``,
         ``"skipped_steps"`` and ``"consecutive_skips"`` count them.
-      max_consecutive_skips: raise :class:`NonFiniteError` when this many
-        updates in a row were skipped and the next call's update is skipped too
-        (None: never). It is watched on the host, two calls behind, so at most
-        two calls are in flight; :meth:`TrainStep.check` tests a state at once.
+      max_consecutive_skips: raise :class:`NonFiniteError`, before a call uses
+        its batch, once the skip counter of the call two before it reached this
+        many updates skipped in a row and the state the call is given still
+        holds that run (None: never). Watched on the host two calls behind, so
+        at most two calls are in flight and the host is not synced every call;
+        :meth:`TrainStep.check` tests a state at once.
 
     Gradients travel in one all-reduce per optimizer step, issued after the
     last micro-batch (``no_sync`` on the others), together with the loss and

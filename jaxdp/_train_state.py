@@ -35,10 +35,12 @@ class TrainState(NamedTuple):
 
 
 class NonFiniteError(RuntimeError):
-    """``max_consecutive_skips`` optimizer steps in a row had NaN or Inf gradients or loss.
+    """A run of at least ``max_consecutive_skips`` optimizer steps in a row had NaN
+    or Inf gradients or loss.
 
-    ``state`` is the step's output: parameters, optimizer and model state as
-    after the last finite update.
+    ``state`` is the state given to the call that raised (its batch was not
+    used): parameters, optimizer and model state as after the last applied
+    update, its ``consecutive_skips`` at or above the limit.
     """
 
     def __init__(self, message: str, state: TrainState):
