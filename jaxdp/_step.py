@@ -371,8 +371,7 @@ def make_train_step(
       optimizer: any optax transformation; jaxdp applies it once per step.
       mesh: a one-axis mesh (:func:`data_mesh`); the batch is split over it.
       accum_steps: micro-batches per device per optimizer step.
-      path: ``"fused"`` (one call per step, ``lax.scan`` over micro-batches; no
-        loop for one micro-batch) or
+      path: ``"fused"`` (one call per step, ``lax.scan`` over micro-batches) or
         ``"multisteps"`` (one call per micro-batch, ``optax.MultiSteps``).
       strategy: ``"shard_map"`` or the legacy ``"pmap"``.
       loss_reduction: ``"mean"``: the update follows the mean of the
