@@ -36,29 +36,21 @@ def all_reduce_mean(
     three travel in ONE all-reduce (a single variadic psum), so the loss metric
     and the token count cost no extra collective.
     """
-    grads, loss, _ = all_reduce_step(grad_sum, loss_sum, weight, (), axis_name)
-    return grads, loss
-
-
-def all_reduce_step(
-    grad_sum: Any, loss_sum: jax.Array, weight: jax.Array, extra: Any, axis_name: str = DATA_AXIS
-) -> tuple[Any, jax.Array, Any]:
-    """:func:`all_reduce_mean` with ``extra`` summed over devices in the same psum.
-
-    jaxdp passes device 0's batch statistics as ``extra`` (zeros elsewhere),
-    so committing them costs their bytes in the one all-reduce, not a
-    collective of their own.
-    """
-    grad_sum, loss, weight, extra = all_reduce_sums(grad_sum, loss_sum, weight, extra, axis_name)
-    return mean_grads(grad_sum, weight), loss, extra
+    grad_sum, loss, weight, _ = all_reduce_sums(grad_sum, loss_sum, weight, (), axis_name)
+    return mean_grads(grad_sum, weight), loss
 
 
 def all_reduce_sums(
     grad_sum: Any, loss_sum: jax.Array, weight: jax.Array, extra: Any, axis_name: str = DATA_AXIS
 ) -> tuple[Any, jax.Array, jax.Array, Any]:
-    """The one psum of :func:`all_reduce_step`, leaving the gradients as global SUMS:
-    ``(grad_sum, mean loss, total weight, extra)``. Dividing later, where the
-    optimizer reads them, fuses the division into its pass over the gradients."""
+    """The step's one psum: gradient sums, loss sum, weight and ``extra`` together.
+
+    Returns ``(grad_sum, mean loss, total weight, extra)``, the gradients still
+    global SUMS: dividing later, where the optimizer reads them, fuses the
+    division into its pass over the gradients. jaxdp passes device 0's batch
+    statistics as ``extra`` (zeros elsewhere), so committing them costs their
+    bytes in the one all-reduce, not a collective of their own.
+    """
     grad_sum, loss_sum, weight, extra = jax.lax.psum((grad_sum, loss_sum, weight, extra), axis_name)
     return grad_sum, loss_sum / weight.astype(loss_sum.dtype), weight, extra
 

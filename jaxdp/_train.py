@@ -332,15 +332,17 @@ class _Run:
         disable = None if config.progress is None else not config.progress
         if self.share.process_index != 0:
             disable = True
-        with tqdm(total=total, initial=int(self.state.step), unit="step", disable=disable) as bar:
+        done = int(self.state.step)  # updates applied; then read once per update, not per call
+        with tqdm(total=total, initial=done, unit="step", disable=disable) as bar:
             for call, epoch, position, emitted in self._calls(x, y):
-                if config.steps is not None and int(self.state.step) >= config.steps:
+                if config.steps is not None and done >= config.steps:
                     break
                 self.state, metrics = self.step(self.state, call)
                 self.samples += len(call[1]) * self.share.process_count
                 self.position = position
                 if emitted:
                     record = _record(self.state, metrics, epoch, self.samples)  # waits for it
+                    done = record["step"]
                     now = time.perf_counter()
                     # The clock starts after the first update: it includes compiling.
                     if clock is None:

@@ -9,7 +9,7 @@ import torch_ref
 from jaxdp._parity import compare, format_parity, run_jaxdp, torch_config
 
 
-def check(config, torch_runs):
+def assert_parity(config, torch_runs):
     data, initial, theirs = torch_runs[cell_id(config)]
     assert len(theirs.states) == config.steps, "torch_ref made a different number of steps"
     report = compare(config, run_jaxdp(config, data, initial), theirs)
@@ -19,12 +19,12 @@ def check(config, torch_runs):
 
 @pytest.mark.parametrize("config", FLOAT64, ids=cell_id)
 def test_float64_weights_and_losses_match_every_step(config, torch_runs):
-    check(config, torch_runs)
+    assert_parity(config, torch_runs)
 
 
 @pytest.mark.parametrize("config", FLOAT32, ids=cell_id)
 def test_float32_within_pytorch_assert_equal_defaults(config, torch_runs):
-    check(config, torch_runs)
+    assert_parity(config, torch_runs)
 
 
 @pytest.mark.parametrize("config", LAST_WINDOW, ids=cell_id)
@@ -33,7 +33,7 @@ def test_last_incomplete_window_policy_matches_torch_ref_loop(config, torch_runs
     per_epoch = len(jaxdp.epoch_schedule(config.num_samples, sizes(config), **policy(config)).rows)
     assert per_epoch == (4 if config.last_window == "step" else 3)
     assert torch_ref.steps_per_epoch(torch_config(config), config.num_samples) == per_epoch
-    check(config, torch_runs)
+    assert_parity(config, torch_runs)
 
 
 def test_last_window_policies_train_differently(torch_runs):

@@ -4,7 +4,7 @@ parameters (cells.BATCH_NORM, cells.UNUSED)."""
 import numpy as np
 import pytest
 from cells import BATCH_NORM, UNUSED, cell_id
-from test_parity_matrix import check
+from test_parity_matrix import assert_parity
 
 import jaxdp
 from jaxdp._parity import compare, run_jaxdp
@@ -12,7 +12,7 @@ from jaxdp._parity import compare, run_jaxdp
 
 @pytest.mark.parametrize("config", BATCH_NORM, ids=cell_id)
 def test_batch_norm_weights_and_running_statistics_match(config, torch_runs):
-    report = check(config, torch_runs)
+    report = assert_parity(config, torch_runs)
     assert {"bn1.running_mean", "bn2.running_var", "bn2.num_batches_tracked"} <= set(
         report.max_abs[0]
     )
@@ -29,7 +29,7 @@ def test_local_and_sync_statistics_train_differently(torch_runs):
 
 @pytest.mark.parametrize("config", UNUSED, ids=cell_id)
 def test_frozen_embedding_and_unused_branch_match(config, torch_runs):
-    check(config, torch_runs)
+    assert_parity(config, torch_runs)
     _, initial, theirs = torch_runs[cell_id(config)]
     np.testing.assert_array_equal(theirs.states[-1]["embed.weight"], initial["embed.weight"])
     # The branch stands still exactly in the steps no micro-batch uses it.

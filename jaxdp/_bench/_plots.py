@@ -17,6 +17,12 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def overhead(result: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     models = result["models"]
@@ -37,9 +43,7 @@ def overhead(result: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{model['model']}: {model['describe']}", fontsize=9)
         ax.legend(fontsize=8)
     fig.suptitle("Accumulation overhead (median; band: min-max over repeats)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def vs_torch(result: dict[str, Any], path: Path) -> None:
@@ -69,9 +73,7 @@ def vs_torch(result: dict[str, Any], path: Path) -> None:
         fontsize=9,
     )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def comms(result: dict[str, Any], path: Path) -> None:
@@ -109,9 +111,7 @@ def comms(result: dict[str, Any], path: Path) -> None:
     right.set_ylabel("ms per all-reduce (ring, bandwidth term)")
     right.set_title("Ring model: 2(N-1)/N x bytes / bandwidth", fontsize=9)
     right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def memory(result: dict[str, Any], path: Path) -> None:
@@ -142,9 +142,7 @@ def memory(result: dict[str, Any], path: Path) -> None:
     right.set_ylabel("largest global batch (rows)")
     right.set_title(f"Fits {result['budget'] / 2**20:.0f} MiB per device", fontsize=9)
     right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 FIGURES = {"overhead": overhead, "vs_torch": vs_torch, "comms": comms, "memory": memory}
