@@ -16,7 +16,7 @@ import sys
 
 def main() -> int:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # a checkout's jaxdp
-    from jaxdp._bench.gpu import main as gpu_main
+    from jaxdp.cli.bench.gpu import main as gpu_main
 
     return gpu_main()
 

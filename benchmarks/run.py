@@ -17,7 +17,7 @@ import sys
 
 def main() -> int:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # a checkout's jaxdp
-    from jaxdp._cli import main as jaxdp_main
+    from jaxdp.cli import main as jaxdp_main
 
     return jaxdp_main(["bench", *sys.argv[1:]])
 

@@ -1,16 +1,20 @@
 # Sourced by bin/jaxdp and bin/test: makes sure the local virtual environment
-# .venv holds jaxdp (editable) with its torch and test extras, and sets $venv.
-# Reinstalls when pyproject.toml or the constraints change.
+# .venv holds jaxdp (editable) with its command-line and test extras and the CPU
+# build of torch, and sets $venv. Reinstalls when pyproject.toml, the
+# constraints or $JAXDP_TORCH_INDEX change.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
 stamp="$venv/.installed-from"
-want=$(cat "$root/pyproject.toml" "$root/constraints/cpu.txt" | sha256sum | cut -d' ' -f1)
+want=$( (cat "$root/pyproject.toml" "$root/constraints/cpu.txt"; echo "${JAXDP_TORCH_INDEX:-}") | sha256sum | cut -d' ' -f1)
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setting up $venv (one time, about a minute) ..." >&2
   "${PYTHON:-python3}" -m venv "$venv"
-  # The constraints pin the CPU build of torch: a bare `torch` would pull
-  # several GB of CUDA wheels.
+  # torch is pinned by the constraints. On these machines torch==2.13.0 is a
+  # local CPU wheel; elsewhere set JAXDP_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+  # for PyTorch's CPU build (a bare `torch` from PyPI is several GB of CUDA wheels).
+  index=()
+  if [ -n "${JAXDP_TORCH_INDEX:-}" ]; then index=(--extra-index-url "$JAXDP_TORCH_INDEX"); fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    -e "$root[torch,test]" -c "$root/constraints/cpu.txt"
+    -e "$root[cli,test]" torch "${index[@]}" -c "$root/constraints/cpu.txt"
   echo "$want" >"$stamp"
 fi

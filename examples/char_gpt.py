@@ -58,7 +58,7 @@ def windows(tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 def held_out_loss(model: nnx.Module, tokens: np.ndarray) -> float:
     starts = np.arange(0, len(tokens) - BLOCK_SIZE - 1, BLOCK_SIZE)[:256]
-    loss = nnx.jit(jaxdp.model_loss("transformer"))(model, windows(tokens, starts))
+    loss = nnx.jit(jaxdp.models.model_loss("transformer"))(model, windows(tokens, starts))
     return float(loss)
 
 
@@ -100,12 +100,12 @@ def main() -> None:
 
     sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=16)
     step = jaxdp.make_train_step(
-        jaxdp.model_loss("transformer"),  # cross-entropy over all B x T positions, mean
+        jaxdp.models.model_loss("transformer"),  # cross-entropy over all B x T positions, mean
         optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, steps, 3e-4)),
         mesh=jaxdp.data_mesh(sizes.num_devices),
         accum_steps=sizes.accum_steps,
     )
-    model = jaxdp.Transformer(len(chars), BLOCK_SIZE, 128, 4, rngs=nnx.Rngs(0))
+    model = jaxdp.models.Transformer(len(chars), BLOCK_SIZE, 128, 4, rngs=nnx.Rngs(0))
     print(f"batch: {sizes.describe()}")
     print(
         f"held-out loss before training: {held_out_loss(model, held_out):.2f} "
@@ -116,7 +116,7 @@ def main() -> None:
     num_windows = len(train) - BLOCK_SIZE - 1
     done, epoch = 0, 0
     while done < steps:
-        for rows in jaxdp.epoch_batches(num_windows, sizes, epoch=epoch)[: steps - done]:
+        for rows in jaxdp.epoch_schedule(num_windows, sizes, epoch=epoch).rows[: steps - done]:
             state, metrics = step(state, windows(train, rows))
             done += 1
             # Reading the loss waits for the step. Without any wait, dozens of

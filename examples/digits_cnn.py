@@ -57,15 +57,15 @@ def main() -> None:
     x_train, y_train, x_test, y_test = digits()
     sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=16)
     step = jaxdp.make_train_step(
-        jaxdp.model_loss("cnn"),  # cross-entropy, mean over the micro-batch
+        jaxdp.models.model_loss("cnn"),  # cross-entropy, mean over the micro-batch
         optax.adamw(3e-3),
         mesh=jaxdp.data_mesh(sizes.num_devices),
         accum_steps=sizes.accum_steps,
     )
-    state = step.init(jaxdp.CNN(channels=(32, 64), rngs=nnx.Rngs(0)))
+    state = step.init(jaxdp.models.CNN(channels=(32, 64), rngs=nnx.Rngs(0)))
     print(f"batch: {sizes.describe()}")
     for epoch in range(epochs):
-        for rows in jaxdp.epoch_batches(len(x_train), sizes, epoch=epoch):
+        for rows in jaxdp.epoch_schedule(len(x_train), sizes, epoch=epoch).rows:
             state, metrics = step(state, (x_train[rows], y_train[rows]))
             loss = float(metrics["loss"])  # waits for the step (see char_gpt.py)
         print(f"epoch {epoch + 1:2d}/{epochs}: loss {loss:.4f}")

@@ -62,7 +62,7 @@ def main() -> None:
     state = step.init({"w": np.zeros((8, 1), np.float32), "b": np.zeros(1, np.float32)})
     losses, read = [], 0
     for epoch in range(5):
-        for rows in jaxdp.epoch_batches(len(x), sizes, epoch=epoch):  # every rank's rows
+        for rows in jaxdp.epoch_schedule(len(x), sizes, epoch=epoch).rows:  # every rank's rows
             mine = rows[share.rows]  # the rows of this process's devices
             state, metrics = step(state, (x[mine], y[mine]))
             losses.append(float(metrics["loss"]))  # the global batch's loss

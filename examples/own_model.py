@@ -86,7 +86,7 @@ def main() -> None:
     )
     state, losses = step.init(model), []  # init copies the weights; `model` is unchanged
     for epoch in range(epochs):
-        for rows in jaxdp.epoch_batches(len(x_train), sizes, epoch=epoch):
+        for rows in jaxdp.epoch_schedule(len(x_train), sizes, epoch=epoch).rows:
             state, metrics = step(state, (x_train[rows], y_train[rows]))
             losses.append(float(metrics["loss"]))  # the loss before this update
     trained = step.model(state)  # a ResidualMLP again
@@ -103,7 +103,7 @@ def main() -> None:
     batches = [
         (x_train[rows], y_train[rows])
         for epoch in range(epochs)
-        for rows in jaxdp.epoch_batches(len(x_train), sizes, epoch=epoch)
+        for rows in jaxdp.epoch_schedule(len(x_train), sizes, epoch=epoch).rows
     ]
     reference = single_device(model, loss_fn, optimizer, batches)
     trained_params = nnx.state(trained, nnx.Param)

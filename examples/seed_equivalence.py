@@ -73,15 +73,15 @@ def train(x: np.ndarray, *, num_devices: int, accum_steps: int) -> np.ndarray:
     sizes = jaxdp.batch_sizes(num_devices=num_devices, accum_steps=accum_steps, micro_batch_size=4)
     print(sizes.describe())
     step = jaxdp.make_train_step(
-        jaxdp.model_loss("linear"),  # sum(x @ w) over the micro-batch, as in the seed
+        jaxdp.models.model_loss("linear"),  # sum(x @ w) over the micro-batch, as in the seed
         optax.sgd(0.01, momentum=0.9),
         mesh=jaxdp.data_mesh(num_devices),
         accum_steps=accum_steps,
     )
-    state = step.init(jaxdp.LinearModel())  # Linear(8, 1, bias=False), weights all one
+    state = step.init(jaxdp.models.LinearModel())  # Linear(8, 1, bias=False), weights all one
     y = np.zeros((len(x), 1), np.float32)  # unused by the sum loss
     for epoch in range(2):
-        for rows in jaxdp.epoch_batches(len(x), sizes, epoch=epoch, shuffle=False):
+        for rows in jaxdp.epoch_schedule(len(x), sizes, epoch=epoch, shuffle=False).rows:
             state, _ = step(state, (x[rows], y[rows]))
     weights = np.asarray(jax.device_get(step.model(state).linear.kernel[...])).ravel()
     print("  weights:", _show(weights))

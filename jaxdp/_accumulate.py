@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._state import device0, from_wire
+from ._model_state import device0, from_wire
 from ._sync import SyncState, all_finite, all_reduce_sums, mean_grads
 
 Forward = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[Any, jax.Array, jax.Array, Any]]

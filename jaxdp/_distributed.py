@@ -22,6 +22,7 @@ import jax
 from jax.sharding import Mesh
 
 from ._mesh import data_mesh, emulate_cpu_devices
+from ._quiet_gloo import quiet_gloo_notes
 
 ENV_COORDINATOR_ADDRESS = "JAXDP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXDP_NUM_PROCESSES"
@@ -79,6 +80,11 @@ def initialize(
     Returns:
       ``data_mesh()``: every device of every process, ordered by process, so
       process ``p`` owns a contiguous block of data-parallel ranks.
+
+    On CPU, gloo's C++ connection note (``[Gloo] Rank 1 is connected to 3 peer
+    ranks ...``) is kept out of the process's stdout: Python's ``sys.stdout``
+    keeps the stream and the C-level stdout is filtered (see
+    :mod:`jaxdp._quiet_gloo`).
 
     After a multi-process start, an uncaught exception ends its process at once
     (status 1, 130 for KeyboardInterrupt) instead of waiting ``timeout_s`` in
@@ -221,6 +227,8 @@ def _start(s: _Settings) -> None:
         watchdog.cancel()
     if jax.process_count() > 1:
         sys.excepthook = _ExitAtOnce(sys.excepthook)
+        if jax.devices()[0].platform == "cpu":
+            quiet_gloo_notes()  # the CPU collectives' connection note
 
 
 class _ExitAtOnce:

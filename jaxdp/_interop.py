@@ -34,7 +34,7 @@ def params_to_torch(params: Any) -> dict[str, np.ndarray]:
     """A torch-style state_dict (numpy arrays) of an NNX module's or a pytree's parameters.
 
     For a module, its ``nnx.BatchStat`` variables come along as buffers under
-    their own names (:class:`jaxdp.BatchNorm`'s are torch's ``running_mean``,
+    their own names (:class:`jaxdp.models.BatchNorm`'s are torch's ``running_mean``,
     ``running_var`` and ``num_batches_tracked``, in torch's conventions).
     """
     out = {}

@@ -154,28 +154,6 @@ def epoch_schedule(
     return EpochSchedule(rows, weights)
 
 
-def epoch_batches(
-    dataset_size: int,
-    sizes: BatchSizes,
-    *,
-    epoch: int = 0,
-    shuffle: bool = True,
-    seed: int = 0,
-    drop_last: bool = False,
-    permutation: Permutation = numpy_permutation,
-) -> np.ndarray:
-    """``epoch_schedule(..., last_window="drop").rows``: ``[steps, global_batch_size]``."""
-    return epoch_schedule(
-        dataset_size,
-        sizes,
-        epoch=epoch,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-        permutation=permutation,
-    ).rows
-
-
 def micro_batches(batch: Any, sizes: BatchSizes) -> list[Any]:
     """Splits a global batch into ``accum_steps`` global micro-batches.
 

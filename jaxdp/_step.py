@@ -1,11 +1,9 @@
-"""The data-parallel train step builder."""
+"""The data-parallel train step: :func:`make_train_step` and the :class:`TrainStep` it builds."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,66 +12,71 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._accumulate import AccumState, fused_update, multisteps_update
+from ._accumulate import AccumState
+from ._device_step import global_step
+from ._forward import LossReduction, merge_model, split_model
+from ._frozen import Trainable, split_trainable, trainable_mask
 from ._layout import BatchSizes, call_sizes
 from ._mesh import place
-from ._model import LossReduction, loss_parts, merge_model, micro_forward, split_model
-from ._state import BatchStats, check_batch_stats, configure, split_state, wire_dtype
-from ._sync import check_replicas, mark_varying, sync_on_emit
-from ._train_state import SkipWatch, TrainState, advance
-from ._trainable import Trainable, combine, skip_unused, split_trainable, trainable_mask
-
-AccumulationPath = Literal["fused", "multisteps"]
-Strategy = Literal["shard_map", "pmap"]
+from ._model_state import BatchStats, check_batch_stats, split_state
+from ._options import AccumulationPath, StepOptions, Strategy
+from ._skip_watch import SkipWatch
+from ._sync import check_replicas
+from ._train_state import TrainState
 
 
-@dataclasses.dataclass(frozen=True)
 class TrainStep:
     """A compiled data-parallel training step; build it with :func:`make_train_step`.
 
-    ``init(params_or_module)`` places the state on the mesh; ``step(state,
-    batch)`` returns ``(new_state, metrics)``. The ``fused`` path takes a global
-    batch of ``num_devices * accum_steps * micro_batch_size`` rows per call and
-    applies one update; ``multisteps`` takes one global micro-batch of
-    ``num_devices * micro_batch_size`` rows per call and applies an update on
-    every ``accum_steps``-th call (``metrics["emitted"]``). On a mesh spanning
+    State in, state out: ``init(params_or_module)`` places a fresh
+    :class:`TrainState` on the mesh, and ``step(state, batch)`` returns
+    ``(new_state, metrics)``. The ``fused`` path takes a global batch of
+    ``num_devices * accum_steps * micro_batch_size`` rows per call and applies
+    one update; ``multisteps`` takes one global micro-batch of ``num_devices *
+    micro_batch_size`` rows per call and applies an update on every
+    ``accum_steps``-th call (``metrics["emitted"]``). On a mesh spanning
     several processes each process passes only its rows of that batch
-    (:func:`process_share`); ``jax.make_array_from_process_local_data``
-    assembles the global array, and no process holds the whole batch.
+    (:func:`process_share`); no process holds the whole batch.
+
+    The step keeps no training state between calls. Its one piece of host
+    state is ``watch`` (:class:`SkipWatch`): the ``max_consecutive_skips``
+    limit and the bound of two calls in flight on several CPU devices, which
+    need the skip counters of recent calls.
     """
 
-    loss_fn: Callable[..., Any]
-    optimizer: optax.GradientTransformation
-    mesh: Mesh
-    accum_steps: int
-    path: AccumulationPath
-    strategy: Strategy
-    loss_reduction: LossReduction
-    accum_dtype: Any
-    donate: bool
-    batch_stats: BatchStats | None = None
-    rng_seed: int | None = None
-    trainable: Trainable = None
-    skip_unused: bool = False
-    skip_nonfinite: bool = True
-    max_consecutive_skips: int | None = 10
-    _jitted: Callable[..., Any] = dataclasses.field(init=False, repr=False)
-    _watch: SkipWatch = dataclasses.field(init=False, repr=False)
+    def __init__(self, options: StepOptions):
+        self.options = options
+        self.watch = SkipWatch(
+            options.max_consecutive_skips if options.skip_nonfinite else None,
+            bound=options.num_devices > 1 and options.mesh.devices.flat[0].platform == "cpu",
+        )
+        donate = (0,) if options.donate else ()
 
-    def __post_init__(self) -> None:
-        donate = (0,) if self.donate else ()
-        object.__setattr__(self, "_jitted", jax.jit(self._global_step, donate_argnums=donate))
-        limit = self.max_consecutive_skips if self.skip_nonfinite else None
-        cpu = self.num_devices > 1 and self.mesh.devices.flat[0].platform == "cpu"
-        object.__setattr__(self, "_watch", SkipWatch(limit, bound=cpu))
+        def call(state: TrainState, batch: Any, micro_weights: jax.Array):
+            return global_step(options, state, batch, micro_weights)
+
+        self._jitted = jax.jit(call, donate_argnums=donate)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.options.mesh
+
+    @property
+    def path(self) -> AccumulationPath:
+        return self.options.path
+
+    @property
+    def accum_steps(self) -> int:
+        return self.options.accum_steps
 
     @property
     def num_devices(self) -> int:
-        return self.mesh.devices.size
+        return self.options.num_devices
 
     @property
-    def axis_name(self) -> str:
-        return self.mesh.axis_names[0]
+    def process_count(self) -> int:
+        """Processes whose devices make up the mesh (1 unless multi-process)."""
+        return self.options.process_count
 
     # ---- state ----------------------------------------------------------------
 
@@ -85,41 +88,42 @@ class TrainStep:
         ``batch_stats`` fits the model's BatchNorm modules, and ``trainable``
         its parameters. The optimizer state covers trainable parameters only.
         """
-        check_batch_stats(params_or_module, self.batch_stats, self.axis_name)
+        o = self.options
+        check_batch_stats(params_or_module, o.batch_stats, o.axis_name)
         graphdef, params, model_state = split_model(params_or_module)
-        if self.batch_stats is not None and graphdef is None:
+        if o.batch_stats is not None and graphdef is None:
             raise ValueError("batch_stats needs an NNX module with BatchNorm, got a pytree")
-        replicated = NamedSharding(self.mesh, P())
-        params = place(params, replicated, copy=self.donate)
-        model_state = place(model_state, replicated, copy=self.donate)
-        check_replicas(params, self.mesh, name="params")
-        mask = trainable_mask(params, self.trainable)
-        dtype = self._dtype(params)
+        replicated = NamedSharding(o.mesh, P())
+        params = place(params, replicated, copy=o.donate)
+        model_state = place(model_state, replicated, copy=o.donate)
+        check_replicas(params, o.mesh, name="params")
+        mask = trainable_mask(params, o.trainable)
+        dtype = o.accumulator_dtype(params)
         stats = split_state(model_state)[0]
-        opt = self._optimizer(dtype, stats)
+        opt = o.state_optimizer(dtype, stats)
         # step, skipped_steps, consecutive_skips: three buffers, each donated once.
         step, *counters = (jax.device_put(jnp.zeros([], jnp.int32), replicated) for _ in range(3))
 
         def init_fused(params):
             return opt.init(split_trainable(params, mask))
 
-        if self.path == "fused":
+        if o.path == "fused":
             opt_state = jax.jit(init_fused, out_shardings=replicated)(params)
             return TrainState(step, params, opt_state, None, graphdef, model_state, *counters)
-        per_device = NamedSharding(self.mesh, P(self.axis_name))
+        per_device = NamedSharding(o.mesh, P(o.axis_name))
 
         def stack(tree):
-            return jax.tree.map(lambda x: jnp.zeros((self.num_devices, *x.shape), x.dtype), tree)
+            return jax.tree.map(lambda x: jnp.zeros((o.num_devices, *x.shape), x.dtype), tree)
 
         def init_multisteps(params):
             state = init_fused(params)
             return state._replace(acc_grads=stack(state.acc_grads))
 
-        specs = self._opt_specs(jax.eval_shape(init_multisteps, params))
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+        specs = o.opt_specs(jax.eval_shape(init_multisteps, params))
+        shardings = jax.tree.map(lambda s: NamedSharding(o.mesh, s), specs)
         opt_state = jax.jit(init_multisteps, out_shardings=shardings)(params)
         accum = AccumState(
-            *(jax.device_put(jnp.zeros([self.num_devices], dtype), per_device) for _ in range(2)),
+            *(jax.device_put(jnp.zeros([o.num_devices], dtype), per_device) for _ in range(2)),
             jax.jit(stack, out_shardings=per_device)(stats),
         )
         return TrainState(step, params, opt_state, accum, graphdef, model_state, *counters)
@@ -140,52 +144,31 @@ class TrainStep:
         default all ones. A micro-batch of weight 0 adds nothing: that is how
         padding fills an incomplete last window (:func:`epoch_schedule`).
 
-        Raises :class:`NonFiniteError`, before using this call's batch, when
-        the call two before this one had reached ``max_consecutive_skips``
-        skipped updates in a row and ``state`` (from the call just before) still
-        continues that run (:meth:`check`).
+        Raises :class:`NonFiniteError` (from ``watch``) before using this
+        call's batch once ``max_consecutive_skips`` updates in a row were
+        skipped, at most two calls after it happened.
         """
         inputs = self._inputs(batch, micro_weights)
-        self._watch.before(state)
+        self.watch.before(state)
         state, metrics = self._jitted(state, *inputs)
-        self._watch.after(metrics)
+        self.watch.after(metrics)
         return state, metrics
 
     def check(self, state: TrainState) -> None:
         """Raises :class:`NonFiniteError` if ``state`` follows ``max_consecutive_skips``
-        skipped updates in a row (a host read: it waits for the call that made it).
+        skipped updates in a row (``watch.check``: a host read that waits for the
+        call that made ``state``). Check the last state after a loop."""
+        self.watch.check(state)
 
-        Every call watches the calls before it; check the last call's state
-        after a loop, or a limit reached by the last calls goes unreported.
-        """
-        self._watch.check(state)
+    def lower(self, state: Any, batch: Any, micro_weights: Any = None) -> Any:
+        """The step lowered for these inputs: arrays, or ``jax.ShapeDtypeStruct`` with
+        shardings (nothing is allocated); ``.compile()`` it for :func:`all_reduces`
+        or XLA's memory analysis."""
+        return self._jitted.lower(state, *self._inputs(batch, micro_weights))
 
     def compile(self, state: TrainState, batch: Any, micro_weights: Any = None) -> Any:
         """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""
-        return self._jitted.lower(state, *self._inputs(batch, micro_weights)).compile()
-
-    def _inputs(self, batch: Any, micro_weights: Any) -> tuple[Any, jax.Array]:
-        shape = (self.accum_steps,) if self.path == "fused" else ()
-        if micro_weights is None:
-            micro_weights = np.ones(shape)
-        micro_weights = np.asarray(micro_weights, np.float32)  # 0 and 1 are exact
-        if micro_weights.shape != shape:
-            raise ValueError(
-                f"micro_weights has shape {micro_weights.shape}; the {self.path} path takes "
-                f"shape {shape} (one weight per micro-batch of the call)"
-            )
-        replicated = NamedSharding(self.mesh, P())
-        return self._split_batch(batch), place(micro_weights, replicated)
-
-    def _split_batch(self, batch: Any) -> Any:
-        """Checks the batch identity, then splits the rows over the mesh."""
-        self.sizes(batch)
-        return place(batch, NamedSharding(self.mesh, P(self.axis_name)))
-
-    @property
-    def process_count(self) -> int:
-        """Processes whose devices make up the mesh (1 unless multi-process)."""
-        return len({d.process_index for d in self.mesh.devices.flat})
+        return self.lower(state, batch, micro_weights).compile()
 
     def sizes(self, batch: Any) -> BatchSizes:
         """The (global) batch identity of a batch for one call of this step; raises
@@ -198,149 +181,35 @@ class TrainStep:
             process_count=self.process_count,
         )
 
-    def _global_step(self, state: TrainState, batch: Any, micro_weights: jax.Array):
-        specs = self._state_specs(state)
-        if self.strategy == "pmap":
-            axes = jax.tree.map(
-                lambda s: None if s == P() else 0, specs, is_leaf=lambda x: isinstance(x, P)
-            )
-            batch = jax.tree.map(lambda x: x.reshape(self.num_devices, -1, *x.shape[1:]), batch)
-            mapped = jax.pmap(
-                self._local_step,
-                self.axis_name,
-                in_axes=(axes, 0, None),
-                out_axes=(axes, None),
-                devices=list(self.mesh.devices.flat),
-            )
-            return mapped(state, batch, micro_weights)
-        data = P(self.axis_name)
-
-        def local(state, batch, micro_weights):
-            # Per-device leaves arrive as this device's [1, ...] block.
-            state = _map_per_device(state, lambda x: x[0])
-            state, metrics = self._local_step(state, batch, micro_weights)
-            return _map_per_device(state, lambda x: x[None]), metrics
-
-        mapped = jax.shard_map(
-            local,
-            mesh=self.mesh,
-            in_specs=(specs, data, P()),
-            out_specs=(specs, P()),
-            check_vma=True,
-        )
-        return mapped(state, batch, micro_weights)
-
-    def _local_step(self, state: TrainState, batch: Any, micro_weights: jax.Array):
-        """One device's step; per-device leaves arrive without their device axis."""
-        dtype = self._dtype(state.params)
-        mask = trainable_mask(state.params, self.trainable)
-        stats = split_state(state.model_state)[0]
-        if self.strategy == "shard_map":
-            to_varying = functools.partial(mark_varying, axis_name=self.axis_name)
+    def _inputs(self, batch: Any, micro_weights: Any) -> tuple[Any, Any]:
+        """The batch split over the mesh by rows and the micro-batch weights, replicated;
+        abstract inputs pass through."""
+        shape = (self.accum_steps,) if self.path == "fused" else ()
+        replicated = NamedSharding(self.mesh, P())
+        self.sizes(batch)
+        if isinstance(micro_weights, jax.ShapeDtypeStruct):
+            weights = micro_weights
         else:
-            to_varying = _identity  # pmap does not track replication
-        common = dict(
-            forward=micro_forward(
-                loss_parts(
-                    self.loss_fn,
-                    self.loss_reduction,
-                    state.graphdef,
-                    configure=functools.partial(
-                        configure, mode=self.batch_stats, axis_name=self.axis_name
-                    ),
-                    with_rng=self.rng_seed is not None,
-                ),
-                state.params,
-                mask,
-                state.model_state,
-                state.step,
-                axis_name=self.axis_name,
-                rng_seed=self.rng_seed,
-            ),
-            optimizer=self._optimizer(dtype, stats),
-            params=split_trainable(state.params, mask),
-            opt_state=state.opt_state,
-            axis_name=self.axis_name,
-            dtype=dtype,
-            to_varying=to_varying,
-            skip_nonfinite=self.skip_nonfinite,
-        )
-        accum = state.accum
-        if self.path == "fused":
-            micro = jax.tree.map(lambda x: x.reshape(self.accum_steps, -1, *x.shape[1:]), batch)
-            update = fused_update(
-                **common, batch_stats=stats, micro_batches=micro, micro_weights=micro_weights
+            if micro_weights is None:
+                micro_weights = np.ones(shape)
+            weights = np.asarray(micro_weights, np.float32)  # 0 and 1 are exact
+        if weights.shape != shape:
+            raise ValueError(
+                f"micro_weights has shape {weights.shape}; the {self.path} path takes "
+                f"shape {shape} (one weight per micro-batch of the call)"
             )
-        else:
-            update, accum = multisteps_update(
-                **common,
-                accum=state.accum,
-                batch_stats=stats,
-                batch=batch,
-                micro_weight=micro_weights,
-                accum_steps=self.accum_steps,
-            )
-        return advance(state, update, combine(update.params, state.params, mask), accum)
-
-    # ---- helpers ----------------------------------------------------------------
-
-    def _dtype(self, params: Any) -> Any:
-        if self.accum_dtype is not None:
-            return jnp.dtype(self.accum_dtype)
-        wide = any(jnp.dtype(x.dtype) == jnp.float64 for x in jax.tree.leaves(params))
-        return jnp.dtype(jnp.float64 if wide else jnp.float32)
-
-    def _optimizer(self, dtype: Any, batch_stats: Any) -> optax.GradientTransformation:
-        optimizer = skip_unused(self.optimizer) if self.skip_unused else self.optimizer
-        if self.path == "fused":
-            return optimizer
-        wire = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, wire_dtype(x.dtype, dtype)), batch_stats
-        )
-        sync = sync_on_emit(self.axis_name, dtype=dtype, extra_like=wire, inner=optimizer)
-        return optax.MultiSteps(
-            sync,
-            self.accum_steps,
-            use_grad_mean=False,
-            accumulator_dtype=dtype,
-        )
-
-    def _opt_specs(self, opt_state: Any) -> Any:
-        if self.path == "fused":
-            return jax.tree.map(lambda _: P(), opt_state)
-        specs = jax.tree.map(lambda _: P(), opt_state)
-        return specs._replace(
-            acc_grads=jax.tree.map(lambda _: P(self.axis_name), opt_state.acc_grads)
-        )
-
-    def _state_specs(self, state: TrainState) -> TrainState:
-        def replicated(tree):
-            return jax.tree.map(lambda _: P(), tree)
-
-        accum = state.accum
-        if accum is not None:
-            accum = jax.tree.map(lambda _: P(self.axis_name), accum)
-        return TrainState(
-            P(),
-            replicated(state.params),
-            self._opt_specs(state.opt_state),
-            accum,
-            state.graphdef,
-            replicated(state.model_state),
-            P(),
-            P(),
-        )
+        rows = NamedSharding(self.mesh, P(self.options.axis_name))
+        if not isinstance(weights, jax.ShapeDtypeStruct):
+            weights = place(weights, replicated)
+        return _place(batch, rows), weights
 
 
-def _identity(x: Any) -> Any:
-    return x
-
-
-def _map_per_device(state: TrainState, fn: Callable[[Any], Any]) -> TrainState:
-    if state.accum is None:
-        return state
-    opt_state = state.opt_state._replace(acc_grads=jax.tree.map(fn, state.opt_state.acc_grads))
-    return state._replace(opt_state=opt_state, accum=jax.tree.map(fn, state.accum))
+def _place(batch: Any, sharding: NamedSharding) -> Any:
+    """Places host or device rows on the mesh; abstract leaves keep their own sharding."""
+    abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)]
+    if any(abstract):
+        return batch
+    return place(batch, sharding)
 
 
 def make_train_step(
@@ -407,11 +276,10 @@ def make_train_step(
         advance, the accumulation window restarts; ``metrics["skipped"]``,
         ``"skipped_steps"`` and ``"consecutive_skips"`` count them.
       max_consecutive_skips: raise :class:`NonFiniteError`, before a call uses
-        its batch, once the skip counter of the call two before it reached this
-        many updates skipped in a row and the state the call is given still
-        holds that run (None: never). Watched on the host two calls behind, so
-        at most two calls are in flight and the host is not synced every call;
-        :meth:`TrainStep.check` tests a state at once.
+        its batch, once this many updates in a row were skipped (None: never).
+        Watched on the host by ``step.watch`` (:class:`SkipWatch`), two calls
+        behind, so the host is not synced every call; :meth:`TrainStep.check`
+        tests a state at once.
 
     Gradients travel in one all-reduce per optimizer step, issued after the
     last micro-batch (``no_sync`` on the others), together with the loss and
@@ -424,39 +292,22 @@ def make_train_step(
     across devices and micro-batches and do not depend on how many processes
     share the mesh.
     """
-    if not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"accum_steps={accum_steps!r} must be a positive integer")
-    for name, value, allowed in (
-        ("path", path, ("fused", "multisteps")),
-        ("strategy", strategy, ("shard_map", "pmap")),
-        ("loss_reduction", loss_reduction, ("mean", "weighted")),
-    ):
-        if value not in allowed:
-            raise ValueError(f"{name}={value!r} must be one of {allowed}")
-    if batch_stats not in (None, "local", "sync"):
-        raise ValueError(f"batch_stats={batch_stats!r} must be None, 'local' or 'sync'")
-    if max_consecutive_skips is not None and (
-        not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1
-    ):
-        raise ValueError(
-            f"max_consecutive_skips={max_consecutive_skips!r} must be a positive integer or None"
-        )
-    if len(mesh.axis_names) != 1:
-        raise ValueError(f"mesh must have one (data) axis, got axes {mesh.axis_names}")
     return TrainStep(
-        loss_fn,
-        optimizer,
-        mesh,
-        accum_steps,
-        path,
-        strategy,
-        loss_reduction,
-        accum_dtype,
-        donate,
-        batch_stats=batch_stats,
-        rng_seed=rng_seed,
-        trainable=trainable,
-        skip_unused=skip_unused,
-        skip_nonfinite=skip_nonfinite,
-        max_consecutive_skips=max_consecutive_skips,
+        StepOptions(
+            loss_fn,
+            optimizer,
+            mesh,
+            accum_steps,
+            path,
+            strategy,
+            loss_reduction,
+            accum_dtype,
+            donate,
+            batch_stats,
+            rng_seed,
+            trainable,
+            skip_unused,
+            skip_nonfinite,
+            max_consecutive_skips,
+        )
     )

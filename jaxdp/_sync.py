@@ -26,20 +26,6 @@ def mark_varying(tree: Any, axis_name: str = DATA_AXIS) -> Any:
     return jax.lax.pvary(tree, axis_name)  # the name before jax 0.10
 
 
-def all_reduce_mean(
-    grad_sum: Any, loss_sum: jax.Array, weight: jax.Array, axis_name: str = DATA_AXIS
-) -> tuple[Any, jax.Array]:
-    """Global weighted means of gradients and loss from per-device sums.
-
-    Every device passes the sums of its micro-batches' gradients and losses and
-    their total weight; the result is ``sum over devices / total weight``. The
-    three travel in ONE all-reduce (a single variadic psum), so the loss metric
-    and the token count cost no extra collective.
-    """
-    grad_sum, loss, weight, _ = all_reduce_sums(grad_sum, loss_sum, weight, (), axis_name)
-    return mean_grads(grad_sum, weight), loss
-
-
 def all_reduce_sums(
     grad_sum: Any, loss_sum: jax.Array, weight: jax.Array, extra: Any, axis_name: str = DATA_AXIS
 ) -> tuple[Any, jax.Array, jax.Array, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 from typing import Any, NamedTuple
 
 import jax
@@ -10,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ._accumulate import AccumState, Update, learning_rate
-from ._state import split_state
+from ._model_state import split_state
 
 
 class TrainState(NamedTuple):
@@ -79,49 +78,3 @@ def advance(
         consecutive_skips=consecutive,
     )
     return new, metrics
-
-
-IN_FLIGHT = 2  # calls a step lets run ahead of the host
-
-
-class SkipWatch:
-    """Watches ``max_consecutive_skips`` from the host, and bounds the calls in flight.
-
-    After each call it keeps the call's skip counter (a metric, never donated);
-    before the next, it reads the one of the call ``IN_FLIGHT`` back, which is
-    usually done already, and only when that one had reached the limit reads
-    the given state's (waiting for the call just before), so a step does not
-    sync the host every call. With ``bound`` (several CPU devices) it waits
-    that way even without a limit: their collectives share one thread pool,
-    and dozens of queued steps on 2 cores starved XLA's in-process all-reduce
-    until its rendezvous timeout aborted the process (docs/decisions.md).
-    """
-
-    def __init__(self, limit: int | None, *, bound: bool):
-        self.limit = limit
-        self.active = limit is not None or bound
-        self.recent: collections.deque[jax.Array] = collections.deque(maxlen=IN_FLIGHT)
-
-    def before(self, state: TrainState) -> None:
-        """Raises :class:`NonFiniteError` before a call uses its batch, if due."""
-        if len(self.recent) < IN_FLIGHT:
-            return
-        older = int(self.recent.popleft())
-        if self.limit is not None and older >= self.limit:
-            self.check(state)
-
-    def after(self, metrics: dict[str, jax.Array]) -> None:
-        if self.active:
-            self.recent.append(metrics["consecutive_skips"])
-
-    def check(self, state: TrainState) -> None:
-        if self.limit is None:
-            return
-        skips = int(state.consecutive_skips)
-        if skips >= self.limit:
-            raise NonFiniteError(
-                f"{skips} optimizer steps in a row had NaN or Inf gradients or loss and were "
-                f"skipped (max_consecutive_skips={self.limit}); parameters and optimizer state "
-                f"are those of step {int(state.step)}, in this error's .state",
-                state,
-            )

@@ -4,7 +4,7 @@ Every model meets every layout, and (with five layouts and four optimizers in
 rotation) every optimizer; both accumulation paths and both strategies appear.
 """
 
-from jaxdp._parity import ParityConfig
+from jaxdp.parity import ParityConfig
 
 MODELS = ("linear", "mlp", "cnn", "transformer")
 OPTIMIZERS = ("sgd_momentum", "sgd_nesterov_wd", "adamw", "adamw_clip")

@@ -29,7 +29,7 @@ def torch_runs():
     from cells import ALL, cell_id
 
     import torch_ref
-    from jaxdp._parity import Trajectory, torch_config, torch_inputs
+    from jaxdp.parity import Trajectory, torch_config, torch_inputs
 
     runs, by_world = {}, {}
     for config in ALL:

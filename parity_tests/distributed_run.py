@@ -27,7 +27,7 @@ import dataclasses  # noqa: E402
 import numpy as np  # noqa: E402
 from cells import MULTI_PROCESS  # noqa: E402
 
-from jaxdp._parity import run_jaxdp  # noqa: E402
+from jaxdp.parity import run_jaxdp  # noqa: E402
 
 
 class Counting:

@@ -13,7 +13,8 @@ from cells import MULTI_PROCESS, cell_id
 
 import jaxdp
 import torch_ref
-from jaxdp._parity import Trajectory, _epochs_needed, compare, format_parity, run_jaxdp
+from jaxdp.parity import Trajectory, compare, format_parity, run_jaxdp
+from jaxdp.parity._runner import _epochs_needed
 
 ROOT = pathlib.Path(__file__).parent.parent
 PATHS = ("fused", "multisteps")
@@ -32,7 +33,7 @@ def two_processes(tmp_path_factory, torch_runs):
     orders = {f"perm/{s}": torch_ref.torch_permutation(MULTI_PROCESS.num_samples, s) for s in seeds}
     init = {f"init/{k}": v for k, v in initial.items()}
     np.savez(tmp / "in.npz", x=data[0], y=data[1], **init, **orders)
-    command = [sys.executable, "-m", "jaxdp._cli", "launch", "--nprocs", "2"]
+    command = [sys.executable, "-m", "jaxdp", "launch", "--nprocs", "2"]
     command += ["--devices-per-process", "2", "--timeout-s", "60", "--heartbeat-timeout-s", "30"]
     command += ["--", "parity_tests/distributed_run.py", str(tmp / "in.npz"), str(tmp)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -82,9 +83,9 @@ def test_each_process_reads_only_the_rows_of_its_devices(two_processes, path):
     steps = []
     for epoch in range(_epochs_needed(MULTI_PROCESS)):
         order = torch_ref.torch_permutation(MULTI_PROCESS.num_samples, MULTI_PROCESS.seed + epoch)
-        rows = jaxdp.epoch_batches(
+        rows = jaxdp.epoch_schedule(
             MULTI_PROCESS.num_samples, sizes, epoch=epoch, permutation=lambda n, s, o=order: o
-        )
+        ).rows
         steps.extend(rows)
     steps = np.stack(steps[: MULTI_PROCESS.steps])  # [5, 32]: devices 0-1, then 2-3
     reads = [two_processes[p][f"{path}/rows"] for p in (0, 1)]

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdp._parity import ParityConfig, Trajectory, compare, format_parity
+from jaxdp.parity import ParityConfig, Trajectory, compare, format_parity
 
 JAXDP = pathlib.Path(sys.executable).parent / "jaxdp"
 

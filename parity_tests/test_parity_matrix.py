@@ -6,7 +6,7 @@ from cells import FLOAT32, FLOAT64, LAST_WINDOW, cell_id
 
 import jaxdp
 import torch_ref
-from jaxdp._parity import compare, format_parity, run_jaxdp, torch_config
+from jaxdp.parity import compare, format_parity, run_jaxdp, torch_config
 
 
 def assert_parity(config, torch_runs):

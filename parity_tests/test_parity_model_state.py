@@ -7,7 +7,7 @@ from cells import BATCH_NORM, UNUSED, cell_id
 from test_parity_matrix import assert_parity
 
 import jaxdp
-from jaxdp._parity import compare, run_jaxdp
+from jaxdp.parity import compare, run_jaxdp
 
 
 @pytest.mark.parametrize("config", BATCH_NORM, ids=cell_id)
@@ -45,4 +45,4 @@ def test_without_skip_unused_momentum_moves_the_unused_branch(torch_runs):
     config = UNUSED[0]
     data, initial, theirs = torch_runs[cell_id(config)]
     report = compare(config, run_jaxdp(config, data, initial, skip_unused=False), theirs)
-    assert report.first_failure == 3, jaxdp.format_parity(report)
+    assert report.first_failure == 3, jaxdp.parity.format_parity(report)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import torch_ref
-from jaxdp._parity import OptimizerSpec, ParityConfig, compare, run_jaxdp, run_torch
+from jaxdp.parity import OptimizerSpec, ParityConfig, compare, run_jaxdp, run_torch
 
 # Linear(8, 1, bias=False) with weights 1, loss = sum(x @ w), torch.manual_seed(0);
 # torch.rand(8, 8), batch 4, SGD(lr=0.01, momentum=0.9), 2 epochs.

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from jaxdp._bench import _render, gpu
+from jaxdp.cli.bench import _render, gpu
 
 ROOT = pathlib.Path(__file__).parent.parent
 MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory")
@@ -30,7 +30,7 @@ def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     markdown = out / "BENCHMARKS.md"
     markdown.write_text(HAND_WRITTEN)
-    command = [sys.executable, "-m", "jaxdp._bench", "--quick", "--out", str(out)]
+    command = [sys.executable, "-m", "jaxdp.cli.bench", "--quick", "--out", str(out)]
     command += ["--markdown", str(markdown)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

@@ -14,7 +14,7 @@ from flax import nnx
 from helpers import RTOL, assert_trees_close
 
 import jaxdp
-from jaxdp._train import TrainConfig, build, make_step, train
+from jaxdp.cli._train import TrainConfig, build, make_step, train
 
 pytestmark = [
     # The module's runs share fixtures: one worker runs them all, each run once.
@@ -151,7 +151,7 @@ def test_every_split_of_a_global_batch_takes_the_same_rows():
     order = jaxdp.DistributedSampler(1438, num_replicas=1, rank=0, seed=5).epoch_order()
     for n, k, b in [(4, 2, 16), (2, 4, 16), (8, 1, 16), (1, 8, 16), (4, 1, 32), (8, 4, 4)]:
         sizes = jaxdp.batch_sizes(num_devices=n, accum_steps=k, micro_batch_size=b)
-        rows = jaxdp.epoch_batches(1438, sizes, seed=5)
+        rows = jaxdp.epoch_schedule(1438, sizes, seed=5).rows
         assert rows.shape == (11, 128)
         for s, step_rows in enumerate(rows):
             assert sorted(step_rows) == sorted(order[s * 128 : (s + 1) * 128])
@@ -177,7 +177,8 @@ def test_resume_on_other_devices_at_the_same_global_batch(tmp_path, whole, mid_c
 def test_mid_cycle_checkpoint_cannot_change_the_split(tmp_path, mid_cycle):
     config = copy_of(mid_cycle, tmp_path, num_devices=2, accum_steps=4, resume=True)
     with pytest.raises(
-        jaxdp.CheckpointError, match=r"middle of an accumulation cycle \(micro-batch 1 of 2\)"
+        jaxdp.checkpoint.CheckpointError,
+        match=r"middle of an accumulation cycle \(micro-batch 1 of 2\)",
     ):
         train(config)
 
@@ -185,7 +186,7 @@ def test_mid_cycle_checkpoint_cannot_change_the_split(tmp_path, mid_cycle):
 def test_other_global_batch_is_refused_unless_forced(tmp_path, three):
     config = copy_of(three, tmp_path, accum_steps=1, resume=True, steps=12)
     with pytest.raises(
-        jaxdp.CheckpointError,
+        jaxdp.checkpoint.CheckpointError,
         match=r"global_batch_size=128 = .*; this run has global_batch_size=64 = .*"
         r"changes the data order",
     ):
@@ -199,7 +200,7 @@ def test_other_global_batch_is_refused_unless_forced(tmp_path, three):
 
 def test_other_model_shape_is_refused_naming_the_parameters(tmp_path, three):
     config = copy_of(three, tmp_path, hidden=64, resume=True)
-    with pytest.raises(jaxdp.CheckpointError, match="different model") as error:
+    with pytest.raises(jaxdp.checkpoint.CheckpointError, match="different model") as error:
         train(config)
     message = str(error.value)
     assert "params/fc1/kernel (64, 128) float32 vs (64, 64) float32" in message
@@ -208,7 +209,9 @@ def test_other_model_shape_is_refused_naming_the_parameters(tmp_path, three):
 
 def test_other_optimizer_is_refused(tmp_path, three):
     config = copy_of(three, tmp_path, optimizer="sgd", resume=True)
-    with pytest.raises(jaxdp.CheckpointError, match="trained with optimizer='adamw'; this run"):
+    with pytest.raises(
+        jaxdp.checkpoint.CheckpointError, match="trained with optimizer='adamw'; this run"
+    ):
         train(config)
 
 
@@ -238,8 +241,12 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, three, d
     directory = pathlib.Path(config.checkpoint_dir)
     damage(directory / "1152")
     step, sizes = make_step(config)
-    with pytest.warns(jaxdp.CorruptCheckpointWarning, match=r"1152 is unreadable .*resumed from"):
-        restored = jaxdp.Checkpoints(directory).restore(step.init(build(config)), sizes=sizes)
+    with pytest.warns(
+        jaxdp.checkpoint.CorruptCheckpointWarning, match=r"1152 is unreadable .*resumed from"
+    ):
+        restored = jaxdp.checkpoint.Checkpoints(directory).restore(
+            step.init(build(config)), sizes=sizes
+        )
     assert restored.samples == 768 and int(restored.state.step) == 6
     # The bad one is kept under another name; the number is free again.
     assert sorted(p.name for p in directory.iterdir()) == ["1152.corrupt", "384", "768"]
@@ -249,7 +256,7 @@ def test_training_redoes_a_corrupt_checkpoint_exactly(tmp_path, three):
     config = copy_of(three, tmp_path, resume=True)
     directory = pathlib.Path(config.checkpoint_dir)
     corrupt_data(directory / "1152")
-    with pytest.warns(jaxdp.CorruptCheckpointWarning):
+    with pytest.warns(jaxdp.checkpoint.CorruptCheckpointWarning):
         summary = train(config)
     assert summary["steps"] == 9
     # Steps 7-9 again: every leaf has the SHA-256 the lost checkpoint recorded.
@@ -263,7 +270,7 @@ def test_no_readable_checkpoint_is_a_clear_error(tmp_path, three):
     directory = pathlib.Path(config.checkpoint_dir)
     for name in ("384", "768", "1152"):
         corrupt_meta(directory / name)
-    with pytest.raises(jaxdp.CheckpointError, match="no readable checkpoint in .*384: "):
+    with pytest.raises(jaxdp.checkpoint.CheckpointError, match="no readable checkpoint in .*384: "):
         train(config)
     assert sorted(p.name for p in directory.iterdir()) == ["1152", "384", "768"]
 
@@ -290,7 +297,7 @@ def test_a_crash_before_the_commit_leaves_no_checkpoint_and_resume_redoes_it(
     assert sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) == [384, 768, 1152]
     summary = train(config)
     assert summary["steps"] == 12 and summary["checkpoint"] == str(directory / "1536")
-    assert jaxdp.Checkpoints(directory).steps == [768, 1152, 1536]
+    assert jaxdp.checkpoint.Checkpoints(directory).steps == [768, 1152, 1536]
     # Opening the directory again removed the crashed save's temporary directory.
     assert sorted(p.name for p in directory.iterdir()) == ["1152", "1536", "768"]
 
@@ -299,16 +306,16 @@ def test_keep_last_k(tmp_path, three):
     config = copy_of(three, tmp_path, resume=True, steps=15, checkpoint_every=3, keep=2)
     train(config)
     # Each save (read back) deletes all but the two newest: 384 and 768, then 1152.
-    assert jaxdp.Checkpoints(config.checkpoint_dir).steps == [1536, 1920]
+    assert jaxdp.checkpoint.Checkpoints(config.checkpoint_dir).steps == [1536, 1920]
 
 
 def test_nothing_is_deleted_for_a_checkpoint_that_does_not_read_back(tmp_path, three, monkeypatch):
     config = copy_of(three, tmp_path)
     step, sizes = make_step(config)
-    ckpts = jaxdp.Checkpoints(config.checkpoint_dir, keep=1)
+    ckpts = jaxdp.checkpoint.Checkpoints(config.checkpoint_dir, keep=1)
     restored = ckpts.restore(step.init(build(config)), sizes=sizes)
-    monkeypatch.setattr(jaxdp.Checkpoints, "_read", lambda *args, **kwargs: 1 / 0)
-    with pytest.raises(jaxdp.CheckpointError, match="1153 does not read back intact"):
+    monkeypatch.setattr(jaxdp.checkpoint.Checkpoints, "_read", lambda *args, **kwargs: 1 / 0)
+    with pytest.raises(jaxdp.checkpoint.CheckpointError, match="1153 does not read back intact"):
         ckpts.save(restored.state, position=restored.position, sizes=sizes, samples=1153)
     assert ckpts.steps == [384, 768, 1152, 1153]
 
@@ -316,7 +323,7 @@ def test_nothing_is_deleted_for_a_checkpoint_that_does_not_read_back(tmp_path, t
 def test_existing_checkpoints_need_resume(tmp_path, three):
     config = copy_of(three, tmp_path)
     with pytest.raises(
-        jaxdp.CheckpointError, match=r"already holds checkpoints \[384, 768, 1152\]"
+        jaxdp.checkpoint.CheckpointError, match=r"already holds checkpoints \[384, 768, 1152\]"
     ):
         train(config)
 
@@ -350,7 +357,7 @@ def test_batch_statistics_rng_streams_and_skip_counts_round_trip(tmp_path, path)
         def __init__(self):
             rngs = nnx.Rngs(0, dropout=1)
             self.fc = nnx.Linear(4, 8, param_dtype=np.float64, rngs=rngs)
-            self.bn = jaxdp.BatchNorm(8, param_dtype=np.float64)
+            self.bn = jaxdp.models.BatchNorm(8, param_dtype=np.float64)
             self.dropout = nnx.Dropout(0.5, rngs=rngs)
 
         def __call__(self, x):
@@ -377,7 +384,7 @@ def test_batch_statistics_rng_streams_and_skip_counts_round_trip(tmp_path, path)
         calls = [batch] if path == "fused" else jaxdp.micro_batches(batch, sizes)
         for call in calls:
             state, _ = step(state, call)
-    checkpoints = jaxdp.Checkpoints(tmp_path / "ckpt")
+    checkpoints = jaxdp.checkpoint.Checkpoints(tmp_path / "ckpt")
     checkpoints.save(state, position=jaxdp.SamplerPosition(0, 3), sizes=sizes, samples=24)
     restored = checkpoints.restore(step.init(Net()), sizes=sizes).state
     assert int(restored.skipped_steps) == 1 and int(restored.step) == 2

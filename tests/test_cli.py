@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from jaxdp._cli import main
+from jaxdp.cli import main
 
 
 def test_default_train_run_reaches_the_stated_accuracy(tmp_path):
@@ -19,7 +19,7 @@ def test_default_train_run_reaches_the_stated_accuracy(tmp_path):
         [
             sys.executable,
             "-m",
-            "jaxdp._cli",
+            "jaxdp",
             "train",
             "--summary-out",
             str(summary),
@@ -54,7 +54,7 @@ def test_multisteps_pmap_run_on_other_sizes(tmp_path):
         [
             sys.executable,
             "-m",
-            "jaxdp._cli",
+            "jaxdp",
             "train",
             "--cpu-devices",
             "2",

@@ -103,9 +103,9 @@ def test_report_names_each_all_reduce():
 
 
 def cnn_bn_step(batch_stats, path, accum_steps=2):
-    model = jaxdp.build_model("cnn_bn", param_dtype=jnp.float64)
+    model = jaxdp.models.build_model("cnn_bn", param_dtype=jnp.float64)
     step = jaxdp.make_train_step(
-        jaxdp.model_loss("cnn_bn"),
+        jaxdp.models.model_loss("cnn_bn"),
         optax.sgd(0.1),
         mesh=jaxdp.data_mesh(NUM_DEVICES),
         accum_steps=accum_steps,

@@ -8,9 +8,9 @@ import torch
 import jaxdp
 
 
-@pytest.mark.parametrize("name", sorted(jaxdp.MODELS))
+@pytest.mark.parametrize("name", sorted(jaxdp.models.MODELS))
 def test_round_trip_is_exact(name):
-    model = jaxdp.build_model(name, param_dtype=jnp.float64)
+    model = jaxdp.models.build_model(name, param_dtype=jnp.float64)
     state_dict = {k: v * 3 + 1 for k, v in jaxdp.params_to_torch(model).items()}
     again = jaxdp.params_to_torch(jaxdp.torch_to_params(state_dict, model))
     assert again.keys() == state_dict.keys()
@@ -42,14 +42,14 @@ def test_layouts_match_torch_layers():
 
 
 def test_layer_norm_and_embedding_names():
-    model = jaxdp.build_model("transformer")
+    model = jaxdp.models.build_model("transformer")
     keys = jaxdp.params_to_torch(model).keys()
     assert {"block.ln1.weight", "block.ln1.bias", "tok_emb.weight", "pos_emb.weight"} <= keys
     assert "head.bias" not in keys
 
 
 def test_input_module_is_not_changed():
-    model = jaxdp.build_model("mlp")
+    model = jaxdp.models.build_model("mlp")
     before = jaxdp.params_to_torch(model)
     jaxdp.torch_to_params({k: v + 1 for k, v in before.items()}, model)
     for key, value in jaxdp.params_to_torch(model).items():
@@ -57,7 +57,7 @@ def test_input_module_is_not_changed():
 
 
 def test_missing_tensor_is_named():
-    model = jaxdp.build_model("mlp")
+    model = jaxdp.models.build_model("mlp")
     state_dict = jaxdp.params_to_torch(model)
     del state_dict["fc2.weight"]
     with pytest.raises(KeyError, match=r"no 'fc2.weight' for parameter fc2.kernel of shape"):
@@ -65,7 +65,7 @@ def test_missing_tensor_is_named():
 
 
 def test_misshaped_tensor_is_named():
-    model = jaxdp.build_model("mlp")
+    model = jaxdp.models.build_model("mlp")
     state_dict = jaxdp.params_to_torch(model)
     state_dict["fc1.weight"] = state_dict["fc1.weight"].T  # forgot torch's [out, in]
     with pytest.raises(
@@ -77,7 +77,7 @@ def test_misshaped_tensor_is_named():
 
 
 def test_unexpected_tensor_is_refused():
-    model = jaxdp.build_model("linear")
+    model = jaxdp.models.build_model("linear")
     state_dict = jaxdp.params_to_torch(model) | {"linear.bias": np.zeros(1)}
     with pytest.raises(ValueError, match=r"no matching parameter: \['linear.bias'\]"):
         jaxdp.torch_to_params(state_dict, model)

@@ -18,7 +18,7 @@ class Net(nnx.Module):
     def __init__(self):
         rngs = nnx.Rngs(0, dropout=1)
         self.fc = nnx.Linear(6, 16, param_dtype=jnp.float64, rngs=rngs)
-        self.bn = jaxdp.BatchNorm(16, param_dtype=jnp.float64)
+        self.bn = jaxdp.models.BatchNorm(16, param_dtype=jnp.float64)
         self.dropout = nnx.Dropout(0.2, rngs=rngs)
         self.out = nnx.Linear(16, 1, param_dtype=jnp.float64, rngs=rngs)
 

@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import pytest
 
 import jaxdp
-from jaxdp import _plan_xla as xla
-from jaxdp._cli import main
-from jaxdp._plan import largest_divisor_at_most, parse_count
+from jaxdp.cli import main
+from jaxdp.plan import _xla as xla
+from jaxdp.plan._memory import largest_divisor_at_most, parse_count
 
 GB = 10**9
 
 
 def test_seed_7b_mixed_precision_adam_is_112_gb_and_does_not_fit_80_gb():
-    plan = jaxdp.plan_memory(params=7e9, device_memory="80GB")
+    plan = jaxdp.plan.plan_memory(params=7e9, device_memory="80GB")
     assert (plan.weights, plan.gradients, plan.master, plan.optimizer_state) == (
         14 * GB,
         14 * GB,
@@ -59,7 +59,7 @@ def test_readme_shows_the_7b_plan_as_printed(capsys):
     ],
 )
 def test_bytes_per_parameter_table(policy, optimizer, per_param):
-    plan = jaxdp.plan_memory(params=1000, device_memory=GB, policy=policy, optimizer=optimizer)
+    plan = jaxdp.plan.plan_memory(params=1000, device_memory=GB, policy=policy, optimizer=optimizer)
     assert plan.state == 1000 * per_param
     assert plan.accumulator == 1000 * 4
 
@@ -67,11 +67,11 @@ def test_bytes_per_parameter_table(policy, optimizer, per_param):
 def test_fits_exactly_at_the_usable_memory_and_not_one_byte_less():
     # fp32 sgd: 8 bytes/parameter state + 4 accumulator = 12 bytes/parameter.
     fixed = 12 * 10**6
-    fits = jaxdp.plan_memory(
+    fits = jaxdp.plan.plan_memory(
         params=10**6, device_memory=fixed / 0.8, headroom=0.2, policy="fp32", optimizer="sgd"
     )
     assert fits.fixed == fixed and fits.fits_state
-    short = jaxdp.plan_memory(
+    short = jaxdp.plan.plan_memory(
         params=10**6, device_memory=(fixed - 1) / 0.8, headroom=0.2, policy="fp32", optimizer="sgd"
     )
     assert not short.fits_state
@@ -82,13 +82,15 @@ def test_largest_micro_batch_and_the_accumulation_that_reaches_the_global_batch(
     common = dict(
         params=10**6, policy="fp32", device_memory=100 * 10**6, headroom=0.2, num_devices=4
     )
-    plan = jaxdp.plan_memory(**common, global_batch_size=512, activation_bytes_per_sample=10**6)
+    plan = jaxdp.plan.plan_memory(
+        **common, global_batch_size=512, activation_bytes_per_sample=10**6
+    )
     assert plan.max_micro_batch_size == 60
     # 512 / 4 = 128 rows per device; the largest divisor of 128 up to 60 is 32.
     assert (plan.micro_batch_size, plan.accum_steps) == (32, 4)
     assert plan.num_devices * plan.accum_steps * plan.micro_batch_size == 512
     # The fused step holds the per-device batch's inputs: 128 rows x 100 KB = 12.8 MB.
-    with_inputs = jaxdp.plan_memory(
+    with_inputs = jaxdp.plan.plan_memory(
         **common,
         global_batch_size=512,
         activation_bytes_per_sample=10**6,
@@ -97,10 +99,10 @@ def test_largest_micro_batch_and_the_accumulation_that_reaches_the_global_batch(
     assert with_inputs.max_micro_batch_size == 47  # floor((60 - 12.8) / 1)
     assert (with_inputs.micro_batch_size, with_inputs.accum_steps) == (32, 4)
     # Without a target: one micro-batch per step, as large as fits.
-    free = jaxdp.plan_memory(**common, activation_bytes_per_sample=10**6)
+    free = jaxdp.plan.plan_memory(**common, activation_bytes_per_sample=10**6)
     assert (free.micro_batch_size, free.accum_steps, free.global_batch_size) == (60, 1, 240)
     # Not even one sample: no split.
-    none = jaxdp.plan_memory(**common, global_batch_size=512, activation_bytes_per_sample=61e6)
+    none = jaxdp.plan.plan_memory(**common, global_batch_size=512, activation_bytes_per_sample=61e6)
     assert none.fits_state and none.micro_batch_size is None and none.max_micro_batch_size == 0
 
 
@@ -123,8 +125,8 @@ def test_largest_divisor():
 
 @pytest.mark.parametrize("n, factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
 def test_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_payload(n, factor):
-    assert jaxdp.ring_all_reduce_bytes(1000.0, n) == pytest.approx(1000.0 * factor)
-    plan = jaxdp.plan_memory(
+    assert jaxdp.plan.ring_all_reduce_bytes(1000.0, n) == pytest.approx(1000.0 * factor)
+    plan = jaxdp.plan.plan_memory(
         params=10**9, device_memory="80GB", num_devices=n, link_bandwidth="50GB/s"
     )
     assert plan.allreduce_bytes == 4 * 10**9  # the fp32 gradient sums
@@ -133,11 +135,11 @@ def test_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_payload(n, factor):
 
 
 def test_sizes_and_counts_parse_in_decimal_and_binary_units():
-    assert jaxdp.parse_bytes("80GB") == 80e9
-    assert jaxdp.parse_bytes("80GiB") == 80 * 2**30
-    assert jaxdp.parse_bytes("450 GB/s") == 450e9
-    assert jaxdp.parse_bytes("400Gbit/s") == 50e9
-    assert jaxdp.parse_bytes("1024") == 1024
+    assert jaxdp.plan.parse_bytes("80GB") == 80e9
+    assert jaxdp.plan.parse_bytes("80GiB") == 80 * 2**30
+    assert jaxdp.plan.parse_bytes("450 GB/s") == 450e9
+    assert jaxdp.plan.parse_bytes("400Gbit/s") == 50e9
+    assert jaxdp.plan.parse_bytes("1024") == 1024
     assert parse_count("7e9") == parse_count("7B") == 7 * 10**9
     assert parse_count("125M") == 125 * 10**6
 
@@ -164,7 +166,7 @@ def test_sizes_and_counts_parse_in_decimal_and_binary_units():
 def test_bad_input_names_the_argument_and_the_value(kwargs, match):
     args = dict(params=7e9, device_memory="80GB") | kwargs
     with pytest.raises(ValueError, match=match):
-        jaxdp.plan_memory(**args)
+        jaxdp.plan.plan_memory(**args)
 
 
 @pytest.mark.parametrize(
@@ -191,7 +193,7 @@ def test_cli_unreachable_global_batch_exits_with_the_rule():
 
 
 # ---- XLA's memory analysis --------------------------------------------------------
-# What is compared, per device (see jaxdp._plan_xla):
+# What is compared, per device (see jaxdp.plan._xla):
 #   arguments   = weights + optimizer state + the per-device batch (+ the step counters);
 #   temporaries = gradients + fp32 accumulator + activations (+ XLA's fusion scratch);
 #   total       = arguments + temporaries + outputs not aliased to arguments (metrics).
@@ -210,7 +212,7 @@ DIGITS_CNN = dict(channels=(32, 64))  # examples/digits_cnn.py's model
 )
 def test_estimate_within_20_percent_of_xla(name, kwargs, micro_batch_size, accum_steps):
     spec = xla.reference_model(name, param_dtype=jnp.float32, **kwargs)
-    plan = jaxdp.plan_memory(
+    plan = jaxdp.plan.plan_memory(
         params=xla.param_count(spec),
         device_memory="80GB",
         policy="fp32",
@@ -222,7 +224,7 @@ def test_estimate_within_20_percent_of_xla(name, kwargs, micro_batch_size, accum
     # 80 GB holds the whole per-device batch as one micro-batch; take the split asked for.
     steps = xla.CompiledSteps(spec, "adamw", jaxdp.data_mesh(2))
     compiled = steps.compile(micro_batch_size, accum_steps)
-    actual = jaxdp.compiled_memory(compiled)
+    actual = jaxdp.plan.compiled_memory(compiled)
     inputs = accum_steps * micro_batch_size * plan.input_bytes_per_sample
     arguments = plan.weights + plan.optimizer_state + inputs
     temporaries = plan.gradients + plan.accumulator
@@ -269,7 +271,7 @@ def test_bf16_policy_table_matches_the_compiled_arguments():
     # bf16 weights and Adam moments: 2 + 2 + 2 bytes per parameter in the arguments.
     spec = xla.reference_model("transformer", param_dtype=jnp.bfloat16)
     params = xla.param_count(spec)
-    plan = jaxdp.plan_memory(params=params, device_memory="1GB", policy="bf16")
+    plan = jaxdp.plan.plan_memory(params=params, device_memory="1GB", policy="bf16")
     actual = xla.CompiledSteps(spec, "adamw", jaxdp.data_mesh(2)).memory(4, 1)
     inputs = 4 * xla.input_bytes_per_sample(spec)
     assert plan.weights + plan.optimizer_state == 6 * params

@@ -79,7 +79,7 @@ def test_loss_rng_keyword_differs_per_device_and_micro_batch():
     assert len({row.tobytes() for row in drawn}) == NUM_DEVICES * ACCUM
     # The key of device d, micro-batch j is fold_in(fold_in(fold_in(key(3), 0), d), j).
     d, j = 2, 1
-    key = jaxdp._state.micro_key(jax.random.key(3), 0, d, j)
+    key = jaxdp._model_state.micro_key(jax.random.key(3), 0, d, j)
     expected = jax.random.bernoulli(key, 0.5, (MICRO, 64)).mean(axis=0)
     np.testing.assert_array_equal(drawn[d * ACCUM + j], expected)
 

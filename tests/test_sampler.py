@@ -68,9 +68,9 @@ def test_device_micro_batches_hold_ddp_rank_micro_batches(num_devices, accum_ste
     sizes = jaxdp.batch_sizes(
         num_devices=num_devices, accum_steps=accum_steps, micro_batch_size=micro
     )
-    steps = jaxdp.epoch_batches(
+    steps = jaxdp.epoch_schedule(
         dataset_size, sizes, epoch=epoch, seed=5, permutation=torch_randperm
-    )
+    ).rows
     for rank in range(num_devices):
         sampler = TorchSampler(range(dataset_size), num_replicas=num_devices, rank=rank, seed=5)
         sampler.set_epoch(epoch)

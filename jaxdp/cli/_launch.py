@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import IO, Any
 
-from ._distributed import (
+from .._distributed import (
     ENV_COORDINATOR_ADDRESS,
     ENV_CPU_DEVICES,
     ENV_HEARTBEAT_TIMEOUT,
@@ -113,7 +113,7 @@ def child_argv(command: Sequence[str], subcommands: Collection[str] = ()) -> lis
     if head == "launch":
         raise ValueError("jaxdp launch cannot launch itself")
     if head in subcommands:
-        return [sys.executable, "-m", "jaxdp._cli", *command]
+        return [sys.executable, "-m", "jaxdp", *command]
     if head == "-m" or head.endswith(".py"):
         return [sys.executable, *command]
     return command
@@ -288,7 +288,7 @@ class _Signals:
 
 
 def add_launch_command(sub: Any) -> None:
-    """``jaxdp launch``: registered in ``jaxdp._cli.SUBCOMMANDS``."""
+    """``jaxdp launch``: registered in ``jaxdp.cli._main.SUBCOMMANDS``."""
     p = sub.add_parser(
         "launch",
         help="run a script or jaxdp subcommand as several processes of one run",

@@ -12,10 +12,10 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ._bench._runner import add_bench_command
 from ._launch import add_launch_command
 from ._parity import add_parity_command
-from ._plan_cli import add_parser as plan_parser
+from ._plan import add_parser as plan_parser
+from .bench._runner import add_bench_command
 
 DEFAULT_CPU_DEVICES = 4
 
@@ -118,10 +118,10 @@ def _run_train(args: argparse.Namespace) -> int:
 
     import jax
 
-    from ._distributed import ENV_CPU_DEVICES, initialize
-    from ._resume import CheckpointError
+    from .._distributed import ENV_CPU_DEVICES, initialize
+    from .._train_state import NonFiniteError
+    from ..checkpoint._rules import CheckpointError
     from ._train import TrainConfig, train
-    from ._train_state import NonFiniteError
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     try:

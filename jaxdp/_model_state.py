@@ -34,7 +34,7 @@ def split_state(model_state: Any) -> tuple[Any, Any, Any]:
 def batch_norm_modules(model: Any) -> list[tuple[str, Any]]:
     """``(path, module)`` of every submodule with its own ``nnx.BatchStat`` and an ``axis_name``.
 
-    These normalize with batch statistics (``nnx.BatchNorm``, :class:`jaxdp.BatchNorm`);
+    These normalize with batch statistics (``nnx.BatchNorm``, :class:`jaxdp.models.BatchNorm`);
     their ``axis_name`` decides whether the statistics span devices.
     """
     if not isinstance(model, nnx.Module):

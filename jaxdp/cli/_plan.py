@@ -7,7 +7,7 @@ import ast
 import contextlib
 from typing import Any
 
-from ._plan import (
+from ..plan._memory import (
     DEFAULT_HEADROOM,
     DTYPE_POLICIES,
     OPTIMIZER_MOMENTS,
@@ -16,7 +16,7 @@ from ._plan import (
     parse_count,
     plan_memory,
 )
-from ._plan_report import XlaFigures, report
+from ..plan._report import XlaFigures, report
 
 _MAX_EMULATED = 8  # per-device figures do not depend on the device count
 
@@ -121,7 +121,7 @@ def plan_report(args: argparse.Namespace) -> str:
         if args.model_arg:
             raise ValueError("--model-arg needs --model")
         return report(plan_memory(params=args.params, **options))
-    from . import _plan_xla as xla
+    from ..plan import _xla as xla
 
     spec = _model_spec(args, options["policy"])
     if args.activation_bytes_per_sample is None:
@@ -140,7 +140,7 @@ def plan_report(args: argparse.Namespace) -> str:
 
 
 def _model_spec(args: argparse.Namespace, policy: str) -> Any:
-    from . import _plan_xla as xla
+    from ..plan import _xla as xla
 
     kwargs = {}
     for item in args.model_arg:
@@ -157,9 +157,9 @@ def _model_spec(args: argparse.Namespace, policy: str) -> Any:
 
 def _compile(spec: Any, plan: MemoryPlan) -> XlaFigures:
     """XLA's choice and figures, compiled on a mesh of this machine's devices."""
-    from ._inspect import all_reduces
-    from ._mesh import data_mesh, emulate_cpu_devices
-    from ._plan_xla import CompiledSteps, choose_micro_batch
+    from .._inspect import all_reduces
+    from .._mesh import data_mesh, emulate_cpu_devices
+    from ..plan._xla import CompiledSteps, choose_micro_batch
 
     # RuntimeError: JAX already started (library use); compile on the devices there are.
     with contextlib.suppress(RuntimeError):

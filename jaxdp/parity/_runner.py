@@ -10,17 +10,15 @@ weights and losses are compared after every optimizer step. ``torch`` and
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from ._interop import params_to_torch, torch_to_params
-from ._layout import (
+from .._interop import params_to_torch, torch_to_params
+from .._layout import (
     BatchSizes,
     LastWindow,
     batch_sizes,
@@ -28,37 +26,15 @@ from ._layout import (
     micro_batches,
     process_share,
 )
-from ._mesh import data_mesh
-from ._models import MODELS, TRAINABLE, build_model, model_loss
-from ._sampler import Permutation
-from ._state import batch_norm_modules
-from ._step import AccumulationPath, Strategy, make_train_step
+from .._mesh import data_mesh
+from .._model_state import batch_norm_modules
+from .._sampler import Permutation
+from .._step import AccumulationPath, Strategy, make_train_step
+from ..models._reference import TRAINABLE, build_model, model_loss
+from ._optim import OPTIMIZERS, OptimizerSpec, optax_like_torch
 
 Dtype = Literal["float32", "float64"]
 
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerSpec:
-    """One optimizer in torch's terms; the fields of ``torch_ref.OptimConfig``."""
-
-    name: Literal["sgd", "adamw"]
-    learning_rate: float
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    max_grad_norm: float | None = None  # clip_grad_norm_ after the sync
-
-
-OPTIMIZERS = {
-    "sgd_momentum": OptimizerSpec("sgd", 0.05, momentum=0.9),
-    "sgd_nesterov_wd": OptimizerSpec("sgd", 0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
-    "adamw": OptimizerSpec("adamw", 1e-2, weight_decay=1e-2),
-    # max_grad_norm below the models' initial gradient norms, so clipping acts.
-    "adamw_clip": OptimizerSpec("adamw", 1e-2, weight_decay=1e-2, max_grad_norm=0.05),
-}
 
 # Models with a branch some steps leave unused on every rank: torch_ref runs DDP with
 # find_unused_parameters=True, and jaxdp with skip_unused=True (torch skips the update
@@ -80,50 +56,6 @@ ATOL = {
     "float64": 1e-12,
     "float32": 1e-5,  # PyTorch's assertEqual default for float32
 }
-
-
-def optax_like_torch(spec: OptimizerSpec) -> optax.GradientTransformation:
-    """The optax chain that updates exactly as ``torch.optim`` does for ``spec``.
-
-    SGD: weight decay is added to the gradient BEFORE momentum (torch's order),
-    no dampening. AdamW: decoupled decay, ``eps`` outside the square root.
-    Clipping follows ``clip_grad_norm_``: scale ``min(1, max / (norm + 1e-6))``.
-    """
-    if spec.name == "sgd":
-        momentum = spec.momentum or None
-        inner = optax.chain(
-            optax.add_decayed_weights(spec.weight_decay),
-            optax.sgd(spec.learning_rate, momentum=momentum, nesterov=spec.nesterov),
-        )
-    elif spec.name == "adamw":
-        inner = optax.adamw(
-            spec.learning_rate,
-            b1=spec.b1,
-            b2=spec.b2,
-            eps=spec.eps,
-            eps_root=0.0,
-            weight_decay=spec.weight_decay,
-        )
-    else:
-        raise ValueError(f"optimizer name={spec.name!r} must be 'sgd' or 'adamw'")
-    if spec.max_grad_norm is None:
-        return inner
-    return optax.chain(clip_grad_norm_like_torch(spec.max_grad_norm), inner)
-
-
-def clip_grad_norm_like_torch(max_norm: float) -> optax.GradientTransformation:
-    """``torch.nn.utils.clip_grad_norm_``: multiply by ``min(1, max_norm / (norm + 1e-6))``.
-
-    Unlike ``optax.clip_by_global_norm`` (``max_norm / norm``, no epsilon).
-    """
-
-    def update(updates, state, params=None):
-        del params
-        norm = optax.tree.norm(updates)
-        coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
-        return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,61 +354,3 @@ def _check(config: ParityConfig) -> None:
         )
     if config.dtype == "float64" and not jax.config.jax_enable_x64:
         raise ValueError("dtype='float64' needs jax_enable_x64 (set it before creating arrays)")
-
-
-def add_parity_command(sub: Any) -> None:
-    """``jaxdp parity``: registered in ``jaxdp._cli.SUBCOMMANDS``."""
-    defaults = ParityConfig()
-    p = sub.add_parser(
-        "parity",
-        help="train jaxdp and torch_ref (PyTorch DDP + GA) side by side and compare",
-        description="Same initial weights, data, order and hyper-parameters in jaxdp and in "
-        "torch_ref; compares weights and losses after every optimizer step and prints the "
-        "largest differences. Exit status 1 if a step is beyond tolerance.",
-    )
-    p.add_argument("--model", choices=sorted(MODELS), default="mlp")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=defaults.optimizer)
-    p.add_argument("--num-devices", type=int, default=defaults.num_devices)
-    p.add_argument("--accum-steps", type=int, default=defaults.accum_steps)
-    p.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size)
-    p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
-    p.add_argument("--dtype", choices=sorted(RTOL), default=defaults.dtype)
-    p.add_argument("--path", choices=["fused", "multisteps"], default=defaults.path)
-    p.add_argument("--strategy", choices=["shard_map", "pmap"], default=defaults.strategy)
-    p.add_argument("--num-samples", type=int, default=defaults.num_samples)
-    p.add_argument("--last-window", choices=["drop", "step"], default=defaults.last_window)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument(
-        "--torch-device",
-        choices=["cpu", "cuda"],
-        default=defaults.torch_device,
-        help="where torch_ref trains (cuda: nccl, one GPU per rank, TF32 off); jaxdp uses "
-        "JAX's default backend (default: %(default)s)",
-    )
-    p.add_argument(
-        "--sync-batchnorm",
-        action="store_true",
-        help="cnn_bn: SyncBatchNorm in torch_ref, batch_stats='sync' in jaxdp (default: DDP's "
-        "per-rank statistics with broadcast_buffers=True, batch_stats='local')",
-    )
-    p.set_defaults(run=_run_parity_command)
-
-
-def _run_parity_command(args: Any) -> int:
-    from ._mesh import emulate_cpu_devices
-
-    try:
-        importlib.import_module("torch_ref")  # imports torch too
-    except ImportError as e:
-        raise SystemExit(
-            f"jaxdp parity needs PyTorch and torch_ref ({e}); on CPU install them with "
-            "pip install -e '.[torch]' -c constraints/cpu.txt"
-        ) from e
-
-    emulate_cpu_devices(max(args.num_devices, 1))  # CPU only; before the backend starts
-    jax.config.update("jax_enable_x64", args.dtype == "float64")
-    fields = {f.name for f in dataclasses.fields(ParityConfig)}
-    config = ParityConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    report = run_parity(config)
-    print(format_parity(report))
-    return 0 if report.passed else 1

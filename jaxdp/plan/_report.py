@@ -6,12 +6,12 @@ import dataclasses
 import textwrap
 from typing import Any
 
-from ._plan import ACCUM_BYTES, DTYPE_POLICIES, OPTIMIZER_MOMENTS, MemoryPlan
+from ._memory import ACCUM_BYTES, DTYPE_POLICIES, OPTIMIZER_MOMENTS, MemoryPlan
 
 
 @dataclasses.dataclass(frozen=True)
 class XlaFigures:
-    """XLA's side of a plan for a model jaxdp compiled (see ``jaxdp._plan_xla``)."""
+    """XLA's side of a plan for a model jaxdp compiled (see ``jaxdp.plan._xla``)."""
 
     platform: str
     compiled_devices: int

@@ -1,9 +1,9 @@
 """jaxdp's benchmarks (``jaxdp bench``, ``benchmarks/run.py``); private, not part of the API.
 
 One module per measurement, each runnable on its own as
-``python -m jaxdp._bench.<name> --out DIR [--quick]`` and writing
-``DIR/<name>.json``; :mod:`jaxdp._bench._runner` runs them in fresh processes
+``python -m jaxdp.cli.bench.<name> --out DIR [--quick]`` and writing
+``DIR/<name>.json``; :mod:`jaxdp.cli.bench._runner` runs them in fresh processes
 (each sets its own emulated device count before JAX starts) and
-:mod:`jaxdp._bench._render` turns the JSON into PNG plots and the tables of
+:mod:`jaxdp.cli.bench._render` turns the JSON into PNG plots and the tables of
 BENCHMARKS.md.
 """

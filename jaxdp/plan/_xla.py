@@ -2,7 +2,7 @@
 
 ``compiled_memory`` reads XLA's buffer assignment of a compiled step (per
 device: the step is one SPMD program). Where the estimate of
-:mod:`jaxdp._plan` and XLA are compared, the parts line up as
+:mod:`jaxdp.plan` and XLA are compared, the parts line up as
 
 - arguments: weights + optimizer state + the per-device batch (+ the step counters);
 - temporaries: micro-batch gradients + the float32 accumulator + activations
@@ -26,12 +26,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._model import loss_parts, split_model
-from ._models import MODELS
-from ._plan import divisors, largest_divisor_at_most
-from ._state import split_state
-from ._step import make_train_step
-from ._train_state import TrainState
+from .._forward import loss_parts, split_model
+from .._model_state import split_state
+from .._step import make_train_step
+from .._train_state import TrainState
+from ..models._reference import MODELS
+from ._memory import divisors, largest_divisor_at_most
 
 _MAX_COMPILES = 8  # per choice; each is fast (abstract batches) but not free
 _RESIDUAL_ROWS = (8, 16)  # two micro-batch sizes whose difference gives bytes per sample
@@ -65,7 +65,7 @@ def compiled_memory(compiled: Any) -> CompiledMemory:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A reference model of :mod:`jaxdp._models` with its sizes and batch layout."""
+    """A reference model of :mod:`jaxdp.models` with its sizes and batch layout."""
 
     name: str
     kwargs: dict[str, Any]
@@ -223,9 +223,7 @@ class CompiledSteps:
         weights = jax.ShapeDtypeStruct(
             (accum_steps,), jnp.float32, sharding=NamedSharding(self.mesh, P())
         )
-        # The step's own jitted function, lowered with abstract inputs
-        # (TrainStep.compile places real batches on the mesh first).
-        return step._jitted.lower(self.state(), batch, weights)
+        return step.lower(self.state(), batch, weights)
 
     def memory(self, micro_batch_size: int, accum_steps: int = 1) -> CompiledMemory:
         return compiled_memory(self.compile(micro_batch_size, accum_steps))

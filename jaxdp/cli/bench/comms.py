@@ -8,7 +8,7 @@ in a conditional branch taken only on the emitting call; which calls emit is
 observed by running ``2 K`` calls. The ring model turns payloads into time at
 named link bandwidths. Deterministic: no timing.
 
-Run: ``python -m jaxdp._bench.comms --out DIR [--quick]``.
+Run: ``python -m jaxdp.cli.bench.comms --out DIR [--quick]``.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def measure_model(bm: BenchModel, accum_steps: Sequence[int], mesh: Any) -> dict
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from .._inspect import all_reduces
-    from .._model import split_model
-    from .._step import make_train_step
+    from ..._forward import split_model
+    from ..._inspect import all_reduces
+    from ..._step import make_train_step
 
     module = bm.spec().make()
     n = mesh.devices.size
@@ -134,7 +134,7 @@ def _row(path: str, k: int, runs: float, per_step: float, grad_bytes: int) -> di
 
 def ring_seconds(payload_bytes: float, num_devices: int, bandwidth: float) -> float:
     """Bandwidth term of a ring all-reduce: ``2 (N - 1) / N * bytes / bandwidth`` (no latency)."""
-    from .._plan import ring_all_reduce_bytes
+    from ...plan._memory import ring_all_reduce_bytes
 
     return ring_all_reduce_bytes(payload_bytes, num_devices) / bandwidth
 
@@ -161,7 +161,7 @@ def ring_table(payloads: dict[str, int], naive_factor: int) -> list[dict[str, An
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = standard_args(__doc__.split("\n")[0], argv)
-    from .._mesh import data_mesh, emulate_cpu_devices
+    from ..._mesh import data_mesh, emulate_cpu_devices
 
     emulate_cpu_devices(NUM_DEVICES)
     started = time.perf_counter()

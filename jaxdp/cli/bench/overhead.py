@@ -7,7 +7,7 @@ fused path is one call of jaxdp's step; the multisteps path is ``K`` calls.
 One device (a 1-device mesh): accumulation, not emulated communication, is
 what is measured. Batches are already on the device (data loading excluded).
 
-Run: ``python -m jaxdp._bench.overhead --out DIR [--quick]``.
+Run: ``python -m jaxdp.cli.bench.overhead --out DIR [--quick]``.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def measure_model(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from .._mesh import data_mesh
-    from .._step import make_train_step
+    from ..._mesh import data_mesh
+    from ..._step import make_train_step
 
     mesh = data_mesh(1)
     spec = bm.spec()
@@ -135,7 +135,7 @@ def measure_model(
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = standard_args(__doc__.split("\n")[0], argv)
-    from .._mesh import emulate_cpu_devices
+    from ..._mesh import emulate_cpu_devices
 
     emulate_cpu_devices(1)
     started = time.perf_counter()

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from .._parity import OptimizerSpec, optax_like_torch
-from .._plan_xla import ModelSpec, reference_model
+from ...parity._runner import OptimizerSpec, optax_like_torch
+from ...plan._xla import ModelSpec, reference_model
 
 # AdamW in torch's terms, so torch_ref builds the same optimizer (eps_root=0, same decay).
 OPTIMIZER = OptimizerSpec("adamw", 1e-3, weight_decay=1e-2)
@@ -26,8 +26,8 @@ OPTIMIZER = OptimizerSpec("adamw", 1e-3, weight_decay=1e-2)
 def micro_loss(bm: BenchModel, module: Any) -> tuple[Callable[[Any, Any], Any], Any]:
     """``(loss(params, micro_batch), params)``: one micro-batch's mean loss as the
     step computes it (jaxdp's own ``loss_parts``), differentiable in params."""
-    from .._model import loss_parts, split_model
-    from .._state import split_state
+    from ..._forward import loss_parts, split_model
+    from ..._model_state import split_state
 
     graphdef, params, rest = split_model(module)
     parts = loss_parts(bm.spec().loss, "mean", graphdef)

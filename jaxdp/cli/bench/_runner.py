@@ -1,6 +1,6 @@
 """``jaxdp bench``: runs the measurements in fresh processes, then draws and writes the results.
 
-Each measurement runs as ``python -m jaxdp._bench.<name>``: it must set its
+Each measurement runs as ``python -m jaxdp.cli.bench.<name>``: it must set its
 own emulated device count before JAX starts, and a fresh process keeps one
 measurement's threads, caches and memory from touching the next one's.
 """
@@ -21,7 +21,7 @@ ALL_MEASUREMENTS = (*CPU_MEASUREMENTS, "gpu")  # gpu only when named: it needs a
 
 
 def add_bench_command(sub: argparse._SubParsersAction) -> None:
-    """``jaxdp bench``: registered in ``jaxdp._cli.SUBCOMMANDS``."""
+    """``jaxdp bench``: registered in ``jaxdp.cli._main.SUBCOMMANDS``."""
     p = sub.add_parser(
         "bench",
         help="measure accumulation overhead, speed against torch_ref, communication, memory",
@@ -77,10 +77,10 @@ def _env(name: str) -> dict[str, str]:
 
 
 def _run_batch(names: tuple[str, ...], *, out: Path, quick: bool) -> int:
-    """Starts ``names`` together, each ``python -m jaxdp._bench.<name>``; waits for all."""
+    """Starts ``names`` together, each ``python -m jaxdp.cli.bench.<name>``; waits for all."""
     running = {}
     for name in names:
-        argv = [sys.executable, "-m", f"jaxdp._bench.{name}", "--out", str(out)]
+        argv = [sys.executable, "-m", f"jaxdp.cli.bench.{name}", "--out", str(out)]
         argv += ["--quick"] if quick and name != "gpu" else []
         print(f"jaxdp bench: {name} ...", flush=True)
         running[name] = (subprocess.Popen(argv, env=_env(name)), time.perf_counter())

@@ -9,7 +9,7 @@ micro-batch grows) and with it (the micro-batch fixed, ``K`` grows). Figures
 are per device from ``compiled.memory_analysis()`` (compiled with abstract
 batches: nothing is allocated). Deterministic: no timing.
 
-Run: ``python -m jaxdp._bench.memory --out DIR [--quick]``.
+Run: ``python -m jaxdp.cli.bench.memory --out DIR [--quick]``.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def largest_fitting(total: Callable[[int], int], budget: int, *, limit: int = 2*
 def measure_model(
     bm: BenchModel, accum_steps: Sequence[int], mesh: Any, budget: int
 ) -> dict[str, Any]:
-    from .._plan_xla import CompiledSteps, compiled_memory, input_bytes_per_sample, param_count
-    from .._step import make_train_step
+    from ..._step import make_train_step
+    from ...plan._xla import CompiledSteps, compiled_memory, input_bytes_per_sample, param_count
 
     n = mesh.devices.size
     steps = CompiledSteps(bm.spec(), "adamw", mesh)
@@ -120,7 +120,7 @@ def measure_model(
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = standard_args(__doc__.split("\n")[0], argv)
-    from .._mesh import data_mesh, emulate_cpu_devices
+    from ..._mesh import data_mesh, emulate_cpu_devices
 
     emulate_cpu_devices(NUM_DEVICES)
     started = time.perf_counter()

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._state import micro_key, reseed, split_state, written_batch_stats
-from ._trainable import combine
+from ._frozen import combine
+from ._model_state import micro_key, reseed, split_state, written_batch_stats
 
 LossReduction = Literal["mean", "weighted"]
 

@@ -197,8 +197,8 @@ def jaxdp_run(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from .._mesh import data_mesh
-    from .._step import make_train_step
+    from ..._mesh import data_mesh
+    from ..._step import make_train_step
 
     mesh = data_mesh(1)
     step = make_train_step(

@@ -1,66 +1,24 @@
-"""The rules of resuming: where to continue, and which checkpoints fit a run.
-
-Optimizer step ``s`` of an epoch trains on rows ``[s * G, (s + 1) * G)`` of
-that epoch's sampler order (all ranks' strided shares together), whatever
-``num_devices * accum_steps * micro_batch_size`` makes ``G =
-global_batch_size``. So the same ``G`` continues the same data order on another
-split, provided no accumulation cycle is open (the per-device accumulators of
-an open cycle cannot be re-split); another ``G`` changes the data order and the
-meaning of a step and needs forcing.
-"""
+"""Which checkpoints fit a run: the layout of the saved state, the batch identity and
+the position (where to continue is :func:`jaxdp.resume_position`)."""
 
 from __future__ import annotations
 
 import pathlib
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from ._layout import BatchSizes
-from ._train_state import TrainState
-
-
-class SamplerPosition(NamedTuple):
-    """Where the data stream stands: the NEXT data to train on.
-
-    ``step_in_epoch`` indexes the rows of ``epoch_batches(..., epoch=epoch)``
-    (one global batch per optimizer step); ``micro_batch`` is the next of its
-    ``accum_steps`` micro-batches on the ``multisteps`` path, 0 at an
-    optimizer-step boundary (always 0 on the ``fused`` path).
-    """
-
-    epoch: int
-    step_in_epoch: int
-    micro_batch: int = 0
+from .._layout import BatchSizes
+from .._position import SamplerPosition
+from .._train_state import TrainState
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: none there, unreadable, or incompatible."""
-
-
-def resume_position(
-    position: SamplerPosition, *, saved: BatchSizes, sizes: BatchSizes, steps_per_epoch: int
-) -> SamplerPosition:
-    """The position to continue from under the batch identity ``sizes``.
-
-    Optimizer step ``s`` of an epoch trains on rows ``[s * G, (s + 1) * G)`` of
-    the epoch's sampler order (all ranks' strided shares together), for any
-    split of ``G = global_batch_size`` over devices and micro-batches; the same
-    ``G`` therefore continues at the same step. Another ``G`` (forced) restarts
-    at the step holding the first unseen row, so up to ``G - 1`` rows of the
-    epoch are seen twice. Past the epoch's last step: the next epoch's start.
-    """
-    epoch, step, micro = position
-    if saved.global_batch_size != sizes.global_batch_size:
-        assert micro == 0, "checked by check_compatible"
-        step = step * saved.global_batch_size // sizes.global_batch_size
-    if step >= steps_per_epoch:
-        return SamplerPosition(epoch + 1, 0, 0)
-    return SamplerPosition(epoch, step, micro)
 
 
 def check_compatible(

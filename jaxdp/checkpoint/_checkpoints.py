@@ -25,17 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ._layout import BatchSizes
-from ._resume import (
+from .._layout import BatchSizes
+from .._position import SamplerPosition
+from .._train_state import TrainState
+from ._rules import (
     CheckpointError,
-    SamplerPosition,
     check_compatible,
     check_position,
     describe,
     is_per_device,
     named,
 )
-from ._train_state import TrainState
 
 FORMAT = 1  # the layout of ``meta``; bumped when it changes
 

@@ -13,7 +13,7 @@ with ``taskset -c 0-3 ...``). XLA sizes its CPU thread pools from it; torch
 runs on as many threads (``torch.set_num_threads``) and, single-device, also
 on one, and its faster setting is the one compared.
 
-Run: ``python -m jaxdp._bench.vs_torch --out DIR [--quick]``.
+Run: ``python -m jaxdp.cli.bench.vs_torch --out DIR [--quick]``.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def jaxdp_stepper(bm: BenchModel, *, num_devices: int, accum_steps: int) -> Call
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from .._mesh import data_mesh
-    from .._step import make_train_step
+    from ..._mesh import data_mesh
+    from ..._step import make_train_step
 
     mesh = data_mesh(num_devices)
     spec = bm.spec()
@@ -158,7 +158,7 @@ def measure_dp(
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = standard_args(__doc__.split("\n")[0], argv)
-    from .._mesh import emulate_cpu_devices
+    from ..._mesh import emulate_cpu_devices
 
     emulate_cpu_devices(NUM_DEVICES)
     import torch

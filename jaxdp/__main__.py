@@ -1,0 +1,7 @@
+"""``python -m jaxdp``: the ``jaxdp`` command line."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

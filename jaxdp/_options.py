@@ -1,0 +1,135 @@
+"""A train step's options, checked once, and what follows from them: the accumulator
+dtype, the optimizer the state holds, and how each state leaf lies on the mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ._forward import LossReduction
+from ._frozen import Trainable, skip_unused
+from ._model_state import BatchStats, wire_dtype
+from ._sync import sync_on_emit
+from ._train_state import TrainState
+
+AccumulationPath = Literal["fused", "multisteps"]
+"""``"fused"``: one call per optimizer step; ``"multisteps"``: one call per micro-batch."""
+
+Strategy = Literal["shard_map", "pmap"]
+"""How the per-device step is mapped over the mesh: ``jax.shard_map`` or the legacy ``jax.pmap``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """The arguments of :func:`jaxdp.make_train_step` (see there), after checking."""
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    mesh: Mesh
+    accum_steps: int = 1
+    path: AccumulationPath = "fused"
+    strategy: Strategy = "shard_map"
+    loss_reduction: LossReduction = "mean"
+    accum_dtype: Any = None
+    donate: bool = True
+    batch_stats: BatchStats | None = None
+    rng_seed: int | None = None
+    trainable: Trainable = None
+    skip_unused: bool = False
+    skip_nonfinite: bool = True
+    max_consecutive_skips: int | None = 10
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.accum_steps, int) or self.accum_steps < 1:
+            raise ValueError(f"accum_steps={self.accum_steps!r} must be a positive integer")
+        for name, allowed in (
+            ("path", ("fused", "multisteps")),
+            ("strategy", ("shard_map", "pmap")),
+            ("loss_reduction", ("mean", "weighted")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        if self.batch_stats not in (None, "local", "sync"):
+            raise ValueError(f"batch_stats={self.batch_stats!r} must be None, 'local' or 'sync'")
+        limit = self.max_consecutive_skips
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"max_consecutive_skips={limit!r} must be a positive integer or None")
+        if len(self.mesh.axis_names) != 1:
+            raise ValueError(f"mesh must have one (data) axis, got axes {self.mesh.axis_names}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.devices.size
+
+    @property
+    def axis_name(self) -> str:
+        return self.mesh.axis_names[0]
+
+    @property
+    def process_count(self) -> int:
+        """Processes whose devices make up the mesh (1 unless multi-process)."""
+        return len({d.process_index for d in self.mesh.devices.flat})
+
+    def accumulator_dtype(self, params: Any) -> Any:
+        """``accum_dtype``, else float64 if any parameter is float64, else float32."""
+        if self.accum_dtype is not None:
+            return jnp.dtype(self.accum_dtype)
+        wide = any(jnp.dtype(x.dtype) == jnp.float64 for x in jax.tree.leaves(params))
+        return jnp.dtype(jnp.float64 if wide else jnp.float32)
+
+    def state_optimizer(self, dtype: Any, batch_stats: Any) -> optax.GradientTransformation:
+        """The transformation whose state ``TrainState.opt_state`` holds.
+
+        ``fused``: the user's optimizer. ``multisteps``: ``optax.MultiSteps``
+        summing gradients (``use_grad_mean=False``) around
+        :func:`jaxdp._sync.sync_on_emit`, which all-reduces and runs the user's
+        optimizer only on the emitting call.
+        """
+        optimizer = skip_unused(self.optimizer) if self.skip_unused else self.optimizer
+        if self.path == "fused":
+            return optimizer
+        wire = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, wire_dtype(x.dtype, dtype)), batch_stats
+        )
+        sync = sync_on_emit(self.axis_name, dtype=dtype, extra_like=wire, inner=optimizer)
+        return optax.MultiSteps(
+            sync, self.accum_steps, use_grad_mean=False, accumulator_dtype=dtype
+        )
+
+    def opt_specs(self, opt_state: Any) -> Any:
+        """Mesh layout of the optimizer state: replicated, but MultiSteps' per-device
+        ``acc_grads`` (a leading ``num_devices`` axis split over the mesh)."""
+        specs = jax.tree.map(lambda _: P(), opt_state)
+        if self.path == "fused":
+            return specs
+        return specs._replace(
+            acc_grads=jax.tree.map(lambda _: P(self.axis_name), opt_state.acc_grads)
+        )
+
+    def state_specs(self, state: TrainState) -> TrainState:
+        """Mesh layout of every state leaf (the per-device accumulators split, the rest
+        replicated)."""
+
+        def replicated(tree: Any) -> Any:
+            return jax.tree.map(lambda _: P(), tree)
+
+        accum = state.accum
+        if accum is not None:
+            accum = jax.tree.map(lambda _: P(self.axis_name), accum)
+        return TrainState(
+            P(),
+            replicated(state.params),
+            self.opt_specs(state.opt_state),
+            accum,
+            state.graphdef,
+            replicated(state.model_state),
+            P(),
+            P(),
+        )

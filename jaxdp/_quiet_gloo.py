@@ -1,0 +1,89 @@
+"""Keeps gloo's connection note out of a process's standard output.
+
+On CPU, several processes reduce over gloo, whose C++ code prints
+``[Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected
+peer ranks is : 3`` to the C-level stdout when it connects, once per device
+thread, at the first collective. A user cannot act on it, and threads writing
+it at once cut it into pieces that land between the process's own lines
+(a line that is only ``1``). Nothing in jaxlib turns it off, so
+:func:`quiet_gloo_notes` separates the streams: Python's ``sys.stdout`` keeps
+the original stream, and the C-level file descriptor 1 goes through a pipe
+whose reader drops the note's pieces and forwards everything else, whole
+lines, to the original stream.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import re
+import sys
+import threading
+
+_PIECES = re.compile(
+    r"\[Gloo\] Rank |is connected to|peer ranks\.|Expected number of connected peer ranks is :"
+)
+
+
+def is_gloo_note(line: str) -> bool:
+    """Whether ``line`` holds only pieces of gloo's note (and their numbers)."""
+    if not line.strip():
+        return False
+    return not re.sub(r"[\d\s]", "", _PIECES.sub("", line))
+
+
+def quiet_gloo_notes() -> bool:
+    """Routes the C-level stdout through a filter that drops gloo's connection note.
+
+    Only where the process writes its stdout to file descriptor 1 (not under
+    an in-process capture). Returns whether the filter is in place. At exit,
+    C's buffered output is flushed and drained through the filter first.
+    """
+    try:
+        if sys.stdout.fileno() != 1:
+            return False
+    except (AttributeError, OSError, ValueError):
+        return False
+    sys.stdout.flush()
+    original = os.dup(1)
+    read, write = os.pipe()
+    os.dup2(write, 1)
+    os.close(write)
+    old = sys.stdout
+    sys.stdout = open(  # noqa: SIM115 (the process's stdout from now on)
+        original,
+        "w",
+        encoding=old.encoding,
+        errors=old.errors,
+        buffering=1 if old.line_buffering else -1,
+        closefd=False,
+    )
+    if getattr(old, "write_through", False):
+        sys.stdout.reconfigure(write_through=True)
+    pump = threading.Thread(target=_forward, args=(read, original), daemon=True)
+    pump.start()
+    atexit.register(_drain, original, pump)
+    return True
+
+
+def _forward(read: int, out: int) -> None:
+    pending = b""
+    while chunk := os.read(read, 65536):
+        *lines, pending = (pending + chunk).split(b"\n")
+        kept = [x for x in lines if not is_gloo_note(x.decode(errors="replace"))]
+        if kept:
+            os.write(out, b"".join(x + b"\n" for x in kept))
+    if pending and not is_gloo_note(pending.decode(errors="replace")):
+        os.write(out, pending)
+    os.close(read)
+
+
+def _drain(original: int, pump: threading.Thread) -> None:
+    """Flushes C's stdout buffer into the pipe, closes it and waits for the reader."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)
+    sys.stdout.flush()
+    os.dup2(original, 1)  # the pipe's last write end: the reader sees its end
+    pump.join(timeout=5)

@@ -1,0 +1,213 @@
+"""The loop of ``jaxdp train``: state (fresh or resumed), calls in sampler order,
+checkpoints at the exact data position, metrics per optimizer step."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from .._layout import BatchSizes, ProcessShare, epoch_schedule, micro_batches
+from .._position import SamplerPosition, resume_position
+from .._step import TrainStep
+from ..checkpoint._checkpoints import Checkpoints
+from ..checkpoint._rules import CheckpointError
+from ._metrics import MetricsLog, agree
+
+if TYPE_CHECKING:
+    from ._train import TrainConfig
+
+# Fields a resumed run must share with the checkpoint's, and why.
+RESUME_FIXED = {
+    "model": "the parameters would not fit",
+    "hidden": "the parameters would not fit",
+    "precision": "the parameter and compute dtypes would change",
+    "optimizer": "the optimizer state would not fit",
+    "learning_rate": "the optimizer state holds the learning rate",
+    "path": "the accumulation path decides the optimizer state's layout",
+    "seed": "the seed fixes the held-out split and every epoch's data order",
+}
+
+
+def say(*args: Any) -> None:
+    """``print`` on process 0 only."""
+    if jax.process_index() == 0:
+        print(*args)
+
+
+class _Run:
+    """The moving parts of one run: state, sampler position, checkpoints."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        step: TrainStep,
+        sizes: BatchSizes,
+        share: ProcessShare,
+        steps_per_epoch: int,
+        checkpoints: Checkpoints | None,
+    ):
+        self.config, self.step, self.sizes, self.share = config, step, sizes, share
+        self.steps_per_epoch = steps_per_epoch
+        self.checkpoints = checkpoints
+        self.position = SamplerPosition(0, 0, 0)
+        self.samples = 0  # training samples consumed (checkpoints are numbered by it)
+        self.resumed_step: int | None = None
+        self.last_checkpoint: str | None = None
+        self.state: Any = None
+
+    def start(self, fresh: Any) -> None:
+        """Takes the fresh state, or the newest readable checkpoint with ``resume``."""
+        self.state = fresh
+        if self.checkpoints is None:
+            return
+        if not self.config.resume:
+            if self.checkpoints.steps:
+                raise CheckpointError(
+                    f"checkpoint_dir={self.config.checkpoint_dir!r} already holds checkpoints "
+                    f"{self.checkpoints.steps}; resume from the newest (--resume) or choose "
+                    "another directory (checkpoints are never overwritten)"
+                )
+            return
+        restored = self.checkpoints.restore(
+            fresh, sizes=self.sizes, force=self.config.force_resume, validate=self._validate
+        )
+        self.state, self.samples = restored.state, restored.samples
+        self.resumed_step = int(restored.state.step)
+        self.position = resume_position(
+            restored.position,
+            saved=restored.sizes,
+            sizes=self.sizes,
+            steps_per_epoch=self.steps_per_epoch,
+        )
+        self.last_checkpoint = str(restored.path)
+        say(f"resumed from {restored.path}: step {self.resumed_step}, {_where(self.position)}")
+        if restored.sizes != self.sizes:
+            say(f"  the checkpoint's batch was {restored.sizes.describe()}")
+
+    def _validate(self, extra: dict[str, Any]) -> None:
+        saved = extra.get("config", {})
+        for name, reason in RESUME_FIXED.items():
+            if saved.get(name) != getattr(self.config, name):
+                raise CheckpointError(
+                    f"the checkpoint was trained with {name}={saved.get(name)!r}; this run has "
+                    f"{name}={getattr(self.config, name)!r} ({reason})"
+                )
+
+    def loop(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        log: MetricsLog,
+        stop: Callable[[SamplerPosition], bool] | None,
+    ) -> bool:
+        """Trains from ``self.position``; True if ``stop`` ended the run.
+
+        With several processes, ``stop`` is asked on each and the run ends on
+        all of them after the first call where any says True.
+        """
+        config, every = self.config, self.config.checkpoint_every
+        total = config.steps or (config.last_epoch or 0) * self.steps_per_epoch
+        if config.steps and config.last_epoch:
+            total = min(total, config.last_epoch * self.steps_per_epoch)
+        clock: tuple[float, int] | None = None  # (time, samples) after the first update
+        disable = None if config.progress is None else not config.progress
+        if self.share.process_index != 0:
+            disable = True
+        done = int(self.state.step)  # updates applied; then read once per update, not per call
+        with tqdm(total=total, initial=done, unit="step", disable=disable) as bar:
+            for call, epoch, position, emitted in self._calls(x, y):
+                if config.steps is not None and done >= config.steps:
+                    break
+                self.state, metrics = self.step(self.state, call)
+                self.samples += len(call[1]) * self.share.process_count
+                self.position = position
+                if emitted:
+                    record = _record(self.state, metrics, epoch, self.samples)  # waits for it
+                    done = record["step"]
+                    now = time.perf_counter()
+                    # The clock starts after the first update: it includes compiling.
+                    if clock is None:
+                        clock = (now, self.samples)
+                    else:
+                        rate = (self.samples - clock[1]) / (now - clock[0])
+                        record["samples_per_s"] = rate
+                        bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{rate:.0f}")
+                    log.write(record)
+                    bar.update()
+                    if every and record["step"] % every == 0:
+                        self.save()
+                    if bar.disable and position.step_in_epoch == 0:
+                        say(f"epoch {epoch} done: step {record['step']} loss {record['loss']:.4f}")
+                if stop is not None and agree(stop(position)):
+                    return True
+        self.step.check(self.state)  # a skip limit reached by the last call
+        return False
+
+    def _calls(
+        self, x: np.ndarray, y: np.ndarray
+    ) -> Iterator[tuple[Any, int, SamplerPosition, bool]]:
+        """``(call, epoch, position after it, emits an update)`` in sampler order, from here.
+
+        A call holds this process's rows only (all rows with one process).
+        """
+        at, last_epoch = self.position, self.config.last_epoch
+        epoch = at.epoch
+        while last_epoch is None or epoch < last_epoch:
+            order = epoch_schedule(len(x), self.sizes, epoch=epoch, seed=self.config.seed).rows
+            for i in range(at.step_in_epoch if epoch == at.epoch else 0, len(order)):
+                mine = order[i][self.share.rows]
+                batch = (x[mine], y[mine])
+                fused = self.config.path == "fused"
+                calls = [batch] if fused else micro_batches(batch, self.share.sizes)
+                for j in range(at.micro_batch if (epoch, i) == at[:2] else 0, len(calls)):
+                    if j + 1 < len(calls):
+                        after = SamplerPosition(epoch, i, j + 1)
+                    elif i + 1 < len(order):
+                        after = SamplerPosition(epoch, i + 1, 0)
+                    else:
+                        after = SamplerPosition(epoch + 1, 0, 0)
+                    yield calls[j], epoch, after, j + 1 == len(calls)
+            epoch += 1
+
+    def save(self) -> None:
+        """A checkpoint at the current position."""
+        if self.checkpoints is None:
+            return
+        path = self.checkpoints.save(
+            self.state,
+            position=self.position,
+            sizes=self.sizes,
+            samples=self.samples,
+            seed=self.config.seed,
+            extra={"config": dataclasses.asdict(self.config)},
+        )
+        self.last_checkpoint = str(path)
+        if self.share.process_index == 0:
+            tqdm.write(f"checkpoint {path}: step {int(self.state.step)}, {_where(self.position)}")
+
+    def save_final(self) -> None:
+        """A checkpoint where the run ended, unless one was just taken there."""
+        if self.checkpoints is not None and self.samples not in self.checkpoints.steps:
+            self.save()
+
+
+def _where(position: SamplerPosition) -> str:
+    text = f"next: epoch {position.epoch} batch {position.step_in_epoch}"
+    return text + (f" micro-batch {position.micro_batch}" if position.micro_batch else "")
+
+
+def _record(state: Any, metrics: dict[str, Any], epoch: int, samples: int) -> dict[str, Any]:
+    """One metrics line; ``samples_per_s`` (from the second update on) is added by the loop."""
+    return {
+        "step": int(state.step),
+        "epoch": epoch,
+        "samples": samples,
+        "samples_per_s": None,
+        **{k: float(v) for k, v in metrics.items() if k != "emitted"},
+    }

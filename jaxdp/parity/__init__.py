@@ -1,0 +1,45 @@
+"""Parity with PyTorch: jaxdp and torch_ref (real PyTorch DDP + gradient accumulation)
+trained from the same weights on the same data in the same order, compared after
+every optimizer step.
+
+``run_parity(ParityConfig(...))`` trains both sides and returns a
+:class:`ParityReport`; ``optax_like_torch(OptimizerSpec(...))`` is the optax
+chain that updates exactly as ``torch.optim`` does. torch and torch_ref are
+imported only when a run starts. Everything not re-exported here is private.
+"""
+
+from ._optim import OPTIMIZERS as OPTIMIZERS
+from ._optim import OptimizerSpec as OptimizerSpec
+from ._optim import clip_grad_norm_like_torch as clip_grad_norm_like_torch
+from ._optim import optax_like_torch as optax_like_torch
+from ._runner import ATOL as ATOL
+from ._runner import RTOL as RTOL
+from ._runner import ParityConfig as ParityConfig
+from ._runner import ParityReport as ParityReport
+from ._runner import Trajectory as Trajectory
+from ._runner import compare as compare
+from ._runner import format_parity as format_parity
+from ._runner import run_jaxdp as run_jaxdp
+from ._runner import run_parity as run_parity
+from ._runner import run_torch as run_torch
+from ._runner import torch_config as torch_config
+from ._runner import torch_inputs as torch_inputs
+
+__all__ = [
+    "ATOL",
+    "OPTIMIZERS",
+    "RTOL",
+    "OptimizerSpec",
+    "ParityConfig",
+    "ParityReport",
+    "Trajectory",
+    "clip_grad_norm_like_torch",
+    "compare",
+    "format_parity",
+    "optax_like_torch",
+    "run_jaxdp",
+    "run_parity",
+    "run_torch",
+    "torch_config",
+    "torch_inputs",
+]

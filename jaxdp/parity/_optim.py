@@ -1,0 +1,78 @@
+"""Optimizers in torch's terms, and the optax chains that update exactly as torch.optim."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """One optimizer in torch's terms; the fields of ``torch_ref.OptimConfig``."""
+
+    name: Literal["sgd", "adamw"]
+    learning_rate: float
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float | None = None  # clip_grad_norm_ after the sync
+
+
+OPTIMIZERS = {
+    "sgd_momentum": OptimizerSpec("sgd", 0.05, momentum=0.9),
+    "sgd_nesterov_wd": OptimizerSpec("sgd", 0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "adamw": OptimizerSpec("adamw", 1e-2, weight_decay=1e-2),
+    # max_grad_norm below the models' initial gradient norms, so clipping acts.
+    "adamw_clip": OptimizerSpec("adamw", 1e-2, weight_decay=1e-2, max_grad_norm=0.05),
+}
+
+
+def optax_like_torch(spec: OptimizerSpec) -> optax.GradientTransformation:
+    """The optax chain that updates exactly as ``torch.optim`` does for ``spec``.
+
+    SGD: weight decay is added to the gradient BEFORE momentum (torch's order),
+    no dampening. AdamW: decoupled decay, ``eps`` outside the square root.
+    Clipping follows ``clip_grad_norm_``: scale ``min(1, max / (norm + 1e-6))``.
+    """
+    if spec.name == "sgd":
+        momentum = spec.momentum or None
+        inner = optax.chain(
+            optax.add_decayed_weights(spec.weight_decay),
+            optax.sgd(spec.learning_rate, momentum=momentum, nesterov=spec.nesterov),
+        )
+    elif spec.name == "adamw":
+        inner = optax.adamw(
+            spec.learning_rate,
+            b1=spec.b1,
+            b2=spec.b2,
+            eps=spec.eps,
+            eps_root=0.0,
+            weight_decay=spec.weight_decay,
+        )
+    else:
+        raise ValueError(f"optimizer name={spec.name!r} must be 'sgd' or 'adamw'")
+    if spec.max_grad_norm is None:
+        return inner
+    return optax.chain(clip_grad_norm_like_torch(spec.max_grad_norm), inner)
+
+
+def clip_grad_norm_like_torch(max_norm: float) -> optax.GradientTransformation:
+    """``torch.nn.utils.clip_grad_norm_``: multiply by ``min(1, max_norm / (norm + 1e-6))``.
+
+    Unlike ``optax.clip_by_global_norm`` (``max_norm / norm``, no epsilon).
+    """
+
+    def update(updates, state, params=None):
+        del params
+        norm = optax.tree.norm(updates)
+        coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
+        return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)

@@ -1,0 +1,59 @@
+"""gloo's C++ connection note is kept out of a process's stdout (jaxdp._quiet_gloo)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxdp._quiet_gloo import is_gloo_note
+
+# As gloo's C++ streams it: one << per piece, then std::endl.
+PIECES = ["[Gloo] Rank ", "1", " is connected to ", "3", " peer ranks. "]
+PIECES += ["Expected number of connected peer ranks is : ", "3", "\n"]
+NOTE = "".join(PIECES).strip()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        NOTE,
+        "1",  # the stray line that failed a CI run: a cut piece of the note
+        "[Gloo] Rank [Gloo] Rank 11 is connected to  is connected to 33 peer ranks. ",
+        "Expected number of connected peer ranks is : 3",
+    ],
+)
+def test_the_note_and_its_pieces_are_recognized(line):
+    assert is_gloo_note(line)
+
+
+@pytest.mark.parametrize("line", ["", "epoch 1 done: step 8 loss 0.2", "[Gloo] error: x", "a 1"])
+def test_other_lines_are_kept(line):
+    assert not is_gloo_note(line)
+
+
+def test_python_output_keeps_its_stream_and_c_output_is_filtered():
+    # What gloo does, from C: pieces of its note written to file descriptor 1 from two
+    # threads, between the process's own lines; then unflushed C output at exit.
+    code = textwrap.dedent(f"""
+        import ctypes, os, sys, threading
+        from jaxdp._quiet_gloo import quiet_gloo_notes
+        assert quiet_gloo_notes()
+        libc = ctypes.CDLL(None)
+        print("python 1", flush=True)
+        def note():
+            for piece in {PIECES!r}:
+                os.write(1, piece.encode())
+        threads = [threading.Thread(target=note) for _ in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        os.write(1, b"from C\\n")
+        print("python 2")
+        libc.printf(b"buffered in C at exit\\n")
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    lines = done.stdout.splitlines()
+    assert sorted(lines) == ["buffered in C at exit", "from C", "python 1", "python 2"]
+    assert lines.index("python 1") < lines.index("python 2")
