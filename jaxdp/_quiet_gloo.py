@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import io
 import os
 import re
 import sys
@@ -52,16 +53,17 @@ def quiet_gloo_notes() -> bool:
     os.dup2(write, 1)
     os.close(write)
     old = sys.stdout
-    sys.stdout = open(  # noqa: SIM115 (the process's stdout from now on)
-        original,
-        "w",
+    # The same buffering as before: unbuffered under python -u / PYTHONUNBUFFERED
+    # (as jaxdp launch runs ranks), so nothing printed is lost when a rank is killed.
+    raw = io.FileIO(original, "w", closefd=False)
+    unbuffered = not isinstance(getattr(old, "buffer", None), io.BufferedWriter)
+    sys.stdout = io.TextIOWrapper(
+        raw if unbuffered else io.BufferedWriter(raw),
         encoding=old.encoding,
         errors=old.errors,
-        buffering=1 if old.line_buffering else -1,
-        closefd=False,
+        line_buffering=old.line_buffering,
+        write_through=unbuffered or getattr(old, "write_through", False),
     )
-    if getattr(old, "write_through", False):
-        sys.stdout.reconfigure(write_through=True)
     pump = threading.Thread(target=_forward, args=(read, original), daemon=True)
     pump.start()
     atexit.register(_drain, original, pump)

@@ -15,7 +15,14 @@ RTOL = {
     # of summation (per micro-batch, then across devices, vs one big batch).
     "float32": 1.3e-6,
 }
-ATOL = {"float64": 0.0, "float32": 1e-5}
+# Absolute floors, for elements that pass near zero, where a relative bound means nothing.
+ATOL = {
+    # An element near zero still carries the rounding of the O(0.1..1) terms summed into
+    # it: 1.3e-17 was seen on an element of 5e-6 (jax 0.12, CPU). 1e-15 is a few ulps
+    # of 1.0 (float64 eps 2.2e-16), far below any difference a wrong reduction makes.
+    "float64": 1e-15,
+    "float32": 1e-5,  # PyTorch's assertEqual default for float32
+}
 
 
 def assert_trees_close(actual: Any, expected: Any, *, rtol: float, atol: float = 0.0) -> None:

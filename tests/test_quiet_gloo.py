@@ -1,5 +1,7 @@
 """gloo's C++ connection note is kept out of a process's stdout (jaxdp._quiet_gloo)."""
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -57,3 +59,19 @@ def test_python_output_keeps_its_stream_and_c_output_is_filtered():
     lines = done.stdout.splitlines()
     assert sorted(lines) == ["buffered in C at exit", "from C", "python 1", "python 2"]
     assert lines.index("python 1") < lines.index("python 2")
+
+
+def test_unbuffered_output_stays_unbuffered():
+    # jaxdp launch runs ranks with PYTHONUNBUFFERED: a rank killed right after printing
+    # must not lose its lines in a buffer the filter added.
+    code = textwrap.dedent("""
+        import os, signal
+        from jaxdp._quiet_gloo import quiet_gloo_notes
+        assert quiet_gloo_notes()
+        print("printed before the kill")
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == -signal.SIGKILL
+    assert done.stdout == "printed before the kill\n"
