@@ -1,4 +1,4 @@
-"""`jaxdp parity` as the README shows it, and the report's verdict."""
+"""`jaxdp parity` as docs/parity.md shows it, and the report's verdict."""
 
 import copy
 import pathlib

@@ -37,10 +37,10 @@ def test_seed_7b_command_says_it_in_plain_words(capsys):
     assert "weights 2 + gradients 2 + master weights 4 + optimizer state 2 x 4 = 16" in out
 
 
-def test_readme_shows_the_7b_plan_as_printed(capsys):
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+def test_docs_show_the_7b_plan_as_printed(capsys):
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "memory-planning.md").read_text()
     command = "bin/jaxdp plan --params 7e9 --device-memory 80GB"
-    shown = re.search(re.escape(command) + r"\n```\n\n```\n(.*?)\n```", readme, re.S).group(1)
+    shown = re.search(re.escape(command) + r"\n```\n\n```text\n(.*?)\n```", page, re.S).group(1)
     assert main(command.split()[1:]) == 0
     assert capsys.readouterr().out.rstrip() == shown
 
