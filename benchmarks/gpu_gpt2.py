@@ -7,7 +7,7 @@ On a GPU machine (jax[cuda] and torch installed), from the repository root::
 
 The same as ``jaxdp bench --only gpu`` (which also redraws BENCHMARKS.md).
 Flags: ``--micro-batch-size`` (16), ``--accum-steps`` (8), ``--no-torch``,
-``--no-compile``. The code and the FLOP formula are in ``jaxdp/_bench/gpu.py``.
+``--no-compile``. The code and the FLOP formula are in ``jaxdp/cli/bench/gpu.py``.
 """
 
 import pathlib

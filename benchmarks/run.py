@@ -7,7 +7,7 @@ Run from the repository root::
     python benchmarks/run.py --only gpu # the GPT-2-small GPU figures, on a GPU machine
 
 It writes ``benchmarks/results/*.json`` and ``*.png`` and the generated tables
-of ``BENCHMARKS.md``. The code is in ``jaxdp/_bench/`` (one module per
+of ``BENCHMARKS.md``. The code is in ``jaxdp/cli/bench/`` (one module per
 measurement), so the installed ``jaxdp bench`` runs it too.
 """
 

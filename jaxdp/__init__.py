@@ -14,24 +14,15 @@ needs; the tools are subpackages, imported on first use:
 import importlib as _importlib
 from typing import Any as _Any
 
-# The train step, its state and its errors
 from ._accumulate import AccumState as AccumState
-
-# Several processes
 from ._distributed import initialize as initialize
 from ._forward import LossReduction as LossReduction
 from ._frozen import Trainable as Trainable
-
-# Inspection of compiled steps
 from ._inspect import AllReduce as AllReduce
 from ._inspect import all_reduces as all_reduces
 from ._inspect import format_report as format_report
-
-# Weights from and to PyTorch
 from ._interop import params_to_torch as params_to_torch
 from ._interop import torch_to_params as torch_to_params
-
-# Batch identity, data order and position
 from ._layout import BatchSizes as BatchSizes
 from ._layout import EpochSchedule as EpochSchedule
 from ._layout import LastWindow as LastWindow
@@ -40,8 +31,6 @@ from ._layout import batch_sizes as batch_sizes
 from ._layout import epoch_schedule as epoch_schedule
 from ._layout import micro_batches as micro_batches
 from ._layout import process_share as process_share
-
-# Mesh and devices
 from ._mesh import DATA_AXIS as DATA_AXIS
 from ._mesh import data_mesh as data_mesh
 from ._mesh import emulate_cpu_devices as emulate_cpu_devices
@@ -62,38 +51,44 @@ from ._train_state import TrainState as TrainState
 __version__ = "0.2.0"
 
 __all__ = [
+    # Mesh and devices
     "DATA_AXIS",
-    "AccumState",
-    "AccumulationPath",
-    "AllReduce",
-    "BatchSizes",
-    "BatchStats",
-    "DistributedSampler",
-    "EpochSchedule",
-    "LastWindow",
-    "LossReduction",
-    "NonFiniteError",
-    "ProcessShare",
-    "ReplicaMismatchError",
-    "SamplerPosition",
-    "SkipWatch",
-    "Strategy",
-    "TrainState",
-    "TrainStep",
-    "Trainable",
-    "all_reduces",
-    "batch_sizes",
-    "check_replicas",
     "data_mesh",
     "emulate_cpu_devices",
-    "epoch_schedule",
-    "format_report",
+    # Several processes
     "initialize",
-    "make_train_step",
-    "micro_batches",
-    "params_to_torch",
     "process_share",
+    "ProcessShare",
+    # Batch identity, data order and position
+    "BatchSizes",
+    "batch_sizes",
+    "DistributedSampler",
+    "EpochSchedule",
+    "epoch_schedule",
+    "LastWindow",
+    "micro_batches",
+    "SamplerPosition",
     "resume_position",
+    # The train step, its state and its errors
+    "make_train_step",
+    "TrainStep",
+    "TrainState",
+    "AccumState",
+    "SkipWatch",
+    "NonFiniteError",
+    "ReplicaMismatchError",
+    "check_replicas",
+    "AccumulationPath",
+    "Strategy",
+    "LossReduction",
+    "BatchStats",
+    "Trainable",
+    # Inspection of compiled steps
+    "all_reduces",
+    "AllReduce",
+    "format_report",
+    # Weights from and to PyTorch
+    "params_to_torch",
     "torch_to_params",
 ]
 

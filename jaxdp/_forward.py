@@ -13,6 +13,8 @@ from ._frozen import combine
 from ._model_state import micro_key, reseed, split_state, written_batch_stats
 
 LossReduction = Literal["mean", "weighted"]
+"""``"mean"``: ``loss_fn`` returns a micro-batch mean, the step averages them;
+``"weighted"``: ``loss_fn`` returns ``(loss_sum, count)``, the step divides the sums."""
 
 
 def split_model(model: Any) -> tuple[Any, Any, Any]:

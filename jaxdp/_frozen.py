@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-Trainable = Any  # None, a pytree of bools, a predicate (path, value) -> bool, or an nnx filter
+Trainable = Any
+"""Which parameters train: None (all), a pytree of bools, a predicate ``(path, value) ->
+bool`` or an NNX filter (:func:`trainable_mask`)."""
 
 
 def _named(path: tuple) -> tuple[str, ...]:

@@ -75,6 +75,8 @@ def batch_sizes(
 
 
 LastWindow = Literal["drop", "step"]
+"""What an epoch's last, incomplete accumulation window does: ``"drop"`` or one more
+``"step"`` weighted by its real size (:func:`epoch_schedule`)."""
 
 
 class EpochSchedule(NamedTuple):

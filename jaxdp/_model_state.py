@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 BatchStats = Literal["local", "sync"]
+"""How BatchNorm statistics are computed: ``"local"`` per device (DDP), ``"sync"`` over
+all devices (SyncBatchNorm)."""
 
 
 def split_state(model_state: Any) -> tuple[Any, Any, Any]:

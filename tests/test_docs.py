@@ -326,22 +326,6 @@ def docstring(module: str, name: str) -> str | None:
     raise AssertionError(f"{name} is not defined in {module}")
 
 
-# Public names without a docstring today; code under jaxdp/ is to give them one (a
-# docstring, or a string right after the assignment). Remove each name once it has one.
-NO_DOCSTRING_YET = {
-    ("jaxdp", "BatchStats"),
-    ("jaxdp", "LastWindow"),
-    ("jaxdp", "LossReduction"),
-    ("jaxdp", "Trainable"),
-    ("jaxdp.models", "LAYER_NORM_EPS"),
-    ("jaxdp.models", "MODELS"),
-    ("jaxdp.parity", "ATOL"),
-    ("jaxdp.parity", "OPTIMIZERS"),
-    ("jaxdp.parity", "RTOL"),
-    ("jaxdp.cli", "main"),
-}
-
-
 @pytest.mark.parametrize("module", SUBPACKAGES)
 def test_every_public_name_has_a_docstring(module):
     missing = {
@@ -349,4 +333,4 @@ def test_every_public_name_has_a_docstring(module):
         for name in importlib.import_module(module).__all__
         if not docstring(module, name)
     }
-    assert missing == {m for m in NO_DOCSTRING_YET if m[0] == module}
+    assert missing == set()

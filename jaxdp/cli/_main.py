@@ -198,6 +198,8 @@ SUBCOMMANDS = (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``jaxdp`` command line on ``argv`` (default: ``sys.argv[1:]``); returns the
+    exit status."""
     parser = argparse.ArgumentParser(prog="jaxdp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser in SUBCOMMANDS:

@@ -58,8 +58,8 @@ def _run_parity_command(args: Any) -> int:
         importlib.import_module("torch_ref")  # imports torch too
     except ImportError as e:
         raise SystemExit(
-            f"jaxdp parity needs PyTorch and torch_ref ({e}); on CPU install them with "
-            "pip install -e '.[torch]' -c constraints/cpu.txt"
+            f"jaxdp parity: error: needs PyTorch ({e}); on a CPU machine: pip install torch "
+            "--index-url https://download.pytorch.org/whl/cpu (torch_ref ships with jaxdp)"
         ) from e
 
     emulate_cpu_devices(max(args.num_devices, 1))  # CPU only; before the backend starts

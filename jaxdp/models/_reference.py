@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-# torch.nn.LayerNorm's default; flax's is 1e-6.
 LAYER_NORM_EPS = 1e-5
+"""The reference models' LayerNorm epsilon: torch.nn.LayerNorm's default (flax's is 1e-6)."""
 
 
 class LinearModel(nnx.Module):
@@ -315,6 +315,7 @@ MODELS: dict[str, tuple[Callable[..., nnx.Module], Callable[..., jax.Array]]] = 
     "cnn_bn": (CNNBN, _cross_entropy),
     "embed_branch": (EmbedBranch, _cross_entropy),
 }
+"""``name -> (model class, loss(module, (x, y)))`` of every reference model."""
 
 # ``make_train_step(trainable=...)`` of the reference models that freeze parameters
 # (torch_ref sets ``requires_grad=False`` on the others): predicates on the path.

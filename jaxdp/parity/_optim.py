@@ -32,6 +32,7 @@ OPTIMIZERS = {
     # max_grad_norm below the models' initial gradient norms, so clipping acts.
     "adamw_clip": OptimizerSpec("adamw", 1e-2, weight_decay=1e-2, max_grad_norm=0.05),
 }
+"""The optimizers the parity matrix runs, by name, in torch's terms."""
 
 
 def optax_like_torch(spec: OptimizerSpec) -> optax.GradientTransformation:

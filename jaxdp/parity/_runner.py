@@ -50,12 +50,14 @@ RTOL = {
     # PyTorch's assertEqual defaults for float32.
     "float32": 1.3e-6,
 }
+"""Parity's relative tolerance per dtype: ``|jaxdp - torch| <= ATOL + RTOL * |torch|``."""
 ATOL = {
     # An absolute floor of 1e-12 on O(0.1) parameters: relative error means
     # nothing for an element that passes through zero.
     "float64": 1e-12,
     "float32": 1e-5,  # PyTorch's assertEqual default for float32
 }
+"""Parity's absolute floor per dtype, for elements that pass near zero."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,7 +98,9 @@ def measure_model(
     without = largest_fitting(lambda b: steps.memory(b, 1).total, budget)
     m = bm.micro_batch_size
     with_accum = largest_fitting(lambda k: steps.memory(m, k).total, budget)
-    multi = make_train_step(bm.spec().loss, steps.step(1).options.optimizer, mesh=mesh, path="multisteps")
+    multi = make_train_step(
+        bm.spec().loss, steps.step(1).options.optimizer, mesh=mesh, path="multisteps"
+    )
     multisteps = compiled_memory(multi.compile(multi.init(bm.spec().make()), bm.data(n * m)))
     return {
         "model": bm.name,
