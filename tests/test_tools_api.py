@@ -1,0 +1,124 @@
+"""The tools' public names (jaxdp.models, jaxdp.parity, jaxdp.plan), each held to what it
+promises; the checkpoint and command-line names are exercised in their own tests."""
+
+import numpy as np
+import optax
+import pytest
+import torch
+from flax import nnx
+
+import jaxdp
+from jaxdp.models import (
+    CNN,
+    CNNBN,
+    LAYER_NORM_EPS,
+    MLP,
+    MODELS,
+    EmbedBranch,
+    LinearModel,
+    Transformer,
+    build_model,
+)
+from jaxdp.parity import (
+    ATOL,
+    OPTIMIZERS,
+    RTOL,
+    ParityConfig,
+    ParityReport,
+    clip_grad_norm_like_torch,
+    optax_like_torch,
+    run_parity,
+)
+from jaxdp.plan import (
+    DTYPE_POLICIES,
+    OPTIMIZER_MOMENTS,
+    CompiledMemory,
+    DtypePolicy,
+    MemoryPlan,
+    compiled_memory,
+    plan_memory,
+)
+
+
+def test_models_are_built_by_name_as_their_classes():
+    classes = {
+        "linear": LinearModel,
+        "mlp": MLP,
+        "cnn": CNN,
+        "transformer": Transformer,
+        "cnn_bn": CNNBN,
+        "embed_branch": EmbedBranch,
+    }
+    assert sorted(MODELS) == sorted(classes)
+    for name, cls in classes.items():
+        # Abstract: the classes and their parameters' shapes, no arrays computed.
+        assert isinstance(nnx.eval_shape(lambda name=name: build_model(name)), cls)
+
+
+def test_layer_norm_epsilon_is_torchs_default():
+    assert torch.nn.LayerNorm(4).eps == LAYER_NORM_EPS
+
+
+def test_tolerances_name_both_dtypes_and_float64_is_tighter():
+    assert set(RTOL) == set(ATOL) == {"float32", "float64"}
+    assert RTOL["float64"] < RTOL["float32"] and ATOL["float64"] < ATOL["float32"]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optax_like_torch_takes_torchs_step(name):
+    spec = OPTIMIZERS[name]
+    w0 = np.array([0.5, -1.0, 2.0])
+    grads = [np.array([0.1, 0.2, -0.3]), np.array([-0.2, 0.05, 0.4])]
+    param = torch.nn.Parameter(torch.tensor(w0))
+    kwargs = dict(lr=spec.learning_rate, weight_decay=spec.weight_decay)
+    if spec.name == "sgd":
+        opt = torch.optim.SGD([param], momentum=spec.momentum, nesterov=spec.nesterov, **kwargs)
+    else:
+        opt = torch.optim.AdamW([param], betas=(spec.b1, spec.b2), eps=spec.eps, **kwargs)
+    tx, w = optax_like_torch(spec), w0.copy()
+    state = tx.init(w)
+    for g in grads:
+        param.grad = torch.tensor(g)
+        if spec.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([param], spec.max_grad_norm)
+        opt.step()
+        updates, state = tx.update(g, state, w)
+        w = optax.apply_updates(w, updates)
+    np.testing.assert_allclose(w, param.detach().numpy(), rtol=1e-12, atol=1e-15)
+
+
+def test_clip_like_torch_scales_as_clip_grad_norm():
+    g = np.array([3.0, 4.0])  # norm 5
+    clipped, _ = clip_grad_norm_like_torch(1.0).update(g, optax.EmptyState())
+    tensor = torch.tensor(g)
+    tensor.grad = tensor.clone()
+    torch.nn.utils.clip_grad_norm_([tensor], 1.0)
+    np.testing.assert_allclose(clipped, tensor.grad.numpy(), rtol=1e-15)
+
+
+def test_run_parity_reports_every_step():
+    report = run_parity(
+        ParityConfig(model="linear", optimizer="sgd_momentum", num_devices=1, steps=3)
+    )
+    assert isinstance(report, ParityReport)
+    assert report.passed and len(report.max_abs) == 3
+
+
+def test_plan_memory_counts_bytes_per_parameter_by_policy():
+    assert isinstance(DTYPE_POLICIES["fp32"], DtypePolicy)
+    assert OPTIMIZER_MOMENTS == {"adamw": 2, "sgd-momentum": 1, "sgd": 0}
+    plan = plan_memory(params=10**6, device_memory="1GB", policy="fp32", optimizer="adamw")
+    assert isinstance(plan, MemoryPlan)
+    # fp32: weights 4 + gradients 4 + two moments of 4 bytes per parameter.
+    assert (plan.weights, plan.gradients, plan.optimizer_state) == (4e6, 4e6, 8e6)
+
+
+def test_compiled_memory_reads_xlas_analysis():
+    step = jaxdp.make_train_step(
+        lambda p, b: ((b @ p) ** 2).mean(), optax.sgd(0.1), mesh=jaxdp.data_mesh(1)
+    )
+    state = step.init(np.ones((256, 4), np.float32))
+    memory = compiled_memory(step.compile(state, np.ones((8, 256), np.float32)))
+    assert isinstance(memory, CompiledMemory)
+    assert memory.arguments >= 256 * 4 * 4  # the parameters at least
+    assert memory.total >= memory.arguments
