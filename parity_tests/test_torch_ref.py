@@ -17,7 +17,8 @@ from torch.utils.data import DistributedSampler
 
 import torch_ref as tr
 
-# The seed's published weights (DESIGN.md), rounded to 4 decimals: hence 5e-5.
+# The seed example's published weights ("Multiple GPU training in PyTorch and Gradient
+# Accumulation", docs/parity.md), rounded to 4 decimals: hence 5e-5.
 SEED_FINAL = np.array([[0.9472, 0.9440, 0.9527, 0.9687, 0.9570, 0.9343, 0.9411, 0.9186]])
 SEED_ATOL = 5e-5
 # DDP (W ranks x K micro-batches) vs one process with W*K micro-batches in float64: the

@@ -36,7 +36,7 @@ def naive_step(bm: BenchModel, module: Any, mesh: Any, accum_steps: int) -> Any:
 
     The params enter ``shard_map`` replicated and are not marked per-device, so
     JAX treats them as invariant: the gradient of the implicit broadcast is a
-    psum, inside the scan body. This is the trap jaxdp avoids (DESIGN.md).
+    psum, inside the scan body: the trap jaxdp avoids (docs/semantics.md, "Strategies").
     """
     import jax
     import jax.numpy as jnp
