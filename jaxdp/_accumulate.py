@@ -1,4 +1,4 @@
-"""Per-device step bodies: fused accumulation and the MultiSteps path.
+"""Per-device step bodies: fused accumulation and the multisteps (streaming) path.
 
 Both run inside ``shard_map`` (or ``pmap``) on ONE device's data and state and
 communicate only through one psum per optimizer step
@@ -6,11 +6,12 @@ communicate only through one psum per optimizer step
 micro-batch gradients, losses and weights, and divide by the global weight
 after the all-reduce. Device 0's batch statistics ride in the same psum, and
 the finiteness of its result decides, identically on every device, whether
-the update is applied or skipped.
+the update is applied or skipped (:class:`StepEnd`, shared by both paths).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -101,47 +102,81 @@ def fused_update(
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
     init = to_varying(((zeros, jnp.zeros([], dtype), jnp.zeros([], dtype)), batch_stats))
     indices = jnp.arange(len(micro_weights))
-    ((grad_sum, loss_sum, weight), stats), _ = jax.lax.scan(
-        micro_step, init, (micro_batches, micro_weights, indices)
-    )
-    wire = device0(stats, axis_name, dtype)
-    grad_sum, loss, weight, wire = all_reduce_sums(grad_sum, loss_sum, weight, wire, axis_name)
-    grad_norm = optax.tree.norm(grad_sum) / weight
-    ok = all_finite(grad_norm, loss, wire) if skip_nonfinite else jnp.ones([], bool)
+    (sums, stats), _ = jax.lax.scan(micro_step, init, (micro_batches, micro_weights, indices))
+    end = StepEnd(axis_name, dtype, skip_nonfinite)
+    return end(optimizer, params, opt_state, batch_stats, *sums, stats)[0]
 
-    def apply(operands):
-        params, opt_state = operands
-        # Divided here, the mean fuses into the optimizer's pass over the gradients.
-        grads = mean_grads(grad_sum, weight, like=params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+
+class StepEnd(NamedTuple):
+    """The end of an optimizer step, the same on both paths: the one all-reduce, the
+    finiteness check, and the user's optimizer or the skip."""
+
+    axis_name: str
+    dtype: Any  # of the accumulators, and of the loss and norm the SyncState keeps
+    skip_nonfinite: bool
+
+    def __call__(
+        self,
+        optimizer: optax.GradientTransformation,
+        params: Any,
+        opt_state: Any,
+        batch_stats: Any,
+        grad_sum: Any,
+        loss_sum: jax.Array,
+        weight: jax.Array,
+        stats: Any,
+    ) -> tuple[Update, SyncState]:
+        """All-reduces this device's sums with device 0's ``stats``, then updates or
+        skips. Returns the update and what was synchronized (``SyncState``)."""
+        wire = device0(stats, self.axis_name, self.dtype)
+        grad_sum, loss, weight, wire = all_reduce_sums(
+            grad_sum, loss_sum, weight, wire, self.axis_name
+        )
+        grad_norm = optax.tree.norm(grad_sum) / weight
+        finite = all_finite(grad_norm, loss, wire)
+        ok = finite if self.skip_nonfinite else jnp.ones([], bool)
+
+        def apply(operands):
+            params, opt_state = operands
+            # Divided here, the mean fuses into the optimizer's pass over the gradients.
+            grads = mean_grads(grad_sum, weight, like=params)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        if self.skip_nonfinite:
+            # A branch, not a select over params and optimizer state: a skipped step
+            # costs nothing and an applied one no extra pass (measured 1.3 ms of a
+            # 6.6 ms MLP step with selects, docs/decisions.md).
+            keep = functools.partial(cast_like, updated_like(optimizer, params, opt_state))
+            new_params, new_opt_state = jax.lax.cond(ok, apply, keep, (params, opt_state))
+        else:
+            new_params, new_opt_state = apply((params, opt_state))
+        new_stats = select(ok, from_wire(wire, batch_stats), batch_stats)
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        sync = SyncState(loss.astype(self.dtype), grad_norm.astype(self.dtype), finite, wire)
+        return Update(new_params, new_opt_state, new_stats, ok, ~ok, metrics), sync
+
+
+def updated_like(optimizer: optax.GradientTransformation, params: Any, opt_state: Any) -> Any:
+    """Shapes and dtypes of ``(params, opt_state)`` after an update (the gradients
+    reach the optimizer in the parameters' dtypes)."""
+
+    def apply(params, opt_state):
+        updates, opt_state = optimizer.update(params, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    if skip_nonfinite:
-        # A branch, not a select over params and optimizer state: a skipped step
-        # costs nothing and an applied one no extra pass (measured 1.3 ms of a
-        # 6.6 ms MLP step with selects, docs/decisions.md).
-        out = jax.eval_shape(apply, (params, opt_state))
+    return jax.eval_shape(apply, params, opt_state)
 
-        def keep(operands):  # as they were, in the dtypes the update gives
-            return jax.tree.map(lambda o, x: x.astype(o.dtype), out, operands)
 
-        new_params, new_opt_state = jax.lax.cond(ok, apply, keep, (params, opt_state))
-    else:
-        new_params, new_opt_state = apply((params, opt_state))
-    metrics = {"loss": loss, "grad_norm": grad_norm}
-    return Update(
-        new_params,
-        new_opt_state,
-        select(ok, from_wire(wire, batch_stats), batch_stats),
-        ok,
-        ~ok,
-        metrics,
-    )
+def cast_like(like: Any, tree: Any) -> Any:
+    """``tree`` in the dtypes of ``like``: what a branch that keeps its operands
+    returns, so that both branches of a ``lax.cond`` agree."""
+    return jax.tree.map(lambda o, x: x.astype(o.dtype), like, tree)
 
 
 def multisteps_update(
     forward: Forward,
-    optimizer: optax.MultiSteps,
+    optimizer: optax.GradientTransformation,
     params: Any,
     opt_state: optax.MultiStepsState,
     accum: AccumState,
@@ -155,62 +190,97 @@ def multisteps_update(
     to_varying: Callable[[Any], Any],
     skip_nonfinite: bool,
 ) -> tuple[Update, AccumState]:
-    """One micro-batch through ``optax.MultiSteps``; syncs only when emitting.
+    """One micro-batch of a window of ``accum_steps`` calls; syncs only when emitting.
 
-    ``optimizer`` wraps ``sync_on_emit(inner=user_optimizer)`` with
-    ``use_grad_mean=False``. ``emit`` comes from the replicated mini-step
-    counter, so every device takes the same branch of the guarded all-reduce.
-    ``micro_weight`` scales this micro-batch (0: padding of a last window).
-    A skipped (non-finite) update leaves params, the inner optimizer state and
-    the batch statistics as they were; MultiSteps has already reset the window.
+    ``opt_state`` is :func:`multisteps_init`'s: ``optax.MultiSteps``' layout
+    around ``(SyncState, optimizer's state)``. Every call adds its micro-batch's
+    gradient, loss and weight to this device's sums (``micro_weight`` scales
+    them: 0 for the padding of a last window). Then one ``lax.cond`` on the
+    replicated mini-step counter: a call inside the window leaves everything
+    else as it was; the window's last call runs the all-reduce and the user's
+    ``optimizer`` (or the non-finite skip) as the fused path does, and resets
+    the sums. A skipped update keeps the last applied one's ``SyncState``.
     """
     mini_step = opt_state.mini_step
+    emits = mini_step == accum_steps - 1
     start = select(mini_step == 0, to_varying(batch_stats), accum.batch_stats)
     grads, value, weight, stats = _scaled(
         forward, to_varying(params), batch, start, mini_step, micro_weight, dtype
     )
-    loss_sum, weight = accum.loss_sum + value, accum.weight + weight
-    emit = mini_step == accum_steps - 1
-    updates, new_opt_state = optimizer.update(
-        grads,
-        opt_state,
-        params,
-        emit=emit,
-        loss_sum=loss_sum,
-        weight=weight,
-        extra=device0(stats, axis_name, dtype),
+    # In place in the donated state, the one pass over the gradients of a call that
+    # does not emit; in the sums' own shape (shard_map: this device's [1, ...]
+    # block), as XLA:CPU adds in place only into a buffer of the same shape.
+    acc = jax.tree.map(lambda a, g: a + g.reshape(a.shape), opt_state.acc_grads, grads)
+    sums = jax.tree.map(lambda a, g: a.reshape(g.shape), acc, grads)
+    window = (sums, accum.loss_sum + value, accum.weight + weight, stats)
+    end = StepEnd(axis_name, dtype, skip_nonfinite)
+
+    def emit(operands):
+        params, (sync, inner_state), batch_stats, window = operands
+        update, new_sync = end(optimizer, params, inner_state, batch_stats, *window)
+        sync = select(update.applied, new_sync, sync)
+        return update._replace(opt_state=(sync, update.opt_state))
+
+    def keep(operands):
+        params, (sync, inner_state), batch_stats, _ = operands
+        like = updated_like(optimizer, params, inner_state)
+        params, inner_state = cast_like(like, (params, inner_state))
+        no = jnp.zeros([], bool)
+        metrics = {"loss": sync.loss, "grad_norm": sync.grad_norm}
+        return Update(params, (sync, inner_state), batch_stats, no, no, metrics)
+
+    operands = (params, opt_state.inner_opt_state, batch_stats, window)
+    update = jax.lax.cond(emits, emit, keep, operands)
+    acc = jax.lax.cond(emits, _reset, _unchanged, (acc, update.metrics["grad_norm"]))
+    small = jax.tree.map(lambda x: jnp.where(emits, jnp.zeros_like(x), x), window[1:])
+    new_opt_state = opt_state._replace(
+        mini_step=(mini_step + 1) % accum_steps,
+        gradient_step=opt_state.gradient_step + update.applied.astype(jnp.int32),
+        inner_opt_state=update.opt_state,
+        acc_grads=acc,
     )
-    # MultiSteps resets its accumulators as (1 - emit) * acc, which keeps a NaN.
-    new_opt_state = new_opt_state._replace(
-        acc_grads=jax.tree.map(
-            lambda a: jnp.where(emit, jnp.zeros_like(a), a), new_opt_state.acc_grads
-        )
-    )
-    sync = find_state(new_opt_state.inner_opt_state, SyncState)
-    ok = sync.finite if skip_nonfinite else jnp.ones([], bool)
-    applied, skipped = emit & ok, emit & ~ok
-    kept = new_opt_state._replace(
-        inner_opt_state=opt_state.inner_opt_state, gradient_step=opt_state.gradient_step
-    )
-    new_params = optax.apply_updates(params, updates)
-    update = Update(
-        select(skipped, params, new_params),
-        select(skipped, kept, new_opt_state),
-        select(applied, from_wire(sync.extra, batch_stats), batch_stats),
-        applied,
-        skipped,
-        {"loss": sync.loss, "grad_norm": sync.grad_norm, "emitted": emit},
-    )
-    accum = AccumState(*(jnp.where(emit, jnp.zeros_like(x), x) for x in (loss_sum, weight)))
-    return update, accum._replace(
-        batch_stats=select(emit, jax.tree.map(jnp.zeros_like, stats), stats)
-    )
+    update = update._replace(opt_state=new_opt_state, metrics={**update.metrics, "emitted": emits})
+    return update, AccumState(*small)
 
 
-def find_state(opt_state: Any, kind: type) -> Any:
-    """The first node of type ``kind`` in an optimizer state, or None."""
-    nodes = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, kind))
-    return next((node for node in nodes if isinstance(node, kind)), None)
+# The window's sums restart at zero after the emitting call, in a branch of their
+# own that reads them after the update's branch (the norm passed from it is the
+# data dependency that orders the two). Only so did XLA:CPU write them in place:
+# zeros as a fresh constant, or the reset inside the update's branch, made it copy
+# the sums on every call, a pass over the gradients (tests/core/test_streaming_program.py).
+def _reset(operands: tuple[Any, jax.Array]) -> Any:
+    acc, after = operands
+    # +0 for any value of `after` and every element, NaN and Inf included: a value
+    # XLA cannot fold into a constant, computed from the sums so it is written over them.
+    ordered = jnp.isfinite(after)
+
+    def zero(a):
+        return jnp.where(ordered & jnp.isfinite(a), jnp.abs(a) * 0, 0).astype(a.dtype)
+
+    return jax.tree.map(zero, acc)
+
+
+def _unchanged(operands: tuple[Any, jax.Array]) -> Any:
+    return operands[0]
+
+
+def multisteps_init(
+    optimizer: optax.GradientTransformation, params: Any, *, dtype: Any, extra_like: Any
+) -> optax.MultiStepsState:
+    """The multisteps path's optimizer state: ``optax.MultiSteps``' layout, as
+    ``optax.MultiSteps(chain(sync, optimizer), use_grad_mean=False)`` builds it
+    (so ``optax.MultiSteps.has_updated`` reads it): the mini-step and update
+    counters, ``(SyncState, optimizer's state)`` and the gradient sums in ``dtype``
+    (one copy here; the step keeps one per device)."""
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), extra_like)
+    sync = SyncState(jnp.zeros([], dtype), jnp.zeros([], dtype), jnp.ones([], bool), zeros)
+    return optax.MultiStepsState(
+        mini_step=jnp.zeros([], jnp.int32),
+        gradient_step=jnp.zeros([], jnp.int32),
+        inner_opt_state=(sync, optimizer.init(params)),
+        acc_grads=jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params),
+        skip_state=(),
+    )
 
 
 def learning_rate(opt_state: Any) -> jax.Array | None:

@@ -51,7 +51,9 @@ def global_step(
             out_axes=(axes, None),
             devices=list(options.mesh.devices.flat),
         )
-        return mapped(state, batch, micro_weights)
+        # The gradient sums reach each device as a [1, ...] block, as under shard_map.
+        state, metrics = mapped(_sums(state, lambda x: x[:, None]), batch, micro_weights)
+        return _sums(state, lambda x: x[:, 0]), metrics
 
     def local(state: TrainState, batch: Any, micro_weights: jax.Array):
         # Per-device leaves arrive as this device's [1, ...] block.
@@ -128,7 +130,7 @@ def _update(
 ) -> tuple[Update, AccumState | None]:
     common = dict(
         forward=forward,
-        optimizer=options.state_optimizer(parts.dtype, parts.batch_stats),
+        optimizer=options.inner_optimizer(),
         params=parts.trainable,
         opt_state=state.opt_state,
         batch_stats=parts.batch_stats,
@@ -162,7 +164,15 @@ def _identity(x: Any) -> Any:
 
 
 def _per_device(state: TrainState, fn: Callable[[Any], Any]) -> TrainState:
+    """``fn`` on the multisteps path's per-device window state, not on its gradient
+    sums: they keep their [1, ...] block, the shape they are updated in place in."""
     if state.accum is None:
         return state
-    opt_state = state.opt_state._replace(acc_grads=jax.tree.map(fn, state.opt_state.acc_grads))
-    return state._replace(opt_state=opt_state, accum=jax.tree.map(fn, state.accum))
+    return state._replace(accum=jax.tree.map(fn, state.accum))
+
+
+def _sums(state: TrainState, fn: Callable[[Any], Any]) -> TrainState:
+    if state.accum is None:
+        return state
+    acc = jax.tree.map(fn, state.opt_state.acc_grads)
+    return state._replace(opt_state=state.opt_state._replace(acc_grads=acc))

@@ -98,12 +98,30 @@ def _parse(hlo: str) -> tuple[str, dict[str, list[tuple[str, str, str, str]]]]:
     return entry, computations
 
 
-def _walk(computations, name, context, low, high) -> Iterator[AllReduce]:
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction of a compiled program, found by :func:`instructions`.
+
+    ``shapes`` are its result's arrays (``"f32[1024,1024]"``) and ``bytes``
+    their size; ``context`` the loops and conditional branches around it
+    (``"conditional NAME[i]"`` for branch ``i``; a ``lax.cond``'s false branch
+    is 0); ``fused_in`` the fusion it belongs to, if any; ``executions`` as
+    for :class:`AllReduce`.
+    """
+
+    name: str
+    opcode: str
+    bytes: int
+    shapes: tuple[str, ...]
+    context: tuple[str, ...]
+    executions: tuple[int, int]
+    fused_in: str | None = None
+
+
+def _walk(computations, name, context, low, high, fusion=None) -> Iterator[Instruction]:
     for inst, type_text, opcode, rest in computations.get(name, []):
-        if opcode in ("all-reduce", "all-reduce-start"):
-            size, shapes = _array_bytes(type_text)
-            yield AllReduce(inst, size, shapes, context, (low, high))
-            continue
+        size, shapes = _array_bytes(type_text)
+        yield Instruction(inst, opcode, size, shapes, context, (low, high), fusion)
         if opcode == "while":
             callees = dict(_CALLEE.findall(rest))
             trip = _TRIP.search(rest)
@@ -126,7 +144,19 @@ def _walk(computations, name, context, low, high) -> Iterator[AllReduce]:
             continue
         for key, callee in _CALLEE.findall(rest):
             if key in ("calls", "to_apply") and opcode in ("call", "fusion", "async-start"):
-                yield from _walk(computations, callee, context, low, high)
+                inner = inst if opcode == "fusion" else fusion
+                yield from _walk(computations, callee, context, low, high, inner)
+
+
+def instructions(compiled_or_hlo: Any) -> list[Instruction]:
+    """Every instruction of a compiled program, those inside fusions, loop bodies and
+    conditional branches included, with where it sits and how often it runs.
+
+    Accepts what :func:`all_reduces` accepts.
+    """
+    hlo = compiled_or_hlo if isinstance(compiled_or_hlo, str) else compiled_or_hlo.as_text()
+    entry, computations = _parse(hlo)
+    return list(_walk(computations, entry, (), 1, 1))
 
 
 def all_reduces(compiled_or_hlo: Any) -> list[AllReduce]:
@@ -135,9 +165,11 @@ def all_reduces(compiled_or_hlo: Any) -> list[AllReduce]:
     Accepts ``jitted.lower(*args).compile()`` (for a jaxdp step:
     ``step.compile(state, batch)``) or its ``as_text()``.
     """
-    hlo = compiled_or_hlo if isinstance(compiled_or_hlo, str) else compiled_or_hlo.as_text()
-    entry, computations = _parse(hlo)
-    return list(_walk(computations, entry, (), 1, 1))
+    return [
+        AllReduce(i.name, i.bytes, i.shapes, i.context, i.executions)
+        for i in instructions(compiled_or_hlo)
+        if i.opcode in ("all-reduce", "all-reduce-start")
+    ]
 
 
 def format_report(reduces: list[AllReduce]) -> str:

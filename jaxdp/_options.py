@@ -13,10 +13,10 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ._accumulate import multisteps_init
 from ._forward import LossReduction
 from ._frozen import Trainable, skip_unused
 from ._model_state import BatchStats, wire_dtype
-from ._sync import sync_on_emit
 from ._train_state import TrainState
 
 AccumulationPath = Literal["fused", "multisteps"]
@@ -84,24 +84,25 @@ class StepOptions:
         wide = any(jnp.dtype(x.dtype) == jnp.float64 for x in jax.tree.leaves(params))
         return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
-    def state_optimizer(self, dtype: Any, batch_stats: Any) -> optax.GradientTransformation:
-        """The transformation whose state ``TrainState.opt_state`` holds.
+    def inner_optimizer(self) -> optax.GradientTransformation:
+        """The user's optimizer as the step applies it (wrapped by ``skip_unused``)."""
+        return skip_unused(self.optimizer) if self.skip_unused else self.optimizer
 
-        ``fused``: the user's optimizer. ``multisteps``: ``optax.MultiSteps``
-        summing gradients (``use_grad_mean=False``) around
-        :func:`jaxdp._sync.sync_on_emit`, which all-reduces and runs the user's
-        optimizer only on the emitting call.
+    def init_opt_state(self, trainable: Any, dtype: Any, batch_stats: Any) -> Any:
+        """The optimizer state of ``TrainState.opt_state`` (one copy of any per-device part).
+
+        ``fused``: the user's optimizer's. ``multisteps``: ``optax.MultiSteps``'
+        layout (:func:`jaxdp._accumulate.multisteps_init`): the user's
+        optimizer's state next to the last synchronized step's metrics, and the
+        gradient sums in the accumulator ``dtype``.
         """
-        optimizer = skip_unused(self.optimizer) if self.skip_unused else self.optimizer
+        optimizer = self.inner_optimizer()
         if self.path == "fused":
-            return optimizer
+            return optimizer.init(trainable)
         wire = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, wire_dtype(x.dtype, dtype)), batch_stats
         )
-        sync = sync_on_emit(self.axis_name, dtype=dtype, extra_like=wire, inner=optimizer)
-        return optax.MultiSteps(
-            sync, self.accum_steps, use_grad_mean=False, accumulator_dtype=dtype
-        )
+        return multisteps_init(optimizer, trainable, dtype=dtype, extra_like=wire)
 
     def opt_specs(self, opt_state: Any) -> Any:
         """Mesh layout of the optimizer state: replicated, but MultiSteps' per-device

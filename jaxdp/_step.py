@@ -56,6 +56,8 @@ class TrainStep:
             return global_step(options, state, batch, micro_weights)
 
         self._jitted = jax.jit(call, donate_argnums=donate)
+        self._weights: dict[bytes, jax.Array] = {}
+        self._ones = np.ones((options.accum_steps,) if options.path == "fused" else (), np.float32)
 
     @property
     def mesh(self) -> Mesh:
@@ -100,15 +102,14 @@ class TrainStep:
         mask = trainable_mask(params, o.trainable)
         dtype = o.accumulator_dtype(params)
         stats = split_state(model_state)[0]
-        opt = o.state_optimizer(dtype, stats)
         # step, skipped_steps, consecutive_skips: three buffers, each donated once.
         step, *counters = (jax.device_put(jnp.zeros([], jnp.int32), replicated) for _ in range(3))
 
-        def init_fused(params):
-            return opt.init(split_trainable(params, mask))
+        def init_opt(params):
+            return o.init_opt_state(split_trainable(params, mask), dtype, stats)
 
         if o.path == "fused":
-            opt_state = jax.jit(init_fused, out_shardings=replicated)(params)
+            opt_state = jax.jit(init_opt, out_shardings=replicated)(params)
             return TrainState(step, params, opt_state, None, graphdef, model_state, *counters)
         per_device = NamedSharding(o.mesh, P(o.axis_name))
 
@@ -116,7 +117,7 @@ class TrainStep:
             return jax.tree.map(lambda x: jnp.zeros((o.num_devices, *x.shape), x.dtype), tree)
 
         def init_multisteps(params):
-            state = init_fused(params)
+            state = init_opt(params)
             return state._replace(acc_grads=stack(state.acc_grads))
 
         specs = o.opt_specs(jax.eval_shape(init_multisteps, params))
@@ -185,13 +186,12 @@ class TrainStep:
         """The batch split over the mesh by rows and the micro-batch weights, replicated;
         abstract inputs pass through."""
         shape = (self.accum_steps,) if self.path == "fused" else ()
-        replicated = NamedSharding(self.mesh, P())
         self.sizes(batch)
         if isinstance(micro_weights, jax.ShapeDtypeStruct):
             weights = micro_weights
+        elif micro_weights is None:
+            weights = self._ones
         else:
-            if micro_weights is None:
-                micro_weights = np.ones(shape)
             weights = np.asarray(micro_weights, np.float32)  # 0 and 1 are exact
         if weights.shape != shape:
             raise ValueError(
@@ -200,8 +200,19 @@ class TrainStep:
             )
         rows = NamedSharding(self.mesh, P(self.options.axis_name))
         if not isinstance(weights, jax.ShapeDtypeStruct):
-            weights = place(weights, replicated)
+            weights = self._placed_weights(weights)
         return _place(batch, rows), weights
+
+    def _placed_weights(self, weights: np.ndarray) -> jax.Array:
+        """The weights on the mesh, placed once per distinct value: a transfer to the
+        devices each call cost about as much host time as the rest of the call."""
+        key = weights.tobytes()
+        placed = self._weights.get(key)
+        if placed is None:
+            placed = place(weights, NamedSharding(self.mesh, P()))
+            if len(self._weights) < 64:  # a schedule has a few patterns (0 marks padding)
+                self._weights[key] = placed
+        return placed
 
 
 def _place(batch: Any, sharding: NamedSharding) -> Any:
@@ -241,7 +252,9 @@ def make_train_step(
       mesh: a one-axis mesh (:func:`data_mesh`); the batch is split over it.
       accum_steps: micro-batches per device per optimizer step.
       path: ``"fused"`` (one call per step, ``lax.scan`` over micro-batches) or
-        ``"multisteps"`` (one call per micro-batch, ``optax.MultiSteps``).
+        ``"multisteps"`` (one call per micro-batch; the state an
+        ``optax.MultiStepsState``, the all-reduce and the optimizer only on the
+        call that ends the window).
       strategy: ``"shard_map"`` or the legacy ``"pmap"``.
       loss_reduction: ``"mean"``: the update follows the mean of the
         ``num_devices * accum_steps`` micro-batch means (DDP with ``loss /

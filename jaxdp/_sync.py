@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -64,90 +64,17 @@ def all_finite(grad_norm: jax.Array, loss: jax.Array, extra: Any = ()) -> jax.Ar
 
 
 class SyncState(NamedTuple):
-    """Metrics of the last synchronized step, kept in the optimizer state.
+    """What the last synchronized step of the multisteps path all-reduced, kept in its
+    optimizer state next to the user's optimizer's (``(SyncState, inner_state)``).
 
-    Inside ``optax.MultiSteps`` this state only advances on emitting steps, so
-    it always describes the last optimizer update.
+    It changes only on a call that applies an update, so every call of the next
+    window reports that update's loss and gradient norm.
     """
 
     loss: jax.Array
     grad_norm: jax.Array
     finite: jax.Array  # gradients and loss free of NaN and Inf (see all_finite)
     extra: Any = ()  # the all-reduced ``extra`` (jaxdp: device 0's batch statistics)
-
-
-def sync_on_emit(
-    axis_name: str = DATA_AXIS,
-    *,
-    dtype: Any = jnp.float32,
-    extra_like: Any = (),
-    inner: optax.GradientTransformation | None = None,
-) -> optax.GradientTransformationExtraArgs:
-    """All-reduces accumulated gradients (and runs ``inner``) only on the step that emits.
-
-    Meant to be wrapped by ``optax.MultiSteps`` with ``use_grad_mean=False``: it
-    receives the per-device SUM of micro-batch gradients and needs, as extra
-    arguments, ``emit`` (a replicated bool), ``loss_sum`` and ``weight``
-    (per-device sums over the window), and optionally ``extra``, a tree shaped
-    like ``extra_like`` summed over devices in the same psum. The loss and
-    gradient norm of the last emitted step are kept in ``dtype``, with whether
-    it was finite and the summed ``extra``. With ``inner`` (the user's
-    optimizer) its state is ``(SyncState, inner_state)``, the layout of
-    ``optax.chain(sync_on_emit(...), inner)``, and it returns ``inner``'s updates.
-
-    MultiSteps (optax 0.2.8) runs its inner transformation on every mini-step
-    and masks the result, so an unguarded psum here would run every
-    micro-batch. The ``lax.cond`` makes the all-reduce, and ``inner``'s update,
-    run only when ``emit`` is true; the other branch returns zeros that
-    MultiSteps discards.
-    """
-
-    def init(params: Any) -> Any:
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), extra_like)
-        sync = SyncState(jnp.zeros([], dtype), jnp.zeros([], dtype), jnp.ones([], bool), zeros)
-        return sync if inner is None else (sync, inner.init(params))
-
-    def update(updates, state, params=None, *, emit, loss_sum, weight, extra=(), **unused):
-        del unused
-        # Gradients leave in the parameters' dtypes, as in the fused path.
-        like = updates if params is None else params
-        grads_like = jax.tree.map(
-            lambda g, p: jax.ShapeDtypeStruct(g.shape, p.dtype), updates, like
-        )
-        if inner is None:
-            out_updates, out_inner = grads_like, None
-        else:
-            out_updates, out_inner = jax.eval_shape(
-                lambda g, s: inner.update(g, s, params), grads_like, state[1]
-            )
-
-        def reduce(operands):
-            grad_sum, loss_sum, weight, extra, inner_state = operands
-            grad_sum, loss, weight, summed = all_reduce_sums(
-                grad_sum, loss_sum, weight, extra, axis_name
-            )
-            norm = optax.tree.norm(grad_sum) / weight
-            sync = SyncState(
-                loss.astype(dtype), norm.astype(dtype), all_finite(norm, loss, summed), summed
-            )
-            grads = mean_grads(grad_sum, weight, like=grads_like)
-            if inner is None:
-                return grads, sync
-            new_updates, inner_state = inner.update(grads, inner_state, params)
-            return new_updates, (sync, inner_state)
-
-        def skip(operands):
-            # Fresh constants: replicated like the psum result, as lax.cond needs.
-            zeros = jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype), out_updates)
-            if inner is None:
-                return zeros, state
-            kept = jax.tree.map(lambda o, x: x.astype(o.dtype), out_inner, operands[-1])
-            return zeros, (state[0], kept)
-
-        inner_state = None if inner is None else state[1]
-        return jax.lax.cond(emit, reduce, skip, (updates, loss_sum, weight, extra, inner_state))
-
-    return optax.GradientTransformationExtraArgs(init, update)
 
 
 class ReplicaMismatchError(ValueError):
@@ -163,20 +90,11 @@ def _bits(x: jax.Array) -> jax.Array:
     return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
 
 
-def check_replicas(tree: Any, mesh: Mesh, *, name: str = "params") -> None:
-    """Checks that every device holds bitwise the same copy of ``tree``.
-
-    Broadcasts each leaf from replica 0 (a psum where only device 0 contributes)
-    and compares each device's own copy with it. Costs one collective per leaf;
-    run it once when training starts, not per step.
-
-    Raises:
-      ReplicaMismatchError: naming the first differing leaf and the devices.
-    """
+@functools.lru_cache(maxsize=8)
+def _replica_check(mesh: Mesh) -> Any:
+    """The jitted check for ``mesh``, built once: jit then compiles once per set of
+    shapes, not at every ``TrainStep.init`` (a compile of over a second on 4 CPU devices)."""
     axis = mesh.axis_names[0]
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    if not leaves:
-        return
 
     def differs(*xs):
         first = jax.lax.axis_index(axis) == 0
@@ -190,8 +108,23 @@ def check_replicas(tree: Any, mesh: Mesh, *, name: str = "params") -> None:
 
     # check_vma=False: each device must read its OWN copy of a "replicated"
     # input; that is the thing being checked.
-    local = jax.shard_map(differs, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-    flags = jax.jit(local)(*[leaf for _, leaf in leaves])
+    return jax.jit(jax.shard_map(differs, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+
+
+def check_replicas(tree: Any, mesh: Mesh, *, name: str = "params") -> None:
+    """Checks that every device holds bitwise the same copy of ``tree``.
+
+    Broadcasts each leaf from replica 0 (a psum where only device 0 contributes)
+    and compares each device's own copy with it. Costs one collective per leaf;
+    run it once when training starts, not per step.
+
+    Raises:
+      ReplicaMismatchError: naming the first differing leaf and the devices.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not leaves or mesh.devices.size == 1:  # one device, one copy: nothing to compile
+        return
+    flags = _replica_check(mesh)(*[leaf for _, leaf in leaves])
     for (path, _), flag in zip(leaves, flags, strict=True):
         per_device = np.asarray(flag)
         if per_device.any():

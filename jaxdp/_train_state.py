@@ -17,7 +17,7 @@ class TrainState(NamedTuple):
 
     Replicated on every device, except the per-device accumulators of the
     ``multisteps`` path (``accum``, with each device's batch statistics of the
-    open window, and MultiSteps' ``acc_grads``), which carry a leading
+    open window, and the gradient sums, ``opt_state.acc_grads``), which carry a leading
     ``num_devices`` axis split over the mesh. ``model_state`` holds the
     committed batch statistics (device 0's in ``batch_stats="local"``) and the
     rng streams' initial keys.

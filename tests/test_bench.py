@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from jaxdp.cli.bench import _render, gpu
+from jaxdp.cli.bench import overhead as overhead_module
 
 ROOT = pathlib.Path(__file__).parent.parent
 MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory")
@@ -54,20 +55,31 @@ def test_timings_are_well_formed(quick):
     overhead, vs_torch = quick[2]["overhead"], quick[2]["vs_torch"]
     for model in overhead["models"]:
         assert {(r["path"], r["accum_steps"]) for r in model["rows"]} == {
-            (path, k) for path in ("fused", "multisteps") for k in overhead["accum_steps"]
+            (path, k) for path in overhead_module.PATHS for k in overhead["accum_steps"]
         }
         for r in model["rows"]:
-            assert len(r["ratios"]) == overhead["repeats"]
-            assert r["floor_seconds"] > 0
-            assert min(r["ratios"]) <= r["ratio"] <= max(r["ratios"])
+            assert len(r["seconds"]) == overhead["repeats"] and r["step_seconds"] > 0
+            if r["path"] == "hand-written":
+                continue  # the floor the others are compared with
+            compared = r["compared"]
+            assert compared["to"] == overhead_module.BASELINE[r["path"]]
+            assert len(compared["ratios"]) == overhead["repeats"]
+            assert min(compared["ratios"]) <= compared["ratio"] <= max(compared["ratios"])
     modes = [r["mode"] for r in vs_torch["rows"]]
     assert modes == ["accumulation, 1 device", "data parallel, 2 devices (CPU emulation)"]
     for r in vs_torch["rows"]:
         assert r["jaxdp_samples_per_second"] > 0 and r["torch_samples_per_second"] > 0
-        if not r["paired"]:  # else: the median of per-round ratios
+        assert len(r["jaxdp_seconds"]) == vs_torch["rounds"] or not r["paired"]
+        if r["paired"]:  # the same rounds: medians of per-round ratios
+            assert r["hand_written_samples_per_second"] > 0
+        else:
             assert r["speedup"] == pytest.approx(
                 r["jaxdp_samples_per_second"] / r["torch_samples_per_second"]
             )
+    parts = {(c["model"], c["part"]) for c in vs_torch["components"]}
+    assert parts == {(r["model"], p) for r in vs_torch["rows"] for p in ("micro", "update")}
+    for c in vs_torch["components"]:
+        assert c["jaxdp_seconds"] > 0 and min(c["torch_seconds_by_threads"].values()) > 0
 
 
 def test_one_all_reduce_of_the_gradient_bytes_per_step_naive_sends_k_times(quick):

@@ -196,6 +196,11 @@ def cpu_threads() -> int:
         return os.cpu_count() or 1
 
 
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the OS has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 def environment() -> dict[str, Any]:
     """Machine, versions and threads, recorded with every result."""
     packages = ("jax", "jaxlib", "flax", "optax", "numpy", "torch")
@@ -220,6 +225,12 @@ def write_result(out: Path, name: str, result: dict[str, Any], started: float) -
     path = out / f"{name}.json"
     path.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
     return path
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def standard_args(description: str, argv: Sequence[str] | None) -> Any:

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from . import _plots
+from ._common import markdown_table
+from ._targets import targets_section
 
 SECTIONS = ("run", "targets", "overhead", "vs_torch", "comms", "ring", "memory", "gpu")
 RESULTS = ("run", "overhead", "vs_torch", "comms", "memory", "gpu")
@@ -29,12 +31,6 @@ def load(out: Path) -> dict[str, dict[str, Any]]:
 
 def megabytes(n: float) -> str:
     return f"{n / 1e6:,.2f} MB" if n >= 1e5 else f"{n:,.0f} B"
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _figure(name: str, out: Path, markdown: Path) -> str:
@@ -59,41 +55,48 @@ def run_section(r: dict[str, dict[str, Any]]) -> str:
         f"- Machine: {env['cpu']}, {env['cpu_count']} CPUs, {env['cpu_threads']} in this "
         f"run's affinity; {env['platform']}; Python {env['python']}",
         f"- Versions: {versions}",
-        "- Load average at the end of each measurement (1 min): "
-        + ", ".join(
-            f"{n} {r[n]['env']['load_average_end'][0]:.1f}" for n in RESULTS[1:5] if n in r
-        ),
+        "- Load average (1 min; 2.0 is both cores busy with this run alone): "
+        + "; ".join(f"{n} {_load(r[n])}" for n in RESULTS[1:5] if n in r),
     ]
     return "\n".join(lines)
+
+
+def _ratio(row: dict[str, Any]) -> str:
+    c = row["compared"]
+    return f"**{c['ratio']:.3f}** ({min(c['ratios']):.2f}-{max(c['ratios']):.2f})"
 
 
 def overhead_section(o: dict[str, Any]) -> str:
     parts = []
     for m in o["models"]:
-        rows = [
-            [
-                r["path"],
-                r["accum_steps"],
-                f"{1e3 * r['step_seconds']:.2f}",
-                f"{1e3 * r['floor_seconds']:.2f}",
-                f"**{r['ratio']:.3f}**",
-                f"{min(r['ratios']):.3f}-{max(r['ratios']):.3f}",
-            ]
-            for r in m["rows"]
-        ]
+        rows = []
+        for k in o["accum_steps"]:
+            by_path = {r["path"]: r for r in m["rows"] if r["accum_steps"] == k}
+            cells = [k, f"{1e3 * by_path['hand-written']['step_seconds']:.2f}"]
+            for path in ("fused", "multisteps", "optax.MultiSteps"):
+                cells += [f"{1e3 * by_path[path]['step_seconds']:.2f}", _ratio(by_path[path])]
+            rows.append(cells)
+        head = ["K", "hand-written ms", "jaxdp fused ms", "fused / hand-written"]
+        head += ["jaxdp multisteps ms", "multisteps / fused"]
+        head += ["jit + optax.MultiSteps ms", "optax.MultiSteps / fused"]
         parts.append(
             f"**{m['model']}**: {m['describe']}, micro-batch {m['micro_batch_size']} rows; "
             f"one micro-batch forward+backward {1e3 * m['micro_seconds']:.2f} ms, "
             f"one optimizer update {1e3 * m['update_seconds']:.2f} ms, one pass `acc += grads` "
-            f"{1e3 * m['accumulate_seconds']:.2f} ms (medians).\n\n"
-            + _table(
-                ["path", "K", "ms / step", "floor ms", "step / floor", "per-repeat range"], rows
-            )
+            f"{1e3 * m['accumulate_seconds']:.2f} ms (medians).\n\n" + markdown_table(head, rows)
         )
     return "\n\n".join(parts) + (
-        f"\n\n{o['repeats']} repeats in turns, {o['num_devices']} device; step / floor is the "
-        "median of the per-repeat ratios."
+        f"\n\nTime per optimizer step (the multisteps paths: K calls), medians of "
+        f"{o['repeats']} repeats in turns on {o['num_devices']} device; each ratio is the median "
+        "of the per-repeat ratios (in parentheses their range). Load average (1 min): "
+        f"{_load(o)}."
     )
+
+
+def _load(result: dict[str, Any]) -> str:
+    end = result["env"]["load_average_end"][0]
+    start = result.get("load_average_start")
+    return f"{start:.1f} at the start, {end:.1f} at the end" if start is not None else f"{end:.1f}"
 
 
 def vs_torch_section(v: dict[str, Any]) -> str:
@@ -104,29 +107,32 @@ def vs_torch_section(v: dict[str, Any]) -> str:
             r["mode"],
             r["global_batch_size"],
             f"{r['jaxdp_samples_per_second']:,.0f}",
+            _hand(r, "hand_written_samples_per_second", "{:,.0f}"),
             f"{r['torch_samples_per_second']:,.0f} ({r['torch_threads']})",
             _other_threads(r),
             f"**{r['speedup']:.2f}x**",
+            _hand(r, "hand_written_speedup", "{:.2f}x"),
         ]
         for r in v["rows"]
     ]
-    head = [
-        "model",
-        "layout",
-        "mode",
-        "global batch",
-        "jaxdp samples/s",
-        "torch_ref samples/s",
-        "jaxdp / torch_ref",
-    ]
-    return _table(head, rows) + (
-        f"\n\nThreads: XLA uses the process's {v['threads']} CPUs (its affinity); torch_ref "
-        f"runs on {v['threads']} and on 1 thread (`set_num_threads`) and the faster counts; "
-        f"DDP ranks get {v['threads']} / {v['num_devices']} each. Accumulation: "
-        f"K={v['ga_accum_steps']} on 1 device; data parallel: {v['num_devices']} devices x "
-        f"K={v['dp_accum_steps']}. {v['repeats']} repeats, medians; the accumulation speedup is "
-        "the median of per-round ratios (the two timed in turns), the data-parallel one the "
-        "ratio of medians (jaxdp timed before and after the torch ranks)."
+    head = ["model", "layout", "mode", "global batch", "jaxdp samples/s"]
+    head += ["hand-written samples/s", "torch_ref samples/s (threads)", "other threads"]
+    head += ["jaxdp / torch_ref", "hand-written / torch_ref"]
+    return (
+        markdown_table(head, rows)
+        + (
+            f"\n\nEach framework in its own process, timed in turns ({v['rounds']} rounds "
+            f"alternating which goes first, {v['samples_per_round']} samples a turn after warm-up "
+            f"calls). Threads: XLA uses the process's {v['threads']} CPUs (its affinity); "
+            f"torch_ref runs on {v['threads']} and on 1 thread (`set_num_threads`) and the faster "
+            f"counts; DDP ranks get {v['threads']} / {v['num_devices']} each. Accumulation: "
+            f"K={v['ga_accum_steps']} on 1 device; data parallel: {v['num_devices']} devices x "
+            f"K={v['dp_accum_steps']}. Medians; the accumulation speedups are medians of "
+            "per-round ratios, the data-parallel one the ratio of medians (jaxdp timed before "
+            f"and after the torch ranks). Load average (1 min): {_load(v)}."
+        )
+        + "\n\n"
+        + componentsmarkdown_table(v)
     )
 
 
@@ -134,6 +140,36 @@ def _other_threads(r: dict[str, Any]) -> str:
     others = {int(k): v for k, v in r["torch_samples_per_second_by_threads"].items()}
     others.pop(r["torch_threads"])
     return ", ".join(f"{v:,.0f} ({k})" for k, v in others.items()) or "-"
+
+
+def _hand(r: dict[str, Any], key: str, fmt: str) -> str:
+    return fmt.format(r[key]) if key in r else "-"
+
+
+def componentsmarkdown_table(v: dict[str, Any]) -> str:
+    """Where a step's time goes: each part timed alone in each framework."""
+    rows = []
+    for c in v.get("components", []):
+        torch_s = {int(n): s for n, s in c["torch_seconds_by_threads"].items()}
+        best = min(torch_s.values())
+        cells = [c["model"], PARTS[c["part"]], f"{1e3 * c['jaxdp_seconds']:.3f}"]
+        cells += [f"{1e3 * s:.3f}" for _, s in sorted(torch_s.items(), reverse=True)]
+        rows.append([*cells, f"**{c['jaxdp_seconds'] / best:.2f}**"])
+    if not rows:
+        return ""
+    threads = sorted({int(n) for c in v["components"] for n in c["torch_seconds_by_threads"]})
+    head = ["model", "part", "XLA (jaxdp) ms"]
+    head += [f"torch_ref ms ({n} thread{'s' * (n > 1)})" for n in threads[::-1]]
+    return (
+        "Where the time goes, each part timed alone in its framework's process:\n\n"
+        + markdown_table([*head, "XLA / faster torch"], rows)
+    )
+
+
+PARTS = {
+    "micro": "one micro-batch: forward, backward, `acc += grads`",
+    "update": "one optimizer update (AdamW)",
+}
 
 
 def comms_section(c: dict[str, Any]) -> str:
@@ -152,7 +188,9 @@ def comms_section(c: dict[str, Any]) -> str:
         parts.append(
             f"**{m['model']}** ({m['describe']}): {m['params']:,} parameters, gradient "
             f"{m['gradient_bytes']:,} bytes (float32), {c['num_devices']} devices.\n\n"
-            + _table(["path", "K", "all-reduces / step", "bytes / step", "/ gradient bytes"], rows)
+            + markdown_table(
+                ["path", "K", "all-reduces / step", "bytes / step", "/ gradient bytes"], rows
+            )
         )
     return "\n\n".join(parts)
 
@@ -175,7 +213,7 @@ def ring_section(c: dict[str, Any]) -> str:
     head = ["model", "gradient", "GPUs N"] + [
         f"{link}: ms (naive K={c['naive_factor']})" for link in links
     ]
-    return _table(head, rows)
+    return markdown_table(head, rows)
 
 
 def memory_section(m: dict[str, Any]) -> str:
@@ -203,7 +241,7 @@ def memory_section(m: dict[str, Any]) -> str:
         parts.append(
             f"**{model['model']}** ({model['describe']}), global batch {model['global_batch_size']}"
             f" on {m['num_devices']} devices, per device:\n\n"
-            + _table(
+            + markdown_table(
                 [
                     "K",
                     "micro-batch",
@@ -261,92 +299,8 @@ def gpu_section(g: dict[str, Any] | None) -> str:
         f"{g['peak']['flops_per_second'] / 1e12:.0f} TFLOP/s. {g['params']:,} parameters, "
         f"micro-batch {g['micro_batch_size']} x {g['config']['block_size']} tokens, K="
         f"{g['accum_steps']}: {g['tokens_per_step']:,} tokens per step.\n\n"
-        + _table(["", "ms / step", "tokens/s", "MFU (6N + attention)", "MFU (6N)"], rows)
+        + markdown_table(["", "ms / step", "tokens/s", "MFU (6N + attention)", "MFU (6N)"], rows)
     )
-
-
-# ---- targets ---------------------------------------------------------------------------------
-
-
-def _verdict(value: float, bound: float, *, at_most: bool) -> str:
-    ok = value <= bound if at_most else value >= bound
-    if ok:
-        return "met"
-    return f"**missed** by {abs(value - bound) / bound:.0%} of the target"
-
-
-def targets_section(r: dict[str, dict[str, Any]]) -> str:
-    rows = []
-    if "overhead" in r:
-        worst = {
-            m["model"]: max(
-                (x for x in m["rows"] if x["path"] == "fused"), key=lambda x: x["ratio"]
-            )
-            for m in r["overhead"]["models"]
-        }
-        for model, x in worst.items():
-            rows.append(
-                [
-                    f"fused step <= 1.05 x floor, K <= 16 ({model})",
-                    f"worst {x['ratio']:.3f} (K={x['accum_steps']})",
-                    _verdict(x["ratio"], 1.05, at_most=True),
-                ]
-            )
-    if "vs_torch" in r:
-        for x in r["vs_torch"]["rows"]:
-            if x["mode"].startswith("accumulation") and x["model"] in ("mlp", "mlp-ref"):
-                rows.append(
-                    [
-                        f"jaxdp >= 1.3 x torch_ref samples/s, 1-device accumulation ({x['model']})",
-                        f"{x['speedup']:.2f}x",
-                        _verdict(x["speedup"], 1.3, at_most=False),
-                    ]
-                )
-    if "comms" in r:
-        rows.append(_comms_target(r["comms"]))
-    if "memory" in r:
-        for m in r["memory"]["models"]:
-            x = max(m["rows"], key=lambda x: x["temp_ratio"])
-            rows.append(
-                [
-                    f"fused temporaries <= 1.1 x one micro-batch step, every K ({m['model']})",
-                    f"worst {x['temp_ratio']:.3f} (K={x['accum_steps']})",
-                    _verdict(x["temp_ratio"], 1.1, at_most=True),
-                ]
-            )
-    g = r.get("gpu")
-    if g and not g.get("tiny") and "torch" in g:
-        mfu = g["jaxdp"]["mfu"]["6N+attention"]
-        speed = g["jaxdp"]["tokens_per_second"] / g["torch"]["tokens_per_second"]
-        rows.append(
-            ["GPU: MFU >= 45% (124M, bf16)", f"{mfu:.1%}", _verdict(mfu, 0.45, at_most=False)]
-        )
-        rows.append(
-            ["GPU: tokens/s >= torch.compile", f"{speed:.2f}x", _verdict(speed, 1.0, at_most=False)]
-        )
-    else:
-        rows.append(["GPU: MFU >= 45%, tokens/s >= torch.compile", "pending a lent GPU", "-"])
-    return _table(["target", "measured", "verdict"], rows)
-
-
-def _comms_target(c: dict[str, Any]) -> list[str]:
-    exact = naive = True
-    for m in c["models"]:
-        g = m["gradient_bytes"]
-        for x in m["rows"]:
-            if x["path"] == "naive":
-                naive &= x["bytes_per_step"] == x["accum_steps"] * g
-            else:
-                exact &= x["bytes_per_step"] == g + 8 and x["executions_per_step"] == 1
-    measured = (
-        "fused and multisteps: 1 all-reduce of gradient bytes + 8 per step for every K"
-        if exact
-        else "fused/multisteps differ from gradient bytes + 8 for some K"
-    ) + ("; naive: K x gradient bytes" if naive else "; naive: not K x")
-    verdict = (
-        "met (the 8 bytes: loss and weight sums riding along)" if exact and naive else "**missed**"
-    )
-    return ["all-reduce bytes per step == gradient bytes, every K, both paths", measured, verdict]
 
 
 # ---- writing -----------------------------------------------------------------------------------

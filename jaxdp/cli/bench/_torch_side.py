@@ -78,19 +78,46 @@ def stepper(config: Any, model: nn.Module, rows: Window) -> Callable[[], float]:
     return lambda: _train_window(config, model, optimizer, rows, device).item()
 
 
-def ga_stepper(bm: BenchModel, accum_steps: int, threads: int) -> tuple[Callable[[], float], int]:
-    """Single-process gradient accumulation on ``threads`` torch threads: the step and
-    its global batch size. Steps of other thread counts may run in between."""
-    config = train_config(bm, num_devices=1, accum_steps=accum_steps)
-    rows = bm.micro_batch_size * accum_steps
-    step = stepper(config, torch_model(bm), window(bm.data(rows), bm.micro_batch_size, accum_steps))
+def _on_threads(threads: int, step: Callable[[], float]) -> Callable[[], float]:
+    """``step`` on ``threads`` torch threads; steps of other thread counts may run between."""
 
     def run() -> float:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         return step()
 
-    return run, rows
+    return run
+
+
+def ga_stepper(bm: BenchModel, accum_steps: int, threads: int) -> Callable[[], float]:
+    """Single-process gradient accumulation on ``threads`` torch threads."""
+    config = train_config(bm, num_devices=1, accum_steps=accum_steps)
+    rows = bm.micro_batch_size * accum_steps
+    step = stepper(config, torch_model(bm), window(bm.data(rows), bm.micro_batch_size, accum_steps))
+    return _on_threads(threads, step)
+
+
+def component_steppers(bm: BenchModel, threads: int) -> dict[str, Callable[[], float]]:
+    """torch_ref's parts of a step: one micro-batch's forward and backward (``.grad``
+    accumulating, as within a window), and one ``optimizer.step()``."""
+    from torch_ref.models import compute_loss
+
+    config = train_config(bm, num_devices=1, accum_steps=1)
+    model = torch_model(bm)
+    optimizer = torch_ref.build_optimizer(model.parameters(), config.optimizer)
+    ((x, y),) = window(bm.data(bm.micro_batch_size), bm.micro_batch_size, 1)
+
+    def micro() -> float:
+        loss = compute_loss(config.model, model, x, y)
+        loss.backward()
+        return loss.item()
+
+    def update() -> float:
+        optimizer.step()  # the gradients stay: every call updates (eager: done on return)
+        return 0.0
+
+    micro()
+    return {"micro": _on_threads(threads, micro), "update": _on_threads(threads, update)}
 
 
 def run_ddp(

@@ -1,11 +1,13 @@
-"""Accumulation overhead: time per optimizer step of both paths against its floor.
+"""Accumulation overhead: time per optimizer step of both paths against a hand-written step.
 
-The floor of an optimizer step over ``K`` micro-batches is ``K`` times one
-micro-batch's forward and backward (one jitted call) plus one optimizer update
-(one jitted call), measured in the same process, in turns with the steps. The
-fused path is one call of jaxdp's step; the multisteps path is ``K`` calls.
-One device (a 1-device mesh): accumulation, not emulated communication, is
-what is measured. Batches are already on the device (data loading excluded).
+The floor is :func:`._hand_written.hand_written_step`: ``shard_map``, a
+``lax.scan`` over the micro-batches and one ``pmean``, about 40 lines. jaxdp's
+fused path is one call per optimizer step, its multisteps path ``K`` calls; a
+plain ``jax.jit`` of ``optax.MultiSteps`` (``K`` calls) shows what the
+streaming path would cost without jaxdp. All are timed in turns in this
+process on one device (accumulation, not emulated communication), batches
+already on the device. Also timed, to explain the ratios: one micro-batch's
+forward and backward, one optimizer update and one pass ``acc += grads``.
 
 Run: ``python -m jaxdp.cli.bench.overhead --out DIR [--quick]``.
 """
@@ -20,6 +22,7 @@ from ._common import (
     BenchModel,
     bench_models,
     interleaved,
+    load_average,
     median,
     micro_loss,
     optimizer,
@@ -28,10 +31,13 @@ from ._common import (
 
 ACCUM_STEPS = (1, 2, 4, 8, 16)
 QUICK_ACCUM_STEPS = (2,)
+# What each path is compared with, by name: the floor, and the fused step.
+PATHS = ("hand-written", "fused", "multisteps", "optax.MultiSteps")
+BASELINE = {"fused": "hand-written", "multisteps": "fused", "optax.MultiSteps": "fused"}
 
 
 def _stepper(step: Any, state: Any, batch: Any, calls: int) -> Callable[[], Any]:
-    """One optimizer step: ``calls`` calls of ``step`` (the state chains through)."""
+    """One optimizer step: ``calls`` calls of jaxdp's ``step`` (the state chains through)."""
     box = [state]
 
     def run() -> Any:
@@ -42,12 +48,21 @@ def _stepper(step: Any, state: Any, batch: Any, calls: int) -> Callable[[], Any]
     return run
 
 
-def _floor(bm: BenchModel, module: Any) -> dict[str, Callable[[], Any]]:
-    """One micro-batch's forward+backward, and one optimizer update, each one jitted call.
+def _chained(step: Any, params: Any, opt_state: Any, batch: Any, calls: int) -> Callable[[], Any]:
+    """``calls`` calls of ``step(params, opt_state, batch) -> (params, opt_state, loss)``."""
+    box = [params, opt_state]
 
-    Also one pass ``acc += grads`` over the gradients (not part of the floor):
-    the unit of the memory-bound work accumulation adds, to explain the ratios.
-    """
+    def run() -> Any:
+        for _ in range(calls):
+            box[0], box[1], loss = step(box[0], box[1], batch)
+        return loss
+
+    return run
+
+
+def _units(bm: BenchModel, module: Any) -> dict[str, Callable[[], Any]]:
+    """One micro-batch's forward+backward, one optimizer update and one pass ``acc +=
+    grads``, each one jitted call: the units the ratios are explained in."""
     import jax
     import optax
 
@@ -79,55 +94,83 @@ def _floor(bm: BenchModel, module: Any) -> dict[str, Callable[[], Any]]:
     return {"micro": lambda: grad(params, micro)[0], "update": run_update, "add": run_add}
 
 
-def measure_model(
-    bm: BenchModel, accum_steps: Sequence[int], *, repeats: int, sample_seconds: float
-) -> dict[str, Any]:
+def _optax_multisteps(loss: Any, params: Any, k: int) -> Callable[..., Any]:
+    """``jax.jit`` of one micro-batch through ``optax.MultiSteps``, as its docs use it."""
+    import jax
+    import optax
+
+    opt = optax.MultiSteps(optimizer(), k)
+
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return jax.jit(step, donate_argnums=(0, 1)), opt.init(params)
+
+
+def _variants(bm: BenchModel, k: int, mesh: Any, module: Any) -> dict[str, Callable[[], Any]]:
+    """The four ways to make one optimizer step over ``k`` micro-batches."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..._mesh import data_mesh
     from ..._step import make_train_step
+    from ._hand_written import hand_written_step
+
+    spec = bm.spec()
+    rows = NamedSharding(mesh, P(mesh.axis_names[0]))
+    window = jax.device_put(bm.data(k * bm.micro_batch_size), rows)
+    micro = jax.device_put(bm.data(bm.micro_batch_size), rows)
+    loss, params = micro_loss(bm, module)
+    copy = jax.jit(lambda tree: jax.tree.map(jax.numpy.copy, tree))  # the steps donate
+    variants = {}
+    hand = hand_written_step(loss, optimizer(), mesh, k)
+    hand_params = copy(params)
+    variants["hand-written"] = _chained(hand, hand_params, optimizer().init(hand_params), window, 1)
+    for path, batch, calls in (("fused", window, 1), ("multisteps", micro, k)):
+        step = make_train_step(spec.loss, optimizer(), mesh=mesh, accum_steps=k, path=path)
+        variants[path] = _stepper(step, step.init(module), batch, calls)
+    optax_step, opt_state = _optax_multisteps(loss, copy(params), k)
+    variants["optax.MultiSteps"] = _chained(optax_step, copy(params), opt_state, micro, k)
+    return variants
+
+
+def _ratio(samples: dict[str, list[float]], name: str, baseline: str) -> dict[str, Any]:
+    # Per repeat, both were timed within seconds: their ratio is steadier than the
+    # ratio of medians on a busy machine.
+    ratios = [a / b for a, b in zip(samples[name], samples[baseline], strict=True)]
+    return {"to": baseline, "ratio": median(ratios), "ratios": ratios}
+
+
+def measure_model(
+    bm: BenchModel, accum_steps: Sequence[int], *, repeats: int, sample_seconds: float
+) -> dict[str, Any]:
+    from ..._mesh import data_mesh
 
     mesh = data_mesh(1)
-    spec = bm.spec()
-    module = spec.make()
-    sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
-    variants = {f"floor/{k}": fn for k, fn in _floor(bm, module).items()}
-    for path in ("fused", "multisteps"):
-        for k in accum_steps:
-            step = make_train_step(spec.loss, optimizer(), mesh=mesh, accum_steps=k, path=path)
-            rows = bm.micro_batch_size * (k if path == "fused" else 1)
-            batch = jax.device_put(bm.data(rows), sharding)
-            calls = 1 if path == "fused" else k
-            variants[f"{path}/{k}"] = _stepper(step, step.init(module), batch, calls)
+    module = bm.spec().make()
+    variants = {f"unit/{name}": fn for name, fn in _units(bm, module).items()}
+    for k in accum_steps:
+        for path, fn in _variants(bm, k, mesh, module).items():
+            variants[f"{path}/{k}"] = fn
     samples, calls = interleaved(variants, repeats=repeats, sample_seconds=sample_seconds)
-    micro, update = samples["floor/micro"], samples["floor/update"]
     rows = []
-    for path in ("fused", "multisteps"):
-        for k in accum_steps:
-            times = samples[f"{path}/{k}"]
-            floors = [k * m + u for m, u in zip(micro, update, strict=True)]
-            ratios = [t / f for t, f in zip(times, floors, strict=True)]
-            rows.append(
-                {
-                    "path": path,
-                    "accum_steps": k,
-                    "step_seconds": median(times),
-                    "floor_seconds": median(floors),
-                    # Per repeat, step and floor were timed minutes apart at most:
-                    # their ratio is steadier than the ratio of medians on a busy machine.
-                    "ratio": median(ratios),
-                    "ratios": ratios,
-                }
-            )
+    for k in accum_steps:
+        by_k = {path: samples[f"{path}/{k}"] for path in PATHS}
+        for path in PATHS:
+            row = {"path": path, "accum_steps": k, "step_seconds": median(by_k[path])}
+            row["seconds"] = by_k[path]
+            if path in BASELINE:
+                row["compared"] = _ratio(by_k, path, BASELINE[path])
+            rows.append(row)
     return {
         "model": bm.name,
         "describe": bm.describe(),
         "micro_batch_size": bm.micro_batch_size,
-        "micro_seconds": median(micro),
-        "update_seconds": median(update),
-        "accumulate_seconds": median(samples["floor/add"]),
+        "micro_seconds": median(samples["unit/micro"]),
+        "update_seconds": median(samples["unit/update"]),
+        "accumulate_seconds": median(samples["unit/add"]),
         "calls_per_sample": calls,
         "rows": rows,
     }
@@ -139,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     emulate_cpu_devices(1)
     started = time.perf_counter()
+    load_start = load_average()
     ks = QUICK_ACCUM_STEPS if args.quick else ACCUM_STEPS
     repeats, sample_seconds = (2, 0.01) if args.quick else (9, 0.1)
     models = [
@@ -153,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "sample_seconds": sample_seconds,
         "accum_steps": list(ks),
         "num_devices": 1,
+        "load_average_start": load_start,
         "models": models,
     }
     write_result(args.out, "overhead", result, started)

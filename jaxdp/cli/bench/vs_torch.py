@@ -1,12 +1,19 @@
 """jaxdp against torch_ref on the same CPU: samples per second, same model, batch and threads.
 
-Single-device gradient accumulation: jaxdp's fused step on one device against
-torch_ref's loop in one process, both in this process, timed in turns.
-Data parallelism (a CPU EMULATION, not a cluster figure): jaxdp on
-``NUM_DEVICES`` emulated CPU devices in this process against torch_ref's DDP
-on as many gloo ranks (real processes, each with ``cores / ranks`` threads).
-Same global batch throughout: ``num_devices x accum_steps x micro_batch_size``.
-A step is one optimizer step and ends by reading the loss on the host.
+Each framework runs in a process of its own (:mod:`._worker`: jaxdp in a worker,
+torch in this process, which runs no XLA computation), and the two are timed
+in turns, alternating which goes first: never in one process, where torch's
+spinning OpenMP threads slowed the next XLA step by 1.3x.
+
+Single-device gradient accumulation: jaxdp's fused step, the hand-written floor
+(:mod:`._hand_written`) and torch_ref's loop. Where the time goes: one
+micro-batch's forward, backward and accumulation, and one optimizer update,
+in each framework. Data parallelism (a CPU EMULATION, not a cluster figure):
+jaxdp on ``NUM_DEVICES`` emulated CPU devices against torch_ref's DDP on as
+many gloo ranks (real processes, each with ``cores / ranks`` threads), jaxdp
+timed before and after the ranks run. Same global batch throughout:
+``num_devices x accum_steps x micro_batch_size``. A step is one optimizer step
+and ends by reading the loss on the host.
 
 Threads: both frameworks see the CPUs of this process's affinity (pin a run
 with ``taskset -c 0-3 ...``). XLA sizes its CPU thread pools from it; torch
@@ -18,49 +25,80 @@ Run: ``python -m jaxdp.cli.bench.vs_torch --out DIR [--quick]``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ._common import (
+    MODELS,
     REFERENCE_MLP,
     BenchModel,
     bench_models,
     cpu_threads,
-    interleaved,
+    load_average,
     median,
-    optimizer,
     standard_args,
 )
+from ._worker import LocalWorker, Worker
 
 NUM_DEVICES = 2
 GA_ACCUM_STEPS = 4  # single device: global batch = 4 micro-batches
 DP_ACCUM_STEPS = 2  # 2 devices x 2 micro-batches: the same global batch
+COMPONENTS = ("micro", "update")
 
 
-def jaxdp_stepper(bm: BenchModel, *, num_devices: int, accum_steps: int) -> Callable[[], float]:
-    """jaxdp's fused step on a pre-placed global batch, reading the loss each step."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+def _jobs(models: Sequence[BenchModel], threads: int) -> dict[str, list[dict[str, Any]]]:
+    """What each worker builds, by key ``framework/kind/model[/threads]``."""
+    jaxdp, torch = [], []
+    ga = {"num_devices": 1, "accum_steps": GA_ACCUM_STEPS}
+    for bm in models:
+        model = dataclasses.asdict(bm)
+        for kind in ("step", "hand-written"):
+            jaxdp.append({"key": f"jaxdp/{kind}/{bm.name}", "model": model, "kind": kind, **ga})
+        dp = {"num_devices": NUM_DEVICES, "accum_steps": DP_ACCUM_STEPS}
+        jaxdp.append({"key": f"jaxdp/dp/{bm.name}", "model": model, "kind": "step", **dp})
+        for n in dict.fromkeys((threads, 1)):
+            torch.append(
+                {"key": f"torch/step/{bm.name}/{n}", "model": model, "kind": "step"}
+                | {"threads": n, "accum_steps": GA_ACCUM_STEPS}
+            )
+        if bm.name == "mlp-ref":  # framework overhead only: no parts worth timing
+            continue
+        for kind in COMPONENTS:
+            jaxdp.append({"key": f"jaxdp/{kind}/{bm.name}", "model": model, "kind": kind, **ga})
+            for n in dict.fromkeys((threads, 1)):
+                torch.append(
+                    {"key": f"torch/{kind}/{bm.name}/{n}", "model": model, "kind": kind}
+                    | {"threads": n}
+                )
+    return {"jaxdp": jaxdp, "torch": torch}
 
-    from ..._mesh import data_mesh
-    from ..._step import make_train_step
 
-    mesh = data_mesh(num_devices)
-    spec = bm.spec()
-    step = make_train_step(spec.loss, optimizer(), mesh=mesh, accum_steps=accum_steps)
-    rows = num_devices * accum_steps * bm.micro_batch_size
-    batch = jax.device_put(bm.data(rows), NamedSharding(mesh, P(mesh.axis_names[0])))
-    box = [step.init(spec.make())]
-
-    def run() -> float:
-        box[0], metrics = step(box[0], batch)
-        # Reading the loss each step, as a training loop logs it; it also keeps
-        # XLA's in-process CPU all-reduce from stalling under queued steps.
-        return float(metrics["loss"])
-
-    return run
+def in_turns(
+    workers: dict[str, Worker | LocalWorker],
+    jobs: dict[str, list[dict[str, Any]]],
+    *,
+    rounds: int,
+    samples: int,
+    sample_seconds: float,
+) -> dict[str, list[float]]:
+    """Per key, one figure per round (the median of its samples in that round): each
+    round times every key of one worker, then of the other, in alternating order."""
+    per_round: dict[str, list[float]] = {j["key"]: [] for js in jobs.values() for j in js}
+    last = None
+    for r in range(rounds):
+        order = list(workers) if r % 2 == 0 else list(workers)[::-1]
+        for name in order:
+            for job in jobs[name]:
+                if job["key"].startswith("jaxdp/dp/"):
+                    continue  # timed around the DDP ranks instead
+                answer = workers[name].time(
+                    job["key"], samples=samples, sample_seconds=sample_seconds, pause=last != name
+                )
+                per_round[job["key"]].append(median(answer["seconds"]))
+                last = name
+    return per_round
 
 
 def _row(
@@ -71,10 +109,11 @@ def _row(
     rows: int,
     *,
     paired: bool,
+    hand_s: list[float] | None = None,
 ) -> dict[str, Any]:
     """Medians as samples/s; torch's figure is its best over the thread counts tried.
 
-    ``paired``: sample ``i`` of each was timed in the same round, so the speedup
+    ``paired``: figure ``i`` of each was timed in the same round, so the speedup
     is the median of the per-round ratios (steadier on a busy machine); else
     the ratio of the medians.
     """
@@ -85,7 +124,7 @@ def _row(
         speedup = median([t / j for j, t in zip(jax_s, torch_s[best], strict=True)])
     else:
         speedup = jax_sps / by_threads[best]
-    return {
+    row = {
         "model": bm.name,
         "describe": bm.describe(),
         "mode": mode,
@@ -100,53 +139,84 @@ def _row(
         "jaxdp_seconds": jax_s,
         "torch_seconds": torch_s,
     }
+    if hand_s is not None:
+        row["hand_written_samples_per_second"] = rows / median(hand_s)
+        row["hand_written_speedup"] = median(
+            [t / h for h, t in zip(hand_s, torch_s[best], strict=True)]
+        )
+        row["hand_written_seconds"] = hand_s
+    return row
 
 
-def measure_ga(
-    bm: BenchModel, *, threads: int, repeats: int, sample_seconds: float
-) -> dict[str, Any]:
-    """In turns: jaxdp, torch_ref on ``threads`` threads and, if more than 1, on 1 thread.
-
-    torch's OpenMP threads wait for each other at every parallel op; on a
-    machine shared with other work that can cost far more than the second
-    thread gives, so the comparison is with torch's faster setting.
-    """
-    from ._torch_side import ga_stepper
-
-    variants = {"jaxdp": jaxdp_stepper(bm, num_devices=1, accum_steps=GA_ACCUM_STEPS)}
-    for n in dict.fromkeys((threads, 1)):
-        variants[f"torch/{n}"], rows = ga_stepper(bm, GA_ACCUM_STEPS, n)
-    samples, _ = interleaved(variants, repeats=repeats, sample_seconds=sample_seconds)
-    torch_s = {int(k.split("/")[1]): v for k, v in samples.items() if k.startswith("torch")}
-    return _row(bm, "accumulation, 1 device", samples["jaxdp"], torch_s, rows, paired=True)
+def _torch_by_threads(per_round: dict[str, list[float]], prefix: str) -> dict[int, list[float]]:
+    return {int(k.rsplit("/", 1)[1]): v for k, v in per_round.items() if k.startswith(prefix)}
 
 
-def measure_dp(
-    models: Sequence[BenchModel], *, threads: int, repeats: int, sample_seconds: float
+def ga_rows(models: Sequence[BenchModel], per_round: dict[str, list[float]]) -> list[dict]:
+    rows = []
+    for bm in models:
+        rows.append(
+            _row(
+                bm,
+                "accumulation, 1 device",
+                per_round[f"jaxdp/step/{bm.name}"],
+                _torch_by_threads(per_round, f"torch/step/{bm.name}/"),
+                GA_ACCUM_STEPS * bm.micro_batch_size,
+                paired=True,
+                hand_s=per_round[f"jaxdp/hand-written/{bm.name}"],
+            )
+        )
+    return rows
+
+
+def component_rows(models: Sequence[BenchModel], per_round: dict[str, list[float]]) -> list[dict]:
+    """Seconds of each part of a step, per framework (torch: per thread count)."""
+    rows = []
+    for bm in models:
+        for kind in COMPONENTS:
+            if f"jaxdp/{kind}/{bm.name}" not in per_round:
+                continue
+            torch_s = _torch_by_threads(per_round, f"torch/{kind}/{bm.name}/")
+            rows.append(
+                {
+                    "model": bm.name,
+                    "part": kind,
+                    "jaxdp_seconds": median(per_round[f"jaxdp/{kind}/{bm.name}"]),
+                    "torch_seconds_by_threads": {n: median(s) for n, s in torch_s.items()},
+                }
+            )
+    return rows
+
+
+def dp_rows(
+    models: Sequence[BenchModel],
+    worker: Worker,
+    *,
+    threads: int,
+    rounds: int,
+    sample_seconds: float,
 ) -> list[dict[str, Any]]:
     """jaxdp timed before and after the torch ranks run (they cannot take turns)."""
     from ._torch_side import run_ddp
 
-    steps = [
-        jaxdp_stepper(bm, num_devices=NUM_DEVICES, accum_steps=DP_ACCUM_STEPS) for bm in models
-    ]
-
-    def time_jaxdp(repeats: int) -> list[list[float]]:
+    def time_jaxdp(n: int) -> list[list[float]]:
         return [
-            interleaved({"jaxdp": step}, repeats=repeats, sample_seconds=sample_seconds)[0]["jaxdp"]
-            for step in steps
+            worker.time(
+                f"jaxdp/dp/{bm.name}", samples=n, sample_seconds=sample_seconds, pause=True
+            )["seconds"]
+            for bm in models
         ]
 
-    before = time_jaxdp((repeats + 1) // 2)
+    before = time_jaxdp((rounds + 1) // 2)
     ddp = run_ddp(
         models,
         num_devices=NUM_DEVICES,
         accum_steps=DP_ACCUM_STEPS,
         threads=max(1, threads // NUM_DEVICES),
-        repeats=repeats,
+        repeats=rounds,
         sample_seconds=sample_seconds,
     )
-    after = time_jaxdp(repeats // 2)
+    after = time_jaxdp(max(1, rounds // 2))
     mode = f"data parallel, {NUM_DEVICES} devices (CPU emulation)"
     rows = []
     for bm, first, second, torch_run in zip(models, before, after, ddp, strict=True):
@@ -158,33 +228,43 @@ def measure_dp(
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = standard_args(__doc__.split("\n")[0], argv)
-    from ..._mesh import emulate_cpu_devices
-
-    emulate_cpu_devices(NUM_DEVICES)
-    import torch
-
-    started = time.perf_counter()
+    started, load_start = time.perf_counter(), load_average()
     threads = cpu_threads()
-    torch.set_num_threads(threads)
-    models = bench_models(True) if args.quick else (REFERENCE_MLP, *bench_models(False))
-    repeats, sample_seconds = (2, 0.01) if args.quick else (9, 0.15)
-    rows = [
-        measure_ga(bm, threads=threads, repeats=repeats, sample_seconds=sample_seconds)
-        for bm in models
-    ]
-    rows += measure_dp(models, threads=threads, repeats=repeats, sample_seconds=sample_seconds)
+    models = bench_models(True) if args.quick else (REFERENCE_MLP, *MODELS)
+    rounds, samples, sample_seconds = (1, 1, 0.01) if args.quick else (5, 2, 0.1)
+    jobs = _jobs(models, threads)
+    workers = {
+        "jaxdp": Worker("jaxdp", jobs["jaxdp"]),
+        "torch": LocalWorker("torch", jobs["torch"]),
+    }
+    try:
+        for worker in workers.values():  # built side by side: compiling is not timed
+            worker.ready()
+        per_round = in_turns(
+            workers, jobs, rounds=rounds, samples=samples, sample_seconds=sample_seconds
+        )
+        workers.pop("torch").close()
+        rows = ga_rows(models, per_round)
+        rows += dp_rows(
+            models, workers["jaxdp"], threads=threads, rounds=rounds, sample_seconds=sample_seconds
+        )
+    finally:
+        for worker in workers.values():
+            worker.close()
     from ._common import write_result
 
     result = {
         "quick": args.quick,
-        "repeats": repeats,
+        "rounds": rounds,
+        "samples_per_round": samples,
         "sample_seconds": sample_seconds,
         "threads": threads,
-        "torch_threads": torch.get_num_threads(),
         "num_devices": NUM_DEVICES,
         "ga_accum_steps": GA_ACCUM_STEPS,
         "dp_accum_steps": DP_ACCUM_STEPS,
+        "load_average_start": load_start,
         "rows": rows,
+        "components": component_rows(models, per_round),
     }
     write_result(args.out, "vs_torch", result, started)
 

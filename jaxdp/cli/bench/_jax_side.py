@@ -1,0 +1,101 @@
+"""The jaxdp half of ``vs_torch``, run in a worker process of its own (``_worker``).
+
+Every stepper makes one optimizer step (or one component of it) and ends by
+reading the loss on the host, as torch_ref's ``loss.item()`` does: timed
+calls are synchronized on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ._common import BenchModel, micro_loss, optimizer
+
+
+def _placed(bm: BenchModel, rows: int, mesh: Any) -> Any:
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return jax.device_put(bm.data(rows), NamedSharding(mesh, P(mesh.axis_names[0])))
+
+
+def jaxdp_stepper(bm: BenchModel, *, num_devices: int, accum_steps: int) -> Callable[[], float]:
+    """jaxdp's fused step on a pre-placed global batch."""
+    from ..._mesh import data_mesh
+    from ..._step import make_train_step
+
+    mesh = data_mesh(num_devices)
+    spec = bm.spec()
+    step = make_train_step(spec.loss, optimizer(), mesh=mesh, accum_steps=accum_steps)
+    batch = _placed(bm, num_devices * accum_steps * bm.micro_batch_size, mesh)
+    box = [step.init(spec.make())]
+
+    def run() -> float:
+        box[0], metrics = step(box[0], batch)
+        # Reading the loss each step, as a training loop logs it; it also keeps
+        # XLA's in-process CPU all-reduce from stalling under queued steps.
+        return float(metrics["loss"])
+
+    return run
+
+
+def hand_written_stepper(
+    bm: BenchModel, *, num_devices: int, accum_steps: int
+) -> Callable[[], float]:
+    """The hand-written floor (:mod:`._hand_written`) on the same batch."""
+    import jax
+
+    from ..._mesh import data_mesh
+    from ._hand_written import hand_written_step
+
+    mesh = data_mesh(num_devices)
+    loss, params = micro_loss(bm, bm.spec().make())
+    step = hand_written_step(loss, optimizer(), mesh, accum_steps)
+    batch = _placed(bm, num_devices * accum_steps * bm.micro_batch_size, mesh)
+    params = jax.tree.map(jax.numpy.copy, params)
+    box = [params, optimizer().init(params)]
+
+    def run() -> float:
+        box[0], box[1], value = step(box[0], box[1], batch)
+        return float(value)
+
+    return run
+
+
+def component_steppers(bm: BenchModel) -> dict[str, Callable[[], float]]:
+    """One micro-batch's forward, backward and ``acc += grads`` (one jitted call), and
+    one optimizer update: the parts of a step, to set against torch's."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    loss, params = micro_loss(bm, bm.spec().make())
+    opt = optimizer()
+
+    def accumulate(acc, params, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        return jax.tree.map(jnp.add, acc, grads), value
+
+    def apply(params, opt_state, grads):
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jnp.zeros([])
+
+    micro = jax.jit(accumulate, donate_argnums=0)
+    update = jax.jit(apply, donate_argnums=(0, 1))
+    batch = jax.device_put(bm.data(bm.micro_batch_size))
+    grads = jax.tree.map(jnp.ones_like, params)
+    acc = [jax.tree.map(jnp.zeros_like, params)]
+    box = [jax.tree.map(jnp.copy, params)]
+    box.append(opt.init(box[0]))
+
+    def run_micro() -> float:
+        acc[0], value = micro(acc[0], params, batch)
+        return float(value)
+
+    def run_update() -> float:
+        box[0], box[1], value = update(box[0], box[1], grads)
+        return float(value)
+
+    return {"micro": run_micro, "update": run_update}
