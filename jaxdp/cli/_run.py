@@ -200,13 +200,13 @@ class _Run:
         assert self.checkpointed is not None  # a number is taken only by this run's newest
         at, samples = self.checkpointed
         since = (self.samples - samples) // (self.sizes.num_devices * self.sizes.micro_batch_size)
-        start = at == self.position._replace(micro_batch=0)
+        taken = f"an earlier call ({_where(at)})"
+        if at == self.position._replace(micro_batch=0):
+            taken = "the start of this accumulation window"
         return (
             f"no checkpoint at this stop ({_where(self.position)}): {self.last_checkpoint} "
-            f"holds step {number} already, taken at "
-            + ("the start of this accumulation window" if start else _where(at))
-            + f"; a resume from it redoes the {since} micro-batch(es) since, exactly (the data "
-            "order is deterministic)"
+            f"holds step {number} already, taken at {taken}; a resume from it redoes the "
+            f"{since} micro-batch(es) since, exactly (the data order is deterministic)"
         )
 
     def _tell(self, text: str) -> None:
