@@ -170,11 +170,12 @@ def test_resume_takes_the_run_config_from_the_checkpoint(tmp_path, capsys):
     # No flag but where the checkpoints are: everything else comes from the checkpoint.
     assert main([*TRAIN, "--checkpoint-dir", str(ckpt), "--resume"]) == 0
     out = capsys.readouterr().out
-    taken = re.search(r"^taken from checkpoint (\S+) where no flag is given: (.*)$", out, re.M)
+    taken = re.search(r"^taken from checkpoint (\S+) for the options not given: (.*)$", out, re.M)
     assert taken, out
     assert taken.group(2) == (
         "num_devices=4, accum_steps=4, micro_batch_size=8, epochs=12, path='multisteps', "
-        f"precision='float64', checkpoint_every=5, metrics_out='{metrics}' (all else: defaults)"
+        f"precision='float64', checkpoint_every=5, metrics_out='{metrics}' (the others: the "
+        "defaults)"
     )
     assert f"resumed from {taken.group(1)}: step " in out
     whole = TrainConfig(

@@ -44,7 +44,7 @@ def resumed_config(given: Mapping[str, Any]) -> tuple[TrainConfig, str]:
     config = TrainConfig(**{**taken, **given})
     fresh = TrainConfig()
     shown = ", ".join(f"{k}={v!r}" for k, v in taken.items() if v != getattr(fresh, k))
-    line = f"taken from checkpoint {meta.path} where no flag is given: " + (
-        f"{shown} (all else: defaults)" if shown else "the defaults"
+    line = f"taken from checkpoint {meta.path} for the options not given: " + (
+        f"{shown} (the others: the defaults)" if shown else "the defaults"
     )
     return config, line
