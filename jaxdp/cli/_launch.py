@@ -298,30 +298,36 @@ def add_launch_command(sub: Any) -> None:
         "of them when one fails, exiting with its status. The command is a Python "
         "script, -m module, or a jaxdp subcommand (train ..., or jaxdp train ...).",
     )
-    p.add_argument("--nprocs", type=int, required=True, help="processes to start")
+    p.add_argument("--nprocs", type=int, required=True, metavar="N", help="processes to start")
     p.add_argument(
         "--devices-per-process",
         type=int,
         default=None,
-        help="CPU devices each process emulates, and GPUs each drives (r*D .. r*D+D-1)",
+        metavar="D",
+        help="CPU devices each process emulates, and GPUs each drives (r*D .. r*D+D-1) "
+        "(default: not set; jaxdp train then emulates 4 CPU devices, and every process "
+        "sees all GPUs)",
     )
     p.add_argument(
         "--timeout-s",
         type=int,
         default=None,
+        metavar="SECONDS",
         help="seconds to wait for all processes to connect (default: jaxdp.initialize's 100)",
     )
     p.add_argument(
         "--heartbeat-timeout-s",
         type=int,
         default=None,
+        metavar="SECONDS",
         help="seconds after which a silent process counts as dead (default: 60)",
     )
     p.add_argument(
         "--grace-s",
         type=float,
         default=DEFAULT_GRACE_S,
-        help="after a failure, seconds between SIGTERM and SIGKILL (default: %(default)s)",
+        metavar="SECONDS",
+        help="after a failure, seconds between SIGTERM and SIGKILL",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(run=lambda args: _run_launch(args, set(sub.choices)))

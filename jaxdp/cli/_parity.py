@@ -21,24 +21,79 @@ def add_parity_command(sub: Any) -> None:
         "torch_ref; compares weights and losses after every optimizer step and prints the "
         "largest differences. Exit status 1 if a step is beyond tolerance.",
     )
-    p.add_argument("--model", choices=sorted(MODELS), default="mlp")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=defaults.optimizer)
-    p.add_argument("--num-devices", type=int, default=defaults.num_devices)
-    p.add_argument("--accum-steps", type=int, default=defaults.accum_steps)
-    p.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size)
-    p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
-    p.add_argument("--dtype", choices=sorted(RTOL), default=defaults.dtype)
-    p.add_argument("--path", choices=["fused", "multisteps"], default=defaults.path)
-    p.add_argument("--strategy", choices=["shard_map", "pmap"], default=defaults.strategy)
-    p.add_argument("--num-samples", type=int, default=defaults.num_samples)
-    p.add_argument("--last-window", choices=["drop", "step"], default=defaults.last_window)
-    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument(
+        "--model", choices=sorted(MODELS), default=defaults.model, help="reference model"
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default=defaults.optimizer,
+        help="optimizer, the same in both",
+    )
+    p.add_argument(
+        "--num-devices",
+        type=int,
+        default=defaults.num_devices,
+        metavar="N",
+        help="jaxdp devices, and torch DDP ranks",
+    )
+    p.add_argument(
+        "--accum-steps",
+        type=int,
+        default=defaults.accum_steps,
+        metavar="K",
+        help="micro-batches per device per optimizer step",
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=defaults.micro_batch_size,
+        metavar="B",
+        help="rows per micro-batch per device",
+    )
+    p.add_argument(
+        "--steps", type=int, default=defaults.steps, metavar="N", help="optimizer steps compared"
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(RTOL), default=defaults.dtype, help="parameters and compute"
+    )
+    p.add_argument(
+        "--path",
+        choices=["fused", "multisteps"],
+        default=defaults.path,
+        help="jaxdp's accumulation path",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=["shard_map", "pmap"],
+        default=defaults.strategy,
+        help="how jaxdp's step is mapped over the devices",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=defaults.num_samples,
+        metavar="N",
+        help="size of the synthetic data set (epochs repeat as needed)",
+    )
+    p.add_argument(
+        "--last-window",
+        choices=["drop", "step"],
+        default=defaults.last_window,
+        help="an epoch's incomplete last accumulation window: dropped, or one short step",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="weights and data; the sampler uses seed + epoch",
+    )
     p.add_argument(
         "--torch-device",
         choices=["cpu", "cuda"],
         default=defaults.torch_device,
         help="where torch_ref trains (cuda: nccl, one GPU per rank, TF32 off); jaxdp uses "
-        "JAX's default backend (default: %(default)s)",
+        "JAX's default backend",
     )
     p.add_argument(
         "--sync-batchnorm",
