@@ -84,6 +84,9 @@ assert [r.bytes for r in jaxdp.all_reduces(step.compile(state, batch))] == [24]
     },
     "checkpoints.md": {
         -1: """
+assert checkpoints.steps == [2] and checkpoints.metadata().samples == 32
+assert isinstance(checkpoints.metadata(), jaxdp.checkpoint.Metadata)
+assert isinstance(restored, jaxdp.checkpoint.Restored)
 assert int(restored.state.step) == 2
 assert restored.position == jaxdp.SamplerPosition(0, 2, 0)
 np.testing.assert_array_equal(restored.state.params["w"], state.params["w"])
