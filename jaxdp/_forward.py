@@ -69,6 +69,13 @@ def loss_parts(
         if graphdef is not None:
             batch_stats = written_batch_stats(model, constants)
         if reduction == "mean":
+            if isinstance(out, (tuple, list)):
+                raise TypeError(
+                    f"loss_fn returned a {type(out).__name__} of {len(out)} values with "
+                    "loss_reduction='mean', which takes one scalar (the micro-batch's mean "
+                    "loss): return the loss alone, or (loss_sum, count) with "
+                    "loss_reduction='weighted'"
+                )
             _check_scalar(out, "loss_fn's return value", reduction)
             return out, (jnp.ones([], out.dtype), batch_stats)
         if not (isinstance(out, tuple) and len(out) == 2):

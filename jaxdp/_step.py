@@ -15,14 +15,15 @@ from jax.sharding import PartitionSpec as P
 from ._accumulate import AccumState
 from ._device_step import global_step
 from ._forward import LossReduction, merge_model, split_model
-from ._frozen import Trainable, split_trainable, trainable_mask
+from ._frozen import Trainable, split_trainable
+from ._guards import check_params, check_state_layout
 from ._layout import BatchSizes, call_sizes
 from ._mesh import place
 from ._model_state import BatchStats, check_batch_stats, split_state
 from ._options import AccumulationPath, StepOptions, Strategy
 from ._skip_watch import SkipWatch
 from ._sync import check_replicas
-from ._train_state import TrainState
+from ._train_state import TrainState, check_live
 
 
 class TrainStep:
@@ -38,10 +39,10 @@ class TrainStep:
     several processes each process passes only its rows of that batch
     (:func:`process_share`); no process holds the whole batch.
 
-    The step keeps no training state between calls. Its one piece of host
-    state is ``watch`` (:class:`SkipWatch`): the ``max_consecutive_skips``
-    limit and the bound of two calls in flight on several CPU devices, which
-    need the skip counters of recent calls.
+    The step keeps no training state between calls. Its host state is
+    ``watch`` (:class:`SkipWatch`): the ``max_consecutive_skips`` limit and the
+    bound of two calls in flight on several CPU devices, which need the skip
+    counters of recent calls.
     """
 
     def __init__(self, options: StepOptions):
@@ -53,6 +54,8 @@ class TrainStep:
         donate = (0,) if options.donate else ()
 
         def call(state: TrainState, batch: Any, micro_weights: jax.Array):
+            # Runs only when JAX traces a new input structure: free on later calls.
+            check_state_layout(options, state)
             return global_step(options, state, batch, micro_weights)
 
         self._jitted = jax.jit(call, donate_argnums=donate)
@@ -86,18 +89,21 @@ class TrainStep:
         Checks that every replica holds the same parameters (raises
         :class:`ReplicaMismatchError` naming the first differing leaf), that
         ``batch_stats`` fits the model's BatchNorm modules, and ``trainable``
-        its parameters. The optimizer state covers trainable parameters only.
+        its parameters; raises ``TypeError`` naming a leaf that is no array (a
+        function, a string: split them off first) or a trainable leaf that is
+        not floating-point (freeze it with ``trainable``). The optimizer state
+        covers trainable parameters only.
         """
         o = self.options
         check_batch_stats(params_or_module, o.batch_stats, o.axis_name)
         graphdef, params, model_state = split_model(params_or_module)
         if o.batch_stats is not None and graphdef is None:
             raise ValueError("batch_stats needs an NNX module with BatchNorm, got a pytree")
+        mask = check_params(params, o.trainable)
         replicated = NamedSharding(o.mesh, P())
         params = place(params, replicated, copy=o.donate)
         model_state = place(model_state, replicated, copy=o.donate)
         check_replicas(params, o.mesh, name="params")
-        mask = trainable_mask(params, o.trainable)
         dtype = o.accumulator_dtype(params)
         stats = split_state(model_state)[0]
         opt = o.state_optimizer(dtype, stats)
@@ -146,8 +152,10 @@ class TrainStep:
 
         Raises :class:`NonFiniteError` (from ``watch``) before using this
         call's batch once ``max_consecutive_skips`` updates in a row were
-        skipped, at most two calls after it happened.
+        skipped, at most two calls after it happened; ``ValueError`` for a
+        ``state`` that was donated to an earlier call.
         """
+        check_live(state, "state", quick=True)
         inputs = self._inputs(batch, micro_weights)
         self.watch.before(state)
         state, metrics = self._jitted(state, *inputs)
@@ -189,9 +197,9 @@ class TrainStep:
         self.sizes(batch)
         if isinstance(micro_weights, jax.ShapeDtypeStruct):
             weights = micro_weights
+        elif micro_weights is None:
+            weights = np.ones(shape, np.float32)
         else:
-            if micro_weights is None:
-                micro_weights = np.ones(shape)
             weights = np.asarray(micro_weights, np.float32)  # 0 and 1 are exact
         if weights.shape != shape:
             raise ValueError(
@@ -250,7 +258,8 @@ def make_train_step(
       accum_dtype: accumulator dtype for gradients, loss and weights; default
         float64 if any parameter is float64, else float32.
       donate: donate the input state's buffers to the output (saves memory;
-        the state passed in must not be used again).
+        the state passed in must not be used again: a call given it again
+        raises ``ValueError``).
       batch_stats: how BatchNorm modules (``nnx.BatchStat`` variables and an
         ``axis_name``) compute statistics; required when the model has any.
         ``"local"``: each device normalizes with its own micro-batch's
