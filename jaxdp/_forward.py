@@ -50,7 +50,9 @@ def loss_parts(
     ``mean``: ``loss_fn`` returns the micro-batch's mean loss; weight is 1, so
     the step averages micro-batch means (DDP's ``loss / accum_steps``).
     ``weighted``: ``loss_fn`` returns ``(loss_sum, count)``; the step divides
-    the total sum by the total count over all micro-batches and devices.
+    the total sum by the total count over all micro-batches and devices. A
+    negative count becomes a NaN weight, so the step's non-finite decision
+    refuses the update (it would step up the gradient).
     For an NNX module, ``batch_stats``, ``rngs`` and ``constants`` are the
     groups of :func:`jaxdp._state.split_state` and ``configure`` adjusts the
     merged module (the BatchNorm mode) before ``loss_fn`` sees it.
@@ -86,7 +88,9 @@ def loss_parts(
         value, count = out
         _check_scalar(value, "loss_sum", reduction)
         _check_scalar(count, "count", reduction)
-        return value, (jnp.asarray(count).astype(value.dtype), batch_stats)
+        count = jnp.asarray(count).astype(value.dtype)
+        # A scalar select; the NaN reaches the all-reduced weight, loss and gradients.
+        return value, (jnp.where(count < 0, jnp.nan, count), batch_stats)
 
     return parts
 

@@ -75,6 +75,15 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def check_micro_weights(weights: np.ndarray) -> None:
+    """Host values only: a negative weight would step against the gradient."""
+    if not np.all(np.isfinite(weights) & (weights >= 0)):
+        raise ValueError(
+            f"micro_weights={weights.tolist()} must be finite and at least 0 (1 for a "
+            "micro-batch, 0 for the padding of an incomplete window)"
+        )
+
+
 def check_state_layout(options: StepOptions, state: TrainState) -> None:
     """Refuses a state another step built (another path or optimizer), naming both.
 

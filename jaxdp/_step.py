@@ -16,7 +16,7 @@ from ._accumulate import AccumState
 from ._device_step import global_step
 from ._forward import LossReduction, merge_model, split_model
 from ._frozen import Trainable, split_trainable
-from ._guards import check_params, check_state_layout
+from ._guards import check_micro_weights, check_params, check_state_layout
 from ._layout import BatchSizes, call_sizes
 from ._mesh import place
 from ._model_state import BatchStats, check_batch_stats, split_state
@@ -201,6 +201,7 @@ class TrainStep:
             weights = np.ones(shape, np.float32)
         else:
             weights = np.asarray(micro_weights, np.float32)  # 0 and 1 are exact
+            check_micro_weights(weights)
         if weights.shape != shape:
             raise ValueError(
                 f"micro_weights has shape {weights.shape}; the {self.path} path takes "
@@ -254,7 +255,8 @@ def make_train_step(
       loss_reduction: ``"mean"``: the update follows the mean of the
         ``num_devices * accum_steps`` micro-batch means (DDP with ``loss /
         accum_steps``). ``"weighted"``: it follows ``sum of loss_sum / sum of
-        count`` over all micro-batches and devices, exact for unequal counts.
+        count`` over all micro-batches and devices, exact for unequal counts;
+        a negative count makes the update non-finite (refused, never applied).
       accum_dtype: accumulator dtype for gradients, loss and weights; default
         float64 if any parameter is float64, else float32.
       donate: donate the input state's buffers to the output (saves memory;
@@ -283,7 +285,10 @@ def make_train_step(
         (from any device), skip the update on every device: parameters,
         optimizer state and batch statistics stay, the step count does not
         advance, the accumulation window restarts; ``metrics["skipped"]``,
-        ``"skipped_steps"`` and ``"consecutive_skips"`` count them.
+        ``"skipped_steps"`` and ``"consecutive_skips"`` count them. Either
+        way ``metrics["finite"]`` says whether they were finite (no host
+        read: without skipping, a NaN on one device reaches every replica's
+        parameters, and this is its only report).
       max_consecutive_skips: raise :class:`NonFiniteError`, before a call uses
         its batch, once this many updates in a row were skipped (None: never).
         Watched on the host by ``step.watch`` (:class:`SkipWatch`), two calls

@@ -25,6 +25,11 @@ def rows(step, micro_batch_size=2):
     return NUM_DEVICES * per_call * micro_batch_size
 
 
+def weighted_loss(params, batch):
+    x, y = batch
+    return jnp.sum((x @ params["w"] - y) ** 2), -jnp.asarray(x.shape[0], x.dtype)
+
+
 # ---- item 1: a donated state --------------------------------------------------------
 
 
@@ -174,3 +179,46 @@ def test_a_batch_of_python_lists_names_the_leaf():
         step(step.init(mlp_params()), (x.tolist(), y.tolist()))
     with pytest.raises(ValueError, match=r"batch\[1\] has shape \(\); every batch leaf needs"):
         step.sizes((x, np.float64(1.0)))
+
+
+# ---- item 4: negative weights and counts ---------------------------------------------
+
+
+@pytest.mark.parametrize("weights", [[1.0, -1.0], [1.0, np.nan]])
+def test_negative_or_nan_micro_weights_are_refused(weights):
+    step = make()
+    with pytest.raises(
+        ValueError, match=r"micro_weights=\[1\.0, (-1\.0|nan)\] must be finite and at least 0"
+    ):
+        step(step.init(mlp_params()), regression_data(16), weights)
+
+
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+def test_a_negative_count_is_never_applied(path):
+    params = {"w": np.ones((8, 3))}
+    step = make(loss_fn=weighted_loss, loss_reduction="weighted", path=path)
+    state = step.init(params)
+    for _ in range(ACCUM if path == "multisteps" else 1):
+        state, metrics = step(state, regression_data(rows(step)))
+    assert bool(metrics["skipped"]) and not bool(metrics["finite"])
+    np.testing.assert_array_equal(state.params["w"], params["w"])
+
+
+# ---- item 8: a NaN reported without skip_nonfinite ------------------------------------
+
+
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_the_finite_metric_reports_a_nan_on_one_device(path, skip_nonfinite):
+    step = make(path=path, skip_nonfinite=skip_nonfinite)
+    state = step.init(mlp_params())
+    x, y = regression_data(rows(step))
+    bad = x.copy()
+    bad[-1, 0] = np.nan  # one row of the last device
+    finite = []
+    for batch in [(x, y)] * ACCUM + [(bad, y)] * ACCUM:
+        state, metrics = step(state, batch)
+        if path == "fused" or bool(metrics["emitted"]):
+            finite.append(bool(metrics["finite"]))
+    assert finite[:1] == [True] and finite[-1] is False
+    assert np.isnan(np.asarray(state.params["w0"])).any() == (not skip_nonfinite)
