@@ -16,7 +16,7 @@ from ._accumulate import AccumState
 from ._device_step import global_step
 from ._forward import LossReduction, merge_model, split_model
 from ._frozen import Trainable, split_trainable
-from ._guards import check_micro_weights, check_params, check_state_layout
+from ._guards import ResizeWatch, check_micro_weights, check_params, check_state_layout
 from ._layout import BatchSizes, call_sizes
 from ._mesh import place
 from ._model_state import BatchStats, check_batch_stats, split_state
@@ -42,7 +42,9 @@ class TrainStep:
     The step keeps no training state between calls. Its host state is
     ``watch`` (:class:`SkipWatch`): the ``max_consecutive_skips`` limit and the
     bound of two calls in flight on several CPU devices, which need the skip
-    counters of recent calls.
+    counters of recent calls; and the micro-batch size of the last call, so
+    that a multisteps window never mixes two sizes and a change is announced
+    once (docs/semantics.md, "Errors and guards").
     """
 
     def __init__(self, options: StepOptions):
@@ -51,6 +53,7 @@ class TrainStep:
             options.max_consecutive_skips if options.skip_nonfinite else None,
             bound=options.num_devices > 1 and options.mesh.devices.flat[0].platform == "cpu",
         )
+        self._resize = ResizeWatch(options.path, options.accum_steps)
         donate = (0,) if options.donate else ()
 
         def call(state: TrainState, batch: Any, micro_weights: jax.Array):
@@ -153,10 +156,13 @@ class TrainStep:
         Raises :class:`NonFiniteError` (from ``watch``) before using this
         call's batch once ``max_consecutive_skips`` updates in a row were
         skipped, at most two calls after it happened; ``ValueError`` for a
-        ``state`` that was donated to an earlier call.
+        ``state`` that was donated to an earlier call, and for a micro-batch
+        size other than the open multisteps window's. The first call with
+        another micro-batch size than the call before warns (once per step).
         """
         check_live(state, "state", quick=True)
-        inputs = self._inputs(batch, micro_weights)
+        sizes, inputs = self._prepare(batch, micro_weights)
+        self._resize.before(state, sizes)
         self.watch.before(state)
         state, metrics = self._jitted(state, *inputs)
         self.watch.after(metrics)
@@ -192,9 +198,13 @@ class TrainStep:
     def _inputs(self, batch: Any, micro_weights: Any) -> tuple[Any, Any]:
         """The batch split over the mesh by rows and the micro-batch weights, replicated;
         abstract inputs pass through."""
+        return self._prepare(batch, micro_weights)[1]
+
+    def _prepare(self, batch: Any, micro_weights: Any) -> tuple[BatchSizes, tuple[Any, Any]]:
+        """The batch's identity and :meth:`_inputs`."""
         shape = (self.accum_steps,) if self.path == "fused" else ()
         replicated = NamedSharding(self.mesh, P())
-        self.sizes(batch)
+        sizes = self.sizes(batch)
         if isinstance(micro_weights, jax.ShapeDtypeStruct):
             weights = micro_weights
         elif micro_weights is None:
@@ -210,7 +220,7 @@ class TrainStep:
         rows = NamedSharding(self.mesh, P(self.options.axis_name))
         if not isinstance(weights, jax.ShapeDtypeStruct):
             weights = place(weights, replicated)
-        return _place(batch, rows), weights
+        return sizes, (_place(batch, rows), weights)
 
 
 def _place(batch: Any, sharding: NamedSharding) -> Any:

@@ -1,6 +1,8 @@
 """Issue 12: bad input never kills the process or trains silently wrong; every guard
 names the argument, the rule and the values, before the step runs."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,6 +204,37 @@ def test_a_negative_count_is_never_applied(path):
         state, metrics = step(state, regression_data(rows(step)))
     assert bool(metrics["skipped"]) and not bool(metrics["finite"])
     np.testing.assert_array_equal(state.params["w"], params["w"])
+
+
+# ---- item 5: the batch identity of a window ------------------------------------------
+
+
+def test_a_multisteps_window_keeps_its_micro_batch_size():
+    step = make(path="multisteps")
+    state, _ = step(step.init(mlp_params()), regression_data(rows(step, 2)))
+    with pytest.raises(
+        ValueError,
+        match=r"micro_batch_size=1 .* the open accumulation window \(1 of accum_steps=2 "
+        r"micro-batches\) started with micro_batch_size=2",
+    ):
+        step(state, regression_data(rows(step, 1)))
+    state, metrics = step(state, regression_data(rows(step, 2)))  # the state is intact
+    assert bool(metrics["emitted"])
+
+
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+def test_a_new_micro_batch_size_is_announced_once(path):
+    step = make(path=path)
+    state = step.init(mlp_params())
+    for _ in range(ACCUM):
+        state, _ = step(state, regression_data(rows(step, 2)))
+    with pytest.warns(UserWarning, match=r"micro_batch_size changed from 2 to 3 .* compiles"):
+        state, _ = step(state, regression_data(rows(step, 3)))
+    calls = 1 if path == "fused" else ACCUM  # per window
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for size in [3] * (calls - 1) + [2] * calls:
+            state, _ = step(state, regression_data(rows(step, size)))
 
 
 # ---- item 8: a NaN reported without skip_nonfinite ------------------------------------
