@@ -107,7 +107,8 @@ def fused_update(
     wire = device0(stats, axis_name, dtype)
     grad_sum, loss, weight, wire = all_reduce_sums(grad_sum, loss_sum, weight, wire, axis_name)
     grad_norm = optax.tree.norm(grad_sum) / weight
-    ok = all_finite(grad_norm, loss, wire) if skip_nonfinite else jnp.ones([], bool)
+    finite = all_finite(grad_norm, loss, wire)
+    ok = finite if skip_nonfinite else jnp.ones([], bool)
 
     def apply(operands):
         params, opt_state = operands
@@ -128,7 +129,7 @@ def fused_update(
         new_params, new_opt_state = jax.lax.cond(ok, apply, keep, (params, opt_state))
     else:
         new_params, new_opt_state = apply((params, opt_state))
-    metrics = {"loss": loss, "grad_norm": grad_norm}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
     return Update(
         new_params,
         new_opt_state,
@@ -199,7 +200,7 @@ def multisteps_update(
         select(applied, from_wire(sync.extra, batch_stats), batch_stats),
         applied,
         skipped,
-        {"loss": sync.loss, "grad_norm": sync.grad_norm, "emitted": emit},
+        {"loss": sync.loss, "grad_norm": sync.grad_norm, "finite": sync.finite, "emitted": emit},
     )
     accum = AccumState(*(jnp.where(emit, jnp.zeros_like(x), x) for x in (loss_sum, weight)))
     return update, accum._replace(
