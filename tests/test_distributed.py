@@ -20,6 +20,7 @@ import pytest
 from helpers import RTOL, assert_trees_close
 
 import jaxdp
+from jaxdp.cli import main
 from jaxdp.cli._launch import child_argv
 from jaxdp.cli._train import TrainConfig, _Run, build, make_step, train
 
@@ -102,6 +103,22 @@ def test_launch_resolves_scripts_modules_and_subcommands():
 
 
 HELD = f"[Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--nprocs", "0"], "nprocs=0 must be a positive integer"),
+        (["--nprocs", "2", "--grace-s", "nan"], "grace_s=nan must be a finite number of sec"),
+        (["--nprocs", "2", "--timeout-s", "0"], "timeout_s=0 must be a positive integer"),
+    ],
+)
+def test_launch_usage_errors_exit_2_with_one_line(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["launch", *flags, "--", "script.py"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxdp launch: error: {message}") and err.count("\n") == 1
 
 
 def test_launch_gives_each_rank_its_environment_and_prefixes_its_output(tmp_path):
