@@ -32,6 +32,7 @@ from ._quiet import quiet_failed_read_noise
 from ._rules import (
     CheckpointError,
     check_compatible,
+    check_is_directory,
     check_position,
     describe,
     is_per_device,
@@ -84,7 +85,7 @@ class Checkpoints:
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep={keep!r} must be a positive integer, or None to keep all")
         self.directory = pathlib.Path(directory).absolute()
-        _check_directory(self.directory, given=directory)
+        check_is_directory(directory, name="directory")
         self.keep = keep
         self.verify = verify
         options = ocp.CheckpointManagerOptions(
@@ -97,7 +98,9 @@ class Checkpoints:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._verified: set[int] = set()
+        # Installed before a failure: its noise comes while the write or read fails.
         quiet_writer_thread_logs()
+        quiet_failed_read_noise()
 
     @property
     def steps(self) -> list[int]:
@@ -269,7 +272,6 @@ class Checkpoints:
 
     def _write_failed(self, number: int, error: Exception) -> CheckpointError:
         """One line for a failed write: the path, the cause, the newest checkpoint (kept)."""
-        quiet_failed_read_noise()  # tensorstore's other writes end on a closed loop
         path = self.directory / str(number)
         cause = no_room(error)
         cause = f"no room left: {cause}" if cause else _short(error)
@@ -340,19 +342,6 @@ class Checkpoints:
             if number < newest_verified:
                 self._manager.delete(number)
                 self._verified.discard(number)
-
-
-def _check_directory(directory: pathlib.Path, *, given: Any) -> None:
-    """Raises :class:`CheckpointError` if ``directory``, or a folder above it, is a file."""
-    for path in (directory, *directory.parents):
-        if path.exists():
-            if not path.is_dir():
-                what = "is" if path == directory else f"is inside {path}, which is"
-                raise CheckpointError(
-                    f"directory={str(given)!r} {what} a file, not a directory: checkpoints are "
-                    "directories inside it (a missing one is created)"
-                )
-            return
 
 
 def _short(error: Exception) -> str:
