@@ -16,6 +16,7 @@ import pytest
 
 import jaxdp
 from jaxdp.cli import main
+from jaxdp.cli._metrics import MetricsLog
 from jaxdp.cli._train import TrainConfig, train
 
 
@@ -235,15 +236,21 @@ def test_an_unwritable_output_stops_the_run_before_its_first_step(tmp_path, flag
     assert "held-out accuracy" not in done.stdout  # refused before training, not after
 
 
-def terminate_after(metrics, lines):
-    """Sends this process SIGTERM once ``metrics`` holds ``lines`` records (in a thread)."""
+def terminate_after(monkeypatch, lines):
+    """Sends this process SIGTERM once, as the metrics log writes its ``lines``-th record.
 
-    def wait_then_terminate():
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= lines):
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
+    From inside the training loop, not from a thread polling the file: a starved
+    thread on a busy machine could send it after a short run had ended.
+    """
+    write, sent = MetricsLog.write, []
 
-    threading.Thread(target=wait_then_terminate, daemon=True).start()
+    def write_then_terminate(self, record):
+        write(self, record)
+        if len(self.records) == lines and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(MetricsLog, "write", write_then_terminate)
 
 
 def saved_leaves(directory):
@@ -259,13 +266,13 @@ def records(path):
     return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"} for line in lines]
 
 
-def test_resume_takes_the_run_config_from_the_checkpoint(tmp_path, capsys):
+def test_resume_takes_the_run_config_from_the_checkpoint(tmp_path, capsys, monkeypatch):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     # 1438 rows, global batch 4 x 4 x 8 = 128: 11 optimizer steps per epoch.
     flags = ["--num-devices", "4", "--accum-steps", "4", "--micro-batch-size", "8"]
     flags += ["--path", "multisteps", "--precision", "float64", "--epochs", "12"]
     flags += ["--checkpoint-every", "5", "--metrics-out", str(metrics)]
-    terminate_after(metrics, 3)
+    terminate_after(monkeypatch, 3)
     assert main([*TRAIN, *flags, "--checkpoint-dir", str(ckpt)]) == 128 + signal.SIGTERM
     capsys.readouterr()
     # No flag but where the checkpoints are: everything else comes from the checkpoint.
