@@ -177,6 +177,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     from .._train_state import NonFiniteError
     from ..checkpoint._rules import CheckpointError
+    from ._run import NonFiniteStep
     from ._train import finish, prepare
 
     with contextlib.ExitStack() as stack:
@@ -196,7 +197,7 @@ def _run_train(args: argparse.Namespace) -> int:
         with _stop_on_signals() as stopped_by:
             try:
                 summary = finish(prepared, stop=lambda _: stopped_by[0] is not None)
-            except (CheckpointError, NonFiniteError) as e:
+            except (CheckpointError, NonFiniteError, NonFiniteStep) as e:
                 print(f"jaxdp train: error: {e}", file=sys.stderr)
                 stack.close()  # releases the checkpoint directory's lock
                 _exit_now(1)

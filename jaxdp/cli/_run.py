@@ -16,7 +16,6 @@ from tqdm import tqdm
 from .._layout import BatchSizes, ProcessShare, epoch_schedule, micro_batches
 from .._position import SamplerPosition, resume_position
 from .._step import TrainStep
-from .._train_state import NonFiniteError
 from ..checkpoint._checkpoints import Checkpoints
 from ..checkpoint._rules import CheckpointError
 from ._config import RESUME_FIXED
@@ -24,6 +23,11 @@ from ._metrics import MetricsLog, agree
 
 if TYPE_CHECKING:
     from ._config import TrainConfig
+
+
+class NonFiniteStep(RuntimeError):
+    """Without skipping, an update with a NaN or Inf loss or gradient was applied: the run
+    stops there (``jaxdp train --no-skip-nonfinite``)."""
 
 
 def say(*args: Any) -> None:
@@ -161,12 +165,11 @@ class _Run:
         newest = "no checkpoint was saved"
         if self.last_checkpoint:
             newest = f"the newest checkpoint is {self.last_checkpoint}"
-        raise NonFiniteError(
+        raise NonFiniteStep(
             f"optimizer step {record['step']} (epoch {record['epoch']}) had a non-finite "
             f"{values}, and with skip_nonfinite off (--no-skip-nonfinite) its update made "
             f"the parameters non-finite: stopped there, nothing saved after it; {newest}. "
-            "Resume with skipping on, or a lower learning rate",
-            self.state,
+            "Resume with skipping on, or a lower learning rate"
         )
 
     def _calls(
