@@ -282,7 +282,17 @@ def remove_item(step_dir):
     shutil.rmtree(step_dir / "replicated")
 
 
-@pytest.mark.parametrize("damage", [corrupt_data, flip_a_byte, corrupt_meta, remove_item])
+def move_the_position(step_dir):
+    """Valid JSON that would resume six batches early: only the meta's SHA-256 tells."""
+    meta = step_dir / "meta" / "metadata"
+    text = meta.read_text()
+    assert text.count('"step_in_epoch": 9') == 1, text
+    meta.write_text(text.replace('"step_in_epoch": 9', '"step_in_epoch": 3'))
+
+
+@pytest.mark.parametrize(
+    "damage", [corrupt_data, flip_a_byte, corrupt_meta, remove_item, move_the_position]
+)
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, three, damage):
     config = copy_of(three, tmp_path)
     directory = pathlib.Path(config.checkpoint_dir)
@@ -297,6 +307,20 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, three, d
     assert restored.samples == 768 and int(restored.state.step) == 6
     # The bad one is kept under another name; the number is free again.
     assert sorted(p.name for p in directory.iterdir()) == ["3", "6", "9.corrupt"]
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_file_as_checkpoint_directory_is_refused_at_construction(tmp_path, inside):
+    file = tmp_path / "file"
+    file.write_text("not a directory")
+    given = file / "ckpt" if inside else file
+    where = f"is inside {file}, which is a file" if inside else "is a file"
+    with pytest.raises(
+        jaxdp.checkpoint.CheckpointError,
+        match=f"directory='{given}' {where}, not a directory: checkpoints are directories",
+    ):
+        jaxdp.checkpoint.Checkpoints(given)
+    assert file.read_text() == "not a directory"
 
 
 def test_training_redoes_a_corrupt_checkpoint_exactly(tmp_path, three):

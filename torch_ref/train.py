@@ -229,12 +229,13 @@ def _run(
     if ddp:
         if config.sync_batchnorm:
             module = convert_sync_batchnorm(module, config.device)
-        # broadcast_buffers=True (the default): rank 0's buffers (BatchNorm's running
-        # statistics) are broadcast at the start of every forward, no_sync ones too.
+        # Buffers at their default: rank 0's buffers (BatchNorm's running statistics)
+        # are broadcast at the start of every forward, no_sync ones too. Not spelled
+        # out: torch 2.13 deprecates broadcast_buffers= (a FutureWarning per rank)
+        # for forward_sync_buffers=, which older versions lack; the default is both.
         model = DDP(
             module,
             device_ids=[device] if config.device == "cuda" else None,
-            broadcast_buffers=True,
             find_unused_parameters=config.find_unused_parameters,
         )
     optimizer = build_optimizer(model.parameters(), config.optimizer)

@@ -10,36 +10,36 @@ complete, so a crash mid-save leaves no half checkpoint under a step number.
 Each holds three orbax items: ``replicated`` (step, params, optimizer
 state, model state), ``per_device`` (the ``multisteps`` path's accumulators,
 one row per device) and ``meta`` (JSON: sampler position, batch identity, seed,
-the shape and dtype of every leaf and a SHA-256 of its bytes).
+the shape and dtype of every leaf and a SHA-256 of its bytes, and a SHA-256 of
+the meta itself: :mod:`._meta`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import pathlib
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from .._layout import BatchSizes
 from .._position import SamplerPosition
 from .._train_state import TrainState
+from ._meta import FORMAT, array_sha256, check_sealed, sealed
 from ._quiet import quiet_failed_read_noise
 from ._rules import (
     CheckpointError,
     check_compatible,
+    check_is_directory,
     check_position,
     describe,
     is_per_device,
     named,
 )
-
-FORMAT = 1  # the layout of ``meta``; bumped when it changes
+from ._tree import abstract, join, saved_tree, split, state_from_tree, zeros
+from ._write_failure import no_room, quiet_writer_thread_logs
 
 
 class Restored(NamedTuple):
@@ -85,6 +85,7 @@ class Checkpoints:
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep={keep!r} must be a positive integer, or None to keep all")
         self.directory = pathlib.Path(directory).absolute()
+        check_is_directory(directory, name="directory")
         self.keep = keep
         self.verify = verify
         options = ocp.CheckpointManagerOptions(
@@ -97,6 +98,9 @@ class Checkpoints:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._verified: set[int] = set()
+        # Installed before a failure: its noise comes while the write or read fails.
+        quiet_writer_thread_logs()
+        quiet_failed_read_noise()
 
     @property
     def steps(self) -> list[int]:
@@ -121,7 +125,9 @@ class Checkpoints:
         JSON-serializable record (``jaxdp train`` stores its config). Raises
         :class:`CheckpointError` if the step is not newer than every checkpoint
         there (one of that number exists already: checkpoints are never
-        overwritten), or if the checkpoint does not read back intact.
+        overwritten), if it cannot be written (a full disk is named as such,
+        with the newest checkpoint, which is kept), or if it does not read back
+        intact.
         """
         number, steps = int(state.step), self.steps
         if number in steps:
@@ -135,7 +141,7 @@ class Checkpoints:
                 f"{self.directory}; restore reads the newest"
             )
         check_position(state, position)
-        tree = _tree(state)
+        tree = saved_tree(state)
         meta = {
             "format": FORMAT,
             "samples": samples,
@@ -143,14 +149,18 @@ class Checkpoints:
             "position": position._asdict(),
             "batch": sizes._asdict(),
             "seed": seed,
-            "leaves": {name: {**describe(x), "sha256": _sha256(x)} for name, x in named(tree)},
+            "leaves": {name: {**describe(x), "sha256": array_sha256(x)} for name, x in named(tree)},
             "extra": extra or {},
         }
-        replicated, per_device = _split(tree)
+        meta = sealed(meta)
+        replicated, per_device = split(tree)
         items = {"replicated": ocp.args.StandardSave(replicated), "meta": ocp.args.JsonSave(meta)}
         if jax.tree.leaves(per_device):
             items["per_device"] = ocp.args.StandardSave(per_device)
-        self._manager.save(number, args=ocp.args.Composite(**items), force=True)
+        try:
+            self._manager.save(number, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:
+            raise self._write_failed(number, e) from e
         if self.verify:
             try:
                 self._read(number, meta, state, per_device=True)
@@ -197,7 +207,7 @@ class Checkpoints:
         failures: list[tuple[int, Exception]] = []
         for number, meta in self._newest_first(failures):
             path = self.directory / str(number)
-            here = {name: describe(x) for name, x in named(_tree(like))}
+            here = {name: describe(x) for name, x in named(saved_tree(like))}
             saved = check_compatible(meta, here, sizes, force=force, path=path, validate=validate)
             same_devices = saved.num_devices == sizes.num_devices
             try:
@@ -260,42 +270,48 @@ class Checkpoints:
             + "; ".join(f"{n}: {_short(e)}" for n, e in failures)
         )
 
+    def _write_failed(self, number: int, error: Exception) -> CheckpointError:
+        """One line for a failed write: the path, the cause, the newest checkpoint (kept)."""
+        path = self.directory / str(number)
+        cause = no_room(error)
+        cause = f"no room left: {cause}" if cause else _short(error)
+        newest = [n for n in self.steps if n < number]
+        verified = [n for n in newest if n in self._verified]
+        if verified:
+            kept = f"the newest valid checkpoint is {self.directory / str(verified[-1])}, kept"
+        elif newest:
+            kept = f"the newest checkpoint is {self.directory / str(newest[-1])}, kept"
+        else:
+            kept = "no checkpoint was written before it"
+        return CheckpointError(
+            f"checkpoint {path} could not be written ({cause}); {kept}; the partial write is "
+            "removed when the directory is next opened"
+        )
+
     def _read_meta(self, number: int) -> dict[str, Any]:
         meta = self._manager.restore(number, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        meta = meta["meta"]
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise CheckpointError(f"meta is not jaxdp checkpoint format {FORMAT}")
-        return meta
+        return check_sealed(meta["meta"])
 
     def _read(
         self, number: int, meta: dict[str, Any], like: TrainState, *, per_device: bool
     ) -> TrainState:
         """Reads arrays into ``like``'s shardings and checks them against the SHA-256s."""
-        replicated, devices = _split(_tree(like))
-        items = {"replicated": ocp.args.StandardRestore(_abstract(replicated))}
+        replicated, devices = split(saved_tree(like))
+        items = {"replicated": ocp.args.StandardRestore(abstract(replicated))}
         read_devices = per_device and bool(jax.tree.leaves(devices))
         if read_devices:
-            items["per_device"] = ocp.args.StandardRestore(_abstract(devices))
+            items["per_device"] = ocp.args.StandardRestore(abstract(devices))
         out = self._manager.restore(number, args=ocp.args.Composite(**items))
         # Not read: at an optimizer-step boundary the accumulators are zero.
-        devices = out["per_device"] if read_devices else jax.tree.map(_zeros, devices)
-        tree = _join(out["replicated"], devices)
+        devices = out["per_device"] if read_devices else jax.tree.map(zeros, devices)
+        tree = join(out["replicated"], devices)
         for name, x in named(tree):
             expected = meta["leaves"][name]["sha256"]
             if (read_devices or not is_per_device(x)) and expected is not None:
-                actual = _sha256(x)
+                actual = array_sha256(x)
                 if actual is not None and actual != expected:
                     raise CheckpointError(f"{name} does not match its SHA-256")
-        return TrainState(
-            tree["step"],
-            tree["params"],
-            tree["opt_state"],
-            tree["accum"],
-            like.graphdef,
-            jax.tree.map(_like_key, tree["model_state"], like.model_state),
-            tree["skipped_steps"],
-            tree["consecutive_skips"],
-        )
+        return state_from_tree(tree, like)
 
     def _set_aside(self, failures: list[tuple[int, Exception]], used: pathlib.Path) -> None:
         for number, error in failures:
@@ -326,64 +342,6 @@ class Checkpoints:
             if number < newest_verified:
                 self._manager.delete(number)
                 self._verified.discard(number)
-
-
-def _tree(state: TrainState) -> dict[str, Any]:
-    """What is saved: the state without its static NNX graph, rng keys as their data."""
-    return {
-        "step": state.step,
-        "params": state.params,
-        "opt_state": state.opt_state,
-        "accum": state.accum,
-        "model_state": jax.tree.map(_key_data, state.model_state),
-        "skipped_steps": state.skipped_steps,
-        "consecutive_skips": state.consecutive_skips,
-    }
-
-
-def _is_key(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _key_data(x: Any) -> Any:
-    """An ``nnx.Rngs`` key as its uint32 data: orbax stores plain arrays."""
-    return jax.random.key_data(x) if _is_key(x) else x
-
-
-def _like_key(x: Any, like: Any) -> Any:
-    return jax.random.wrap_key_data(x, impl=jax.random.key_impl(like)) if _is_key(like) else x
-
-
-def _split(tree: Any) -> tuple[Any, Any]:
-    """``(replicated, per_device)``: ``tree`` twice, the other kind of leaf set to None."""
-    replicated = jax.tree.map(lambda x: None if is_per_device(x) else x, tree)
-    per_device = jax.tree.map(lambda x: x if is_per_device(x) else None, tree)
-    return replicated, per_device
-
-
-def _join(replicated: Any, per_device: Any) -> Any:
-    return jax.tree.map(
-        lambda a, b: b if a is None else a, replicated, per_device, is_leaf=lambda x: x is None
-    )
-
-
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _zeros(x: Any) -> jax.Array:
-    return jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
-
-
-def _sha256(x: jax.Array) -> str | None:
-    """SHA-256 of the value's bytes; None where this process cannot see all of it."""
-    if x.is_fully_addressable:
-        value = np.asarray(x)
-    elif x.sharding.is_fully_replicated:
-        value = np.asarray(x.addressable_data(0))
-    else:
-        return None  # another process holds part of it; orbax's own checks apply
-    return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
 
 
 def _short(error: Exception) -> str:

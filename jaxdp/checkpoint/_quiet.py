@@ -1,4 +1,4 @@
-"""Quiet after a failed orbax read: one error reported, not dozens of tracebacks."""
+"""Quiet after a failed orbax read or write: one error reported, not dozens of tracebacks."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 
 
 def quiet_failed_read_noise() -> None:
-    """Silences the aftermath of a failed orbax read (once per process).
+    """Silences the aftermath of a failed orbax read or write (once per process).
 
-    When one array of a restore fails, orbax's asyncio loop stops while
-    tensorstore still completes the other reads: each completion callback
+    When one array of a restore (or save) fails, orbax's asyncio loop stops while
+    tensorstore still completes the other reads and writes: each completion callback
     raises RuntimeError("Event loop is closed") as an unraisable exception, and
     asyncio logs every other failed read as "exception was never retrieved".
     Dozens of tracebacks after an error that is already reported; everything

@@ -7,6 +7,7 @@ its help, with these defaults) before it checks that the extra is installed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from .._options import AccumulationPath, Strategy
@@ -33,6 +34,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # where checkpoints go; None: none
     checkpoint_every: int | None = None  # optimizer steps between checkpoints; None: at the end
     keep: int = 3  # checkpoints kept (the newest verified ones)
+    skip_nonfinite: bool = True  # skip an update with NaN/Inf gradients; off: stop at it
     resume: bool = False  # continue from the newest readable checkpoint in checkpoint_dir
     force_resume: bool = False  # resume even with another global_batch_size
     metrics_out: str | None = None  # JSON lines file, one record per optimizer step
@@ -40,10 +42,23 @@ class TrainConfig:
     progress: bool | None = None  # progress bar; None: only on a terminal
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "steps", "checkpoint_every", "keep", "hidden"):
+        # Every number, before JAX starts: a bad one must not cost a run (or a NaN step 1).
+        for name in _POSITIVE:
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise ValueError(
+                f"seed={self.seed!r} must be an integer in [0, 2**32) (numpy's and "
+                "scikit-learn's seeds; JAX's key would drop higher bits)"
+            )
+        lr = self.learning_rate
+        number = isinstance(lr, int | float) and not isinstance(lr, bool)
+        if not number or not math.isfinite(lr) or lr < 0:
+            raise ValueError(
+                f"learning_rate={lr!r} must be a finite number >= 0 (as torch.optim requires; "
+                "a negative one ascends the loss)"
+            )
         for name, allowed in (
             ("model", ("mlp", "cnn")),
             ("optimizer", ("adamw", "sgd")),
@@ -62,6 +77,22 @@ class TrainConfig:
         if self.epochs is None and self.steps is None:
             return DEFAULT_EPOCHS
         return self.epochs
+
+
+_POSITIVE = (
+    "num_devices",
+    "accum_steps",
+    "micro_batch_size",
+    "epochs",
+    "steps",
+    "checkpoint_every",
+    "keep",
+    "hidden",
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # Fields a resumed run must share with the checkpoint's, and why.

@@ -8,11 +8,12 @@ import dataclasses
 import functools
 import importlib.metadata
 import json
+import os
 import signal
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import __version__
 from ._config import DEFAULT_EPOCHS, TrainConfig
@@ -81,6 +82,12 @@ def _model_options(option: Callable[..., Any], d: TrainConfig) -> None:
         metavar="SEED",
         type=int,
         help=f"model init, held-out split, data order (default: {d.seed})",
+    )
+    option(
+        "--skip-nonfinite",
+        action=argparse.BooleanOptionalAction,
+        help="skip (and report) an update with NaN or Inf gradients or loss, up to 10 in a "
+        "row; --no-skip-nonfinite applies it and stops there, naming the step (default: skip)",
     )
 
 
@@ -170,20 +177,30 @@ def _run_train(args: argparse.Namespace) -> int:
 
     from .._train_state import NonFiniteError
     from ..checkpoint._rules import CheckpointError
-    from ._train import train
+    from ._run import NonFiniteStep
+    from ._train import finish, prepare
 
-    try:
-        config = _start(args)
-    except ValueError as e:  # CheckpointError included
-        raise SystemExit(f"jaxdp train: error: {e}") from None
-    if config.precision == "float64":
-        jax.config.update("jax_enable_x64", True)
-    with _stop_on_signals() as stopped_by, warnings.catch_warnings():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())  # a resume's corrupt checkpoint
         warnings.showwarning = _show_warning
+        # Everything that can refuse the run does so here, before the first step:
+        # a usage error, exit status 2 as argparse's own.
         try:
-            summary = train(config, stop=lambda _: stopped_by[0] is not None)
-        except (CheckpointError, NonFiniteError) as e:
-            raise SystemExit(f"jaxdp train: error: {e}") from None
+            config = _start(args)
+            if config.precision == "float64":
+                jax.config.update("jax_enable_x64", True)
+            files = {"summary_out": args.summary_out}
+            prepared = stack.enter_context(prepare(config, files=files))
+        except ValueError as e:  # CheckpointError included
+            print(f"jaxdp train: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        with _stop_on_signals() as stopped_by:
+            try:
+                summary = finish(prepared, stop=lambda _: stopped_by[0] is not None)
+            except (CheckpointError, NonFiniteError, NonFiniteStep) as e:
+                print(f"jaxdp train: error: {e}", file=sys.stderr)
+                stack.close()  # releases the checkpoint directory's lock
+                _exit_now(1)
     if args.summary_out and jax.process_index() == 0:
         with open(args.summary_out, "w") as f:
             json.dump(summary, f, indent=2)
@@ -197,27 +214,46 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _start(args: argparse.Namespace) -> TrainConfig:
     """The run's config (a resume's completed from its checkpoint), once JAX is set up."""
-    import os
-
     from .._distributed import ENV_CPU_DEVICES, initialize
+    from ._outputs import lock_while
     from ._resume import resumed_config
     from ._run import say
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     config = TrainConfig(**given)  # a bad flag fails before JAX starts
+    cpu_devices = args.cpu_devices
+    if cpu_devices is not None and cpu_devices < 1:
+        raise ValueError(f"cpu_devices={cpu_devices!r} must be a positive integer")
     # Before JAX starts its backend. The CPU device count affects the CPU
     # backend only, so on a GPU machine the default still trains on all GPUs.
     # Under jaxdp launch (or Slurm, Open MPI, ...) this joins the other processes.
-    cpu_devices = args.cpu_devices
     if cpu_devices is None and not os.environ.get(ENV_CPU_DEVICES):
         cpu_devices = DEFAULT_CPU_DEVICES
     initialize(cpu_devices=cpu_devices)
     if not config.resume:
         return config
-    config, taken = resumed_config(given)
+    assert config.checkpoint_dir is not None  # TrainConfig requires it with resume
+    # Reading a checkpoint opens its directory, which clears unfinished saves:
+    # not while another run writes there.
+    with lock_while(config.checkpoint_dir):
+        config, taken = resumed_config(given)
     say(taken)
     return config
+
+
+def _exit_now(status: int) -> NoReturn:
+    """Exits with ``status``; with several processes at once, as jaxdp.initialize's
+    excepthook does: a failure (a checkpoint that could not be written) may have
+    reached this process alone, and its peers wait in a collective or in orbax's
+    barrier, so JAX's shutdown barrier would hold it for ``timeout_s``."""
+    import jax
+
+    if jax.process_count() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    raise SystemExit(status)
 
 
 def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kw: Any) -> None:

@@ -4,6 +4,7 @@ checkpoints at the exact data position, metrics per optimizer step."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,11 @@ from ._metrics import MetricsLog, agree
 
 if TYPE_CHECKING:
     from ._config import TrainConfig
+
+
+class NonFiniteStep(RuntimeError):
+    """Without skipping, an update with a NaN or Inf loss or gradient was applied: the run
+    stops there (``jaxdp train --no-skip-nonfinite``)."""
 
 
 def say(*args: Any) -> None:
@@ -134,6 +140,8 @@ class _Run:
                         bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{rate:.0f}")
                     log.write(record)
                     bar.update()
+                    if not _finite(record):  # already on the host: no sync of its own
+                        self._nonfinite(record)
                     if every and advanced and done % every == 0:
                         self.save()
                     if bar.disable and position.step_in_epoch == 0:
@@ -142,6 +150,27 @@ class _Run:
                     return True
         self.step.check(self.state)  # a skip limit reached by the last call
         return False
+
+    def _nonfinite(self, record: dict[str, Any]) -> None:
+        """Reports a skipped update; without skipping, stops the run naming the step."""
+        values = f"loss={record['loss']}, grad_norm={record.get('grad_norm')}"
+        if record.get("skipped"):
+            limit = self.step.options.max_consecutive_skips
+            self._tell(
+                f"optimizer step {record['step'] + 1} (epoch {record['epoch']}): non-finite "
+                f"{values}; update skipped ({record['consecutive_skips']:.0f} in a row; "
+                f"max_consecutive_skips={limit} ends the run)"
+            )
+            return
+        newest = "no checkpoint was saved"
+        if self.last_checkpoint:
+            newest = f"the newest checkpoint is {self.last_checkpoint}"
+        raise NonFiniteStep(
+            f"optimizer step {record['step']} (epoch {record['epoch']}) had a non-finite "
+            f"{values}, and with skip_nonfinite off (--no-skip-nonfinite) its update made "
+            f"the parameters non-finite: stopped there, nothing saved after it; {newest}. "
+            "Resume with skipping on, or a lower learning rate"
+        )
 
     def _calls(
         self, x: np.ndarray, y: np.ndarray
@@ -222,6 +251,10 @@ class _Run:
 def _where(position: SamplerPosition) -> str:
     text = f"next: epoch {position.epoch} batch {position.step_in_epoch}"
     return text + (f" micro-batch {position.micro_batch}" if position.micro_batch else "")
+
+
+def _finite(record: dict[str, Any]) -> bool:
+    return all(math.isfinite(record.get(k, 0.0)) for k in ("loss", "grad_norm"))
 
 
 def _record(state: Any, metrics: dict[str, Any], epoch: int, samples: int) -> dict[str, Any]:
