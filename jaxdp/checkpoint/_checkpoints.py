@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 
 from .._layout import BatchSizes
 from .._position import SamplerPosition
-from .._train_state import TrainState
+from .._train_state import TrainState, check_live
 from ._meta import FORMAT, array_sha256, check_sealed, sealed
 from ._quiet import quiet_failed_read_noise
 from ._rules import (
@@ -127,8 +127,10 @@ class Checkpoints:
         there (one of that number exists already: checkpoints are never
         overwritten), if it cannot be written (a full disk is named as such,
         with the newest checkpoint, which is kept), or if it does not read back
-        intact.
+        intact, and ``ValueError`` before anything is written if ``state``'s
+        buffers were donated to a step's call (save the state that call returned).
         """
+        check_live(state)
         number, steps = int(state.step), self.steps
         if number in steps:
             raise CheckpointError(

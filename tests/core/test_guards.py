@@ -51,6 +51,18 @@ def test_a_donated_state_passed_again_raises_instead_of_crashing(path):
     step(new, batch)  # the returned state is still good
 
 
+def test_saving_a_donated_state_raises_before_writing(tmp_path):
+    step = make()
+    state = step.init(mlp_params())
+    step(state, regression_data(rows(step)))
+    checkpoints = jaxdp.checkpoint.Checkpoints(tmp_path / "ckpt")
+    sizes = jaxdp.BatchSizes(NUM_DEVICES, ACCUM, 2, rows(step))
+    with pytest.raises(ValueError, match=r"state was donated to an earlier call"):
+        checkpoints.save(state, position=jaxdp.SamplerPosition(0, 1), sizes=sizes, samples=16)
+    assert checkpoints.steps == []
+    assert not any((tmp_path / "ckpt").iterdir())
+
+
 def test_check_live_names_a_deleted_leaf_of_a_mixed_state():
     step = make()
     state = step.init(mlp_params())
