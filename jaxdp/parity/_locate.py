@@ -81,7 +81,6 @@ class _Locator:
         module = None
         if stages[0].beyond:
             module = self.trace(state, micro[_first_bad(theirs, ours, self)][0])
-            stages[0] = dataclasses.replace(stages[0], beyond=self.module_params(module))
         if all(s.passed for s in stages):
             stages.append(self.accumulated(step, theirs))
         if all(s.passed for s in stages):
@@ -267,11 +266,14 @@ class _Locator:
     def finding(self, step, stages, module, theirs: _Pass, ours: _Pass) -> Divergence:
         first = next((s for s in stages if s.beyond), None)
         ratio = float(np.median(np.asarray(ours.losses) / np.asarray(theirs.losses)))
-        notes = notes_for(first, module, self.trace_lines, ratio, self.port)
+        names = list(first.beyond) if first else []
+        if first is not None and first.stage == "forward":
+            names = self.module_params(module)
+        notes = notes_for(first, module, names, self.trace_lines, ratio, self.port)
         return Divergence(
             step=step,
             stage=first.stage if first else None,
-            names=list(first.beyond) if first else [],
+            names=names,
             module=module,
             stages=stages,
             notes=notes,

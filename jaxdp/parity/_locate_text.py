@@ -64,7 +64,12 @@ class Divergence:
 
 
 def notes_for(
-    first: StageDiff | None, module: str | None, trace: list[str], ratio: float, port: Any
+    first: StageDiff | None,
+    module: str | None,
+    names: list[str],
+    trace: list[str],
+    ratio: float,
+    port: Any,
 ) -> list[str]:
     """The locator's reading of its first differing stage."""
     k = port.config.accum_steps
@@ -74,17 +79,9 @@ def notes_for(
             "from rounding over the steps before, or lives in state the stages do not "
             "compare (BatchNorm statistics, optimizer state the replay does not reach)"
         ]
-    names = ", ".join(first.beyond[:6]) + (" ..." if len(first.beyond) > 6 else "")
+    listed = ", ".join(names[:6]) + (" ..." if len(names) > 6 else "")
     if first.stage == "forward":
-        where = module if module else "the model's own code (outside its submodules)"
-        lines = [
-            f"first difference: forward, in {where or '<model>'}: the same input gives a "
-            "different output there; its submodules (if any) agree given their own inputs, "
-            "so look at its settings (epsilon, approximations, layouts) and own code"
-        ]
-        if names:
-            lines.append(f"its parameters: {names}")
-        return [*lines, "submodules (torch's order; inputs and outputs against torch):", *trace]
+        return [*_forward_notes(module, listed, trace), *trace]
     if first.stage == "loss":
         line = f"first difference: loss; the outputs agree, jaxdp / torch = {ratio:.6g}"
         if abs(ratio - k) <= RATIO_RTOL * k and k > 1:
@@ -102,17 +99,40 @@ def notes_for(
         return [
             "first difference: gradients of a micro-batch, with outputs and loss agreeing: "
             "a custom gradient, a stop_gradient or detach, or an op differentiated "
-            f"differently; parameters: {names}"
+            f"differently; parameters: {listed}"
         ]
     if first.stage == "accumulated gradients":
         return [
             "first difference: the accumulated gradient, with every micro-batch's agreeing: "
             "the data order, the micro-batch weights or the loss normalization "
-            f"(loss_reduction) differ; parameters: {names}"
+            f"(loss_reduction) differ; parameters: {listed}"
         ]
     return [
         f"first difference: the optimizer update at step {first.step}, with the gradients "
         f"agreeing: the JAX optimizer is not torch's {port.spec} (clipping: torch's "
         "clip_grad_norm_ divides by norm + 1e-6, see clip_grad_norm_like_torch; weight "
-        f"decay order; eps placement, eps_root=0); parameters: {names}"
+        f"decay order; eps placement, eps_root=0); parameters: {listed}"
     ]
+
+
+def _forward_notes(module: str | None, listed: str, trace: list[str]) -> list[str]:
+    if module is None:
+        return [
+            "first difference: forward, in no single submodule that torch and the port both "
+            "have (compared below by path, NCHW against NHWC where shapes say so)",
+            "modules (torch's order; inputs and outputs against torch):",
+        ]
+    where = module or "the model itself"
+    children = any(line.lstrip().startswith(f"{module}.") for line in trace) or module == ""
+    reading = (
+        "its submodules agree given their own inputs: the difference is in its own code "
+        "between them (an activation, a reshape, a constant)"
+        if children
+        else "look at its settings (epsilon, an approximation, a layout, its dtype)"
+    )
+    lines = [
+        f"first difference: forward, in {where}: the same input gives a different output; {reading}"
+    ]
+    if listed:
+        lines.append(f"its parameters: {listed}")
+    return [*lines, "modules (torch's order; inputs and outputs against torch):"]

@@ -7,6 +7,7 @@ anything runs (so a mapping error comes first), and its parts are what the tests
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -224,15 +225,23 @@ def _jax_module(jax_model: Any, seed: int, dtype: Dtype) -> nnx.Module:
     if not isinstance(jax_model, nnx.Module):
         if not callable(jax_model):
             raise TypeError(f"jax_model={jax_model!r} must be an nnx.Module, a class or a factory")
-        # An NNX class's metaclass hides __init__'s signature.
-        init = jax_model.__init__ if isinstance(jax_model, type) else jax_model
-        takes = inspect.signature(init).parameters
         given = {"rngs": nnx.Rngs(seed), "param_dtype": jnp.dtype(dtype)}
-        jax_model = jax_model(**{k: v for k, v in given.items() if k in takes})
+        jax_model = jax_model(**{k: v for k, v in given.items() if k in _keywords(jax_model)})
         if not isinstance(jax_model, nnx.Module):
             raise TypeError(f"jax_model returned {type(jax_model).__name__}, not nnx.Module")
     _check_compute_dtypes(jax_model, dtype)
     return jax_model
+
+
+def _keywords(factory: Any) -> set[str]:
+    """The keyword arguments a class or factory (or a partial of one) still takes."""
+    bound: set[str] = set()
+    while isinstance(factory, functools.partial):
+        bound |= set(factory.keywords)
+        factory = factory.func
+    # An NNX class's metaclass hides __init__'s signature.
+    target = factory.__init__ if isinstance(factory, type) else factory
+    return set(inspect.signature(target).parameters) - bound
 
 
 def _check_compute_dtypes(module: nnx.Module, dtype: Dtype) -> None:

@@ -19,6 +19,9 @@ from flax import nnx
 
 from ._mapping import dotted
 
+# Modules listed after the one that first differs.
+MORE_LINES = 3
+
 
 @dataclasses.dataclass(frozen=True)
 class Call:
@@ -99,8 +102,9 @@ def culprit(
 ) -> tuple[str | None, list[str]]:
     """The first module (in torch's finishing order) with the same input on both sides
     and a different output: children finish before their parent, so it is the
-    innermost one. Returns ``(path or None, one line per compared module)``."""
-    lines, found = [], None
+    innermost one. Returns ``(path or None, one line per compared module up to it and
+    a few after)``."""
+    lines, found, after = [], None, 0
     for call in torch_side:
         twin = jax_side.get(call.path)
         if twin is None:
@@ -109,11 +113,19 @@ def culprit(
         outputs = differs(call.output, twin.output, rtol, atol)
         if inputs is None or outputs is None:
             continue
-        lines.append(
+        line = (
             f"  {call.path or '<model>':<24} input {_verdict(inputs)}, output {_verdict(outputs)}"
         )
+        if call.output.dtype != twin.output.dtype:
+            line += f" [computes in {twin.output.dtype}, torch in {call.output.dtype}]"
+        lines.append(line)
         if found is None and not inputs[0] and outputs[0]:
             found = call.path
+        elif found is not None:
+            after += 1
+            if after == MORE_LINES:
+                lines.append("  ...")
+                break
     return found, lines
 
 
