@@ -123,5 +123,15 @@ def test_mapping_dict_and_function_override_the_rules():
 def test_frozen_torch_parameters_are_named_in_the_port():
     torch_model = Pair(nn.Linear(2, 2))
     torch_model.layer.bias.requires_grad_(False)
-    weights, _ = convert(torch_model, Port(nnx.Linear(2, 2, rngs=RNGS)))
+    port = Port(nnx.Linear(2, 2, rngs=RNGS))
+    weights, _ = convert(torch_model, port)
+    assert weights.frozen == {"layer.bias"}
+
+    def function(state_dict):
+        return {
+            "layer.kernel": state_dict["layer.weight"].T,
+            "layer.bias": state_dict["layer.bias"],
+        }
+
+    weights, _ = convert(torch_model, port, function)
     assert weights.frozen == {"layer.bias"}

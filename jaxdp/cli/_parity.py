@@ -104,7 +104,7 @@ def _check_flags(args: argparse.Namespace) -> bool:
     if not any(port):
         given = [f"--{k.replace('_', '-')}" for k in PORT_ONLY if getattr(args, k) is not None]
         if given:
-            _error(f"{', '.join(given)} need --torch-model, --jax-model and --data")
+            _error(f"{', '.join(given)}: only with --torch-model, --jax-model and --data")
         return False
     if not all(port):
         _error("--torch-model, --jax-model and --data go together")
@@ -112,7 +112,7 @@ def _check_flags(args: argparse.Namespace) -> bool:
         _error("--model names a reference model; give it or --torch-model/--jax-model")
     given = [f"--{k.replace('_', '-')}" for k in REFERENCE_ONLY if getattr(args, k) is not None]
     if given:
-        _error(f"{', '.join(given)} apply to --model only")
+        _error(f"{', '.join(given)}: only with --model (a reference model)")
     return True
 
 

@@ -116,19 +116,19 @@ def build_weight_map(
     state_dict = {k: _numpy(v) for k, v in torch_model.state_dict().items()}
     frozen_torch = {n for n, p in torch_model.named_parameters() if not p.requires_grad}
     if callable(mapping):
-        return _function_map(mapping, state_dict, leaves)
+        return _function_map(mapping, state_dict, leaves, frozen_torch)
     if mapping is not None and not isinstance(mapping, Mapping):
         raise TypeError(f"mapping={mapping!r} must be None, a dict or a function")
     modules = dict(torch_model.named_modules())
-    links, unmapped, skipped = [], [], []
+    links, unmapped = [], []
     for name in state_dict:
         if mapping is not None and name in mapping:
             link = _user_link(name, mapping[name], modules)
         else:
             link = _auto_link(name, modules, leaves)
-        if link is None:
-            (skipped if _skippable(name, modules) else unmapped).append(name)
-        elif link.jax:
+        if link is None and not _skippable(name, modules):
+            unmapped.append(name)
+        elif link is not None and link.jax:  # () for a tensor the mapping leaves out
             links.append(link)
     problems = _check_links(links, unmapped, state_dict, leaves, modules)
     if problems:
@@ -242,8 +242,7 @@ def _mha_out(mha: Any, weight: bool) -> Transform:
 
 
 def _auto_link(name: str, modules: dict[str, Any], leaves: dict[str, Any]) -> Link | None:
-    candidates = _candidates(name, modules)
-    for paths, transform, how in candidates:
+    for paths, transform, how in _candidates(name, modules):
         if all(p in leaves for p in paths):
             return Link(name, paths, transform, how)
     return None
@@ -379,6 +378,7 @@ def _function_map(
     function: Callable[[dict[str, np.ndarray]], dict[str, Any]],
     state_dict: dict[str, np.ndarray],
     leaves: dict[str, Any],
+    frozen_torch: set[str],
 ) -> WeightMap:
     tensors = _Reads(state_dict)
     values = function(tensors)
@@ -401,7 +401,13 @@ def _function_map(
             )
     if problems:
         raise ValueError(_mapping_error(problems))
-    return WeightMap(leaves, (), function, frozenset())
+    # A layout function takes ones to ones: a JAX parameter made only of the frozen
+    # tensors' zeros is frozen.
+    probe = function({k: np.full_like(v, k not in frozen_torch) for k, v in state_dict.items()})
+    frozen = frozenset(
+        p for p, var in leaves.items() if isinstance(var, nnx.Param) and not np.any(probe[p])
+    )
+    return WeightMap(leaves, (), function, frozen)
 
 
 def _shape(x: Any) -> tuple[int, ...]:

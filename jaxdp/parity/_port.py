@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -117,6 +118,8 @@ def prepare(
     port_module = _jax_module(jax_model, config.seed, dtype)
     weights = build_weight_map(module, port_module, mapping)
     torch_loss, jax_loss = _losses(loss)
+    if config.num_devices > 1:
+        _check_picklable(torch_model=torch_model, loss=torch_loss)
     return Port(
         config=config,
         torch_model=torch_model,
@@ -199,6 +202,18 @@ def _data(data: Any, dtype: Dtype) -> tuple[np.ndarray, np.ndarray]:
     if len(x) != len(y):
         raise ValueError(f"data: x has {len(x)} rows but y has {len(y)}")
     return tuple(a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a for a in (x, y))
+
+
+def _check_picklable(**torch_side: Any) -> None:
+    """DDP ranks are processes of their own: what they build must travel by pickle."""
+    for name, value in torch_side.items():
+        try:
+            pickle.dumps(value)
+        except Exception as e:  # noqa: BLE001 - pickle raises several kinds
+            raise ValueError(
+                f"{name}={value!r} cannot reach the DDP ranks of num_devices > 1 ({e}); give "
+                "a class or function defined at a module's top level, or a 'MODULE:ATTR' spec"
+            ) from e
 
 
 def _label(model: Any) -> str:
