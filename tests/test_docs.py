@@ -102,6 +102,15 @@ assert memory.temporaries >= w_bytes, memory  # at least the gradient accumulato
 """,
     },
     "parity.md": {-1: "assert report.passed and len(report.max_abs) == 3"},
+    "check-your-port.md": {
+        1: "assert report.passed and len(report.max_abs) == 5",
+        2: """
+found = broken.divergence
+assert (broken.first_failure, found.stage, found.module) == (1, "forward", "norm"), found
+assert found.names == ["norm.bias", "norm.scale"], found.names
+""",
+        3: "assert fixed.passed and 'inp.kernel' in fixed.max_abs[0]",
+    },
 }
 
 
