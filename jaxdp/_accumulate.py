@@ -152,7 +152,7 @@ class StepEnd(NamedTuple):
         else:
             new_params, new_opt_state = apply((params, opt_state))
         new_stats = select(ok, from_wire(wire, batch_stats), batch_stats)
-        metrics = {"loss": loss, "grad_norm": grad_norm}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
         sync = SyncState(loss.astype(self.dtype), grad_norm.astype(self.dtype), finite, wire)
         return Update(new_params, new_opt_state, new_stats, ok, ~ok, metrics), sync
 
@@ -226,7 +226,7 @@ def multisteps_update(
         like = updated_like(optimizer, params, inner_state)
         params, inner_state = cast_like(like, (params, inner_state))
         no = jnp.zeros([], bool)
-        metrics = {"loss": sync.loss, "grad_norm": sync.grad_norm}
+        metrics = {"loss": sync.loss, "grad_norm": sync.grad_norm, "finite": sync.finite}
         return Update(params, (sync, inner_state), batch_stats, no, no, metrics)
 
     operands = (params, opt_state.inner_opt_state, batch_stats, window)

@@ -50,7 +50,9 @@ def loss_parts(
     ``mean``: ``loss_fn`` returns the micro-batch's mean loss; weight is 1, so
     the step averages micro-batch means (DDP's ``loss / accum_steps``).
     ``weighted``: ``loss_fn`` returns ``(loss_sum, count)``; the step divides
-    the total sum by the total count over all micro-batches and devices.
+    the total sum by the total count over all micro-batches and devices. A
+    negative count becomes a NaN weight, so the step's non-finite decision
+    refuses the update (it would step up the gradient).
     For an NNX module, ``batch_stats``, ``rngs`` and ``constants`` are the
     groups of :func:`jaxdp._state.split_state` and ``configure`` adjusts the
     merged module (the BatchNorm mode) before ``loss_fn`` sees it.
@@ -69,6 +71,13 @@ def loss_parts(
         if graphdef is not None:
             batch_stats = written_batch_stats(model, constants)
         if reduction == "mean":
+            if isinstance(out, (tuple, list)):
+                raise TypeError(
+                    f"loss_fn returned a {type(out).__name__} of {len(out)} values with "
+                    "loss_reduction='mean', which takes one scalar (the micro-batch's mean "
+                    "loss): return the loss alone, or (loss_sum, count) with "
+                    "loss_reduction='weighted'"
+                )
             _check_scalar(out, "loss_fn's return value", reduction)
             return out, (jnp.ones([], out.dtype), batch_stats)
         if not (isinstance(out, tuple) and len(out) == 2):
@@ -79,7 +88,9 @@ def loss_parts(
         value, count = out
         _check_scalar(value, "loss_sum", reduction)
         _check_scalar(count, "count", reduction)
-        return value, (jnp.asarray(count).astype(value.dtype), batch_stats)
+        count = jnp.asarray(count).astype(value.dtype)
+        # A scalar select; the NaN reaches the all-reduced weight, loss and gradients.
+        return value, (jnp.where(count < 0, jnp.nan, count), batch_stats)
 
     return parts
 

@@ -252,10 +252,14 @@ def call_sizes(
     global batch has ``process_count`` times as many.
 
     Raises:
+      TypeError: a leaf is not an array (a batch of Python lists), naming it.
       ValueError: naming the rule and the numbers it breaks.
     """
     leaves = jax.tree.leaves(batch)
-    local = {np.shape(x)[0] if np.ndim(x) else 0 for x in leaves}
+    shapes = [getattr(x, "shape", ()) for x in leaves]
+    if not all(shapes):
+        _refuse_leaf(batch)
+    local = {shape[0] for shape in shapes}
     scale = {1 if isinstance(x, jax.Array) else process_count for x in leaves}
     if len(local) != 1:
         raise ValueError(f"every batch leaf needs the same leading size, got {sorted(local)}")
@@ -290,6 +294,20 @@ def call_sizes(
             f"this process's batch has {rows} rows; {process_count} processes make "
             f"a global batch of {total} rows: {e}"
         ) from None
+
+
+def _refuse_leaf(batch: Any) -> None:
+    """Raises for the first leaf of ``batch`` without a leading axis of rows."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        name = "batch" + jax.tree_util.keystr(path)
+        if not hasattr(leaf, "shape"):
+            raise TypeError(
+                f"{name} is a {type(leaf).__name__}, not an array: every batch leaf must be an "
+                "array with the rows on its leading axis (a batch of Python lists has a "
+                "number at every leaf); pass np.asarray(...) of each"
+            )
+        if not leaf.shape:
+            raise ValueError(f"{name} has shape (); every batch leaf needs a leading axis of rows")
 
 
 def check_rows(batch: Any, rows: int, rule: str) -> None:

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from ._guards import is_integer
+
 DATA_AXIS = "data"
 """Name of the mesh axis the batch is split over."""
 
@@ -65,13 +67,15 @@ def data_mesh(
     every process, so mesh position ``r`` is data-parallel rank ``r``.
 
     Raises:
-      ValueError: ``num_devices`` is not positive or exceeds the devices there are.
+      ValueError: ``num_devices`` is not a positive integer or exceeds the devices
+        there are.
     """
     available = list(jax.devices() if devices is None else devices)
     if num_devices is None:
         num_devices = len(available)
-    if num_devices < 1:
-        raise ValueError(f"num_devices={num_devices} must be at least 1")
+    if not is_integer(num_devices) or num_devices < 1:
+        raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
+    num_devices = int(num_devices)
     if num_devices > len(available):
         kind = available[0].platform if available else "none"
         raise ValueError(

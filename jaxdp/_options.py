@@ -47,6 +47,7 @@ class StepOptions:
     max_consecutive_skips: int | None = 10
 
     def __post_init__(self) -> None:
+        _check_objects(self.loss_fn, self.optimizer, self.mesh)
         if not isinstance(self.accum_steps, int) or self.accum_steps < 1:
             raise ValueError(f"accum_steps={self.accum_steps!r} must be a positive integer")
         for name, allowed in (
@@ -133,4 +134,25 @@ class StepOptions:
             replicated(state.model_state),
             P(),
             P(),
+        )
+
+
+def _check_objects(loss_fn: Any, optimizer: Any, mesh: Any) -> None:
+    """The three things a step is built from are what they must be (not a factory, a list)."""
+    if not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn={loss_fn!r} must be callable: loss_fn(params, micro_batch) -> loss"
+        )
+    if not all(callable(getattr(optimizer, name, None)) for name in ("init", "update")):
+        if callable(optimizer):
+            what = "a function, not an optax.GradientTransformation; call it (optax.sgd(0.1))"
+        else:
+            what = f"a {type(optimizer).__name__}, not an optax.GradientTransformation"
+        raise TypeError(f"optimizer={optimizer!r} is {what}")
+    if not isinstance(mesh, Mesh):
+        got, fix = f"a {type(mesh).__name__}", "jaxdp.data_mesh(num_devices)"
+        if isinstance(mesh, (list, tuple)) and all(isinstance(d, jax.Device) for d in mesh):
+            got, fix = f"{got} of {len(mesh)} devices", "jaxdp.data_mesh(devices=those_devices)"
+        raise TypeError(
+            f"mesh= must be a jax.sharding.Mesh with one axis, got {got}; build it with {fix}"
         )

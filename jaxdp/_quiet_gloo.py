@@ -8,7 +8,7 @@ it at once cut it into pieces that land between the process's own lines
 (a line that is only ``1``). Nothing in jaxlib turns it off, so
 :func:`quiet_gloo_notes` separates the streams: Python's ``sys.stdout`` keeps
 the original stream, and the C-level file descriptor 1 goes through a pipe
-whose reader drops the note's pieces and forwards everything else, whole
+whose reader drops the note's pieces (and blank lines) and forwards everything else, whole
 lines, to the original stream.
 """
 
@@ -29,9 +29,8 @@ _PIECES = re.compile(
 
 
 def is_gloo_note(line: str) -> bool:
-    """Whether ``line`` holds only pieces of gloo's note (and their numbers)."""
-    if not line.strip():
-        return False
+    """Whether ``line`` holds only pieces of gloo's note (and their numbers), or nothing:
+    two threads ending their notes at once leave an empty line behind."""
     return not re.sub(r"[\d\s]", "", _PIECES.sub("", line))
 
 

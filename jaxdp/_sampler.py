@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ._guards import is_integer
+
 Permutation = Callable[[int, int], Sequence[int]]
 """``permutation(n, seed) -> a permutation of range(n)``."""
 
@@ -29,6 +31,10 @@ class DistributedSampler:
     wrapping its head until it divides by ``num_replicas``, with ``drop_last``
     cut the tail instead; rank ``r`` takes the strided slice
     ``[r : total_size : num_replicas]``. Every rank gets ``len(self)`` indices.
+
+    Raises ``ValueError`` at construction (and in :meth:`set_epoch`) for sizes
+    that are not positive integers, a rank outside the replicas, or a seed or
+    epoch below 0.
     """
 
     def __init__(
@@ -42,10 +48,12 @@ class DistributedSampler:
         drop_last: bool = False,
         permutation: Permutation = numpy_permutation,
     ) -> None:
-        if dataset_size < 1:
-            raise ValueError(f"dataset_size={dataset_size} must be at least 1")
-        if num_replicas < 1:
-            raise ValueError(f"num_replicas={num_replicas} must be at least 1")
+        for name, value in (("dataset_size", dataset_size), ("num_replicas", num_replicas)):
+            if not is_integer(value) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not is_integer(rank):
+            raise ValueError(f"rank={rank!r} must be an integer")
+        _check_seed("seed", seed)
         if not 0 <= rank < num_replicas:
             raise ValueError(
                 f"rank={rank} must be in [0, num_replicas - 1] = [0, {num_replicas - 1}]"
@@ -71,6 +79,7 @@ class DistributedSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffles: epoch ``e`` uses the permutation of ``seed + e``."""
+        _check_seed("epoch", epoch)
         self.epoch = epoch
 
     def epoch_order(self) -> np.ndarray:
@@ -100,3 +109,9 @@ class DistributedSampler:
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def _check_seed(name: str, value: int) -> None:
+    # numpy's generator refuses a negative seed, and only when the epoch is drawn.
+    if not is_integer(value) or value < 0:
+        raise ValueError(f"{name}={value!r} must be a non-negative integer")

@@ -68,9 +68,10 @@ class SkipWatch:
         skips = int(state.consecutive_skips)
         if skips >= self.limit:
             raise NonFiniteError(
-                f"{skips} optimizer steps in a row had NaN or Inf gradients or loss and were "
-                f"skipped (max_consecutive_skips={self.limit}); parameters and optimizer state "
-                f"are those of step {int(state.step)}, in this error's .state",
+                f"{skips} optimizer steps in a row had NaN or Inf gradients or loss (or a "
+                f"negative count) and were skipped (max_consecutive_skips={self.limit}); "
+                f"parameters and optimizer state are those of step {int(state.step)}, in this "
+                "error's .state",
                 state,
             )
 

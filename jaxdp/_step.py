@@ -15,14 +15,15 @@ from jax.sharding import PartitionSpec as P
 from ._accumulate import AccumState
 from ._device_step import global_step
 from ._forward import LossReduction, merge_model, split_model
-from ._frozen import Trainable, split_trainable, trainable_mask
+from ._frozen import Trainable, split_trainable
+from ._guards import ResizeWatch, check_micro_weights, check_params, check_state_layout
 from ._layout import BatchSizes, call_sizes
 from ._mesh import place
 from ._model_state import BatchStats, check_batch_stats, split_state
 from ._options import AccumulationPath, StepOptions, Strategy
 from ._skip_watch import SkipWatch
 from ._sync import check_replicas
-from ._train_state import TrainState
+from ._train_state import TrainState, check_live
 
 
 class TrainStep:
@@ -38,10 +39,12 @@ class TrainStep:
     several processes each process passes only its rows of that batch
     (:func:`process_share`); no process holds the whole batch.
 
-    The step keeps no training state between calls. Its one piece of host
-    state is ``watch`` (:class:`SkipWatch`): the ``max_consecutive_skips``
-    limit and the bound of two calls in flight on several CPU devices, which
-    need the skip counters of recent calls.
+    The step keeps no training state between calls. Its host state is
+    ``watch`` (:class:`SkipWatch`): the ``max_consecutive_skips`` limit and the
+    bound of two calls in flight on several CPU devices, which need the skip
+    counters of recent calls; and the micro-batch size of the last call, so
+    that a multisteps window never mixes two sizes and a change is announced
+    once (docs/semantics.md, "Errors and guards").
     """
 
     def __init__(self, options: StepOptions):
@@ -50,9 +53,12 @@ class TrainStep:
             options.max_consecutive_skips if options.skip_nonfinite else None,
             bound=options.num_devices > 1 and options.mesh.devices.flat[0].platform == "cpu",
         )
+        self._resize = ResizeWatch(options.path, options.accum_steps)
         donate = (0,) if options.donate else ()
 
         def call(state: TrainState, batch: Any, micro_weights: jax.Array):
+            # Runs only when JAX traces a new input structure: free on later calls.
+            check_state_layout(options, state)
             return global_step(options, state, batch, micro_weights)
 
         self._jitted = jax.jit(call, donate_argnums=donate)
@@ -88,18 +94,21 @@ class TrainStep:
         Checks that every replica holds the same parameters (raises
         :class:`ReplicaMismatchError` naming the first differing leaf), that
         ``batch_stats`` fits the model's BatchNorm modules, and ``trainable``
-        its parameters. The optimizer state covers trainable parameters only.
+        its parameters; raises ``TypeError`` naming a leaf that is no array (a
+        function, a string: split them off first) or a trainable leaf that is
+        not floating-point (freeze it with ``trainable``). The optimizer state
+        covers trainable parameters only.
         """
         o = self.options
         check_batch_stats(params_or_module, o.batch_stats, o.axis_name)
         graphdef, params, model_state = split_model(params_or_module)
         if o.batch_stats is not None and graphdef is None:
             raise ValueError("batch_stats needs an NNX module with BatchNorm, got a pytree")
+        mask = check_params(params, o.trainable)
         replicated = NamedSharding(o.mesh, P())
         params = place(params, replicated, copy=o.donate)
         model_state = place(model_state, replicated, copy=o.donate)
         check_replicas(params, o.mesh, name="params")
-        mask = trainable_mask(params, o.trainable)
         dtype = o.accumulator_dtype(params)
         stats = split_state(model_state)[0]
         # step, skipped_steps, consecutive_skips: three buffers, each donated once.
@@ -147,9 +156,14 @@ class TrainStep:
 
         Raises :class:`NonFiniteError` (from ``watch``) before using this
         call's batch once ``max_consecutive_skips`` updates in a row were
-        skipped, at most two calls after it happened.
+        skipped, at most two calls after it happened; ``ValueError`` for a
+        ``state`` that was donated to an earlier call, and for a micro-batch
+        size other than the open multisteps window's. The first call with
+        another micro-batch size than the call before warns (once per step).
         """
-        inputs = self._inputs(batch, micro_weights)
+        check_live(state, "state", quick=True)
+        sizes, inputs = self._prepare(batch, micro_weights)
+        self._resize.before(state, sizes)
         self.watch.before(state)
         state, metrics = self._jitted(state, *inputs)
         self.watch.after(metrics)
@@ -185,14 +199,19 @@ class TrainStep:
     def _inputs(self, batch: Any, micro_weights: Any) -> tuple[Any, Any]:
         """The batch split over the mesh by rows and the micro-batch weights, replicated;
         abstract inputs pass through."""
+        return self._prepare(batch, micro_weights)[1]
+
+    def _prepare(self, batch: Any, micro_weights: Any) -> tuple[BatchSizes, tuple[Any, Any]]:
+        """The batch's identity and :meth:`_inputs`."""
         shape = (self.accum_steps,) if self.path == "fused" else ()
-        self.sizes(batch)
+        sizes = self.sizes(batch)
         if isinstance(micro_weights, jax.ShapeDtypeStruct):
             weights = micro_weights
         elif micro_weights is None:
             weights = self._ones
         else:
             weights = np.asarray(micro_weights, np.float32)  # 0 and 1 are exact
+            check_micro_weights(weights)
         if weights.shape != shape:
             raise ValueError(
                 f"micro_weights has shape {weights.shape}; the {self.path} path takes "
@@ -201,7 +220,7 @@ class TrainStep:
         rows = NamedSharding(self.mesh, P(self.options.axis_name))
         if not isinstance(weights, jax.ShapeDtypeStruct):
             weights = self._placed_weights(weights)
-        return _place(batch, rows), weights
+        return sizes, (_place(batch, rows), weights)
 
     def _placed_weights(self, weights: np.ndarray) -> jax.Array:
         """The weights on the mesh, placed once per distinct value: a transfer to the
@@ -259,11 +278,13 @@ def make_train_step(
       loss_reduction: ``"mean"``: the update follows the mean of the
         ``num_devices * accum_steps`` micro-batch means (DDP with ``loss /
         accum_steps``). ``"weighted"``: it follows ``sum of loss_sum / sum of
-        count`` over all micro-batches and devices, exact for unequal counts.
+        count`` over all micro-batches and devices, exact for unequal counts;
+        a negative count makes the update non-finite (refused, never applied).
       accum_dtype: accumulator dtype for gradients, loss and weights; default
         float64 if any parameter is float64, else float32.
       donate: donate the input state's buffers to the output (saves memory;
-        the state passed in must not be used again).
+        the state passed in must not be used again: a call given it again
+        raises ``ValueError``).
       batch_stats: how BatchNorm modules (``nnx.BatchStat`` variables and an
         ``axis_name``) compute statistics; required when the model has any.
         ``"local"``: each device normalizes with its own micro-batch's
@@ -287,7 +308,10 @@ def make_train_step(
         (from any device), skip the update on every device: parameters,
         optimizer state and batch statistics stay, the step count does not
         advance, the accumulation window restarts; ``metrics["skipped"]``,
-        ``"skipped_steps"`` and ``"consecutive_skips"`` count them.
+        ``"skipped_steps"`` and ``"consecutive_skips"`` count them. Either
+        way ``metrics["finite"]`` says whether they were finite (no host
+        read: without skipping, a NaN on one device reaches every replica's
+        parameters, and this is its only report).
       max_consecutive_skips: raise :class:`NonFiniteError`, before a call uses
         its batch, once this many updates in a row were skipped (None: never).
         Watched on the host by ``step.watch`` (:class:`SkipWatch`), two calls

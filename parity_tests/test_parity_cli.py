@@ -1,4 +1,5 @@
-"""`jaxdp parity` as docs/parity.md shows it, and the report's verdict."""
+"""`jaxdp parity` as docs/parity.md and docs/check-your-port.md show it, and the report's
+verdict."""
 
 import copy
 import pathlib
@@ -6,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import port_models
 import pytest
 
 from jaxdp.parity import ParityConfig, Trajectory, compare, format_parity
@@ -22,14 +24,46 @@ def test_parity_command_prints_the_comparison():
         timeout=600,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    # Nothing a user cannot act on: torch's broadcast_buffers FutureWarning, one per rank.
+    assert "is deprecated" not in out.stderr, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith(
         "parity: mlp, adamw, float64, jaxdp fused/shard_map vs torch_ref DDP"
     )
     assert "num_devices=2 x accum_steps=2 x micro_batch_size=4" in lines[0]
-    steps = [line.split()[0] for line in lines if line[:4].strip().isdigit()]
-    assert steps == [str(i) for i in range(1, 11)]
+    assert step_rows(lines) == [str(i) for i in range(1, 11)]
     assert lines[-1] == "PASS: every step within tolerance"
+
+
+def step_rows(lines):
+    """The step numbers of the report's first table (the one per step)."""
+    start = lines.index(next(line for line in lines if line.startswith("step")))
+    end = lines.index("", start)
+    return [line.split()[0] for line in lines[start + 1 : end]]
+
+
+def test_parity_command_on_your_own_models(tmp_path):
+    """The command docs/check-your-port.md shows, on the ResCNN pair of port_models.py."""
+    x, y = port_models.images()
+    np.savez(tmp_path / "images.npz", x=x, y=y)
+    models = pathlib.Path(__file__).parent / "port_models.py"
+    out = subprocess.run(
+        [JAXDP, "parity", "--torch-model", f"{models}:TorchResCNN"]
+        + ["--jax-model", f"{models}:JaxResCNN", "--data", tmp_path / "images.npz"]
+        + ["--num-devices", "1", "--accum-steps", "4", "--micro-batch-size", "2"]
+        + ["--steps", "3", "--locate", "--plot", tmp_path / "parity.png"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("parity: TorchResCNN vs JaxResCNN, adamw, float64"), lines[0]
+    assert step_rows(lines) == ["1", "2", "3"]
+    assert "max relative difference per step and parameter group:" in lines
+    assert any(line.startswith("divergence locator: optimizer step") for line in lines)
+    assert lines[-3:] == ["", "PASS: every step within tolerance", f"plot: {tmp_path}/parity.png"]
+    assert (tmp_path / "parity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_report_names_the_first_step_beyond_tolerance():

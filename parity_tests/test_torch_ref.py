@@ -375,11 +375,30 @@ def test_make_data_is_deterministic():
         (lambda: tr.TrainConfig("resnet", SGD_MOMENTUM, 4), r"model='resnet' is not a reference"),
         (lambda: tr.TrainConfig("mlp", SGD_MOMENTUM, 4, accum_steps=0), r"accum_steps=0 must"),
         (lambda: tr.TrainConfig("mlp", SGD_MOMENTUM, 4, dtype="int8"), r"dtype='int8'"),
+        (lambda: tr.TrainConfig(tr.MLP, SGD_MOMENTUM, 4), r"user's model: give its loss"),
+        (lambda: tr.TrainConfig(tr.MLP, SGD_MOMENTUM, 4, loss="hinge"), r"loss='hinge' must"),
+        (lambda: tr.load_attr("torch_ref.models:Nope"), r"has no attribute 'Nope'"),
     ],
 )
 def test_config_errors(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_user_model_and_loss_train_as_the_reference_model():
+    """A user's model by spec or class, with a named or own loss: the reference MLP's
+    run, bitwise."""
+    config = tr.TrainConfig("mlp", SGD_MOMENTUM, 4, accum_steps=2, max_steps=3)
+    data, state = tr.make_data("mlp", 32), initial_state("mlp")
+    reference = tr.train_ga(config, data, state)
+    for model, loss in (
+        ("torch_ref.models:MLP", "cross_entropy"),
+        (tr.MLP, torch.nn.CrossEntropyLoss()),
+    ):
+        run = tr.train_ga(dataclasses.replace(config, model=model, loss=loss), data, state)
+        for key, value in reference.final.items():
+            np.testing.assert_array_equal(run.final[key], value, err_msg=key)
+        assert run.losses == reference.losses
 
 
 def test_run_errors():

@@ -1,5 +1,8 @@
-"""The one tree-compare helper and the tolerances it is used with."""
+"""The one tree-compare helper and the tolerances it is used with; a port for a coordinator."""
 
+import contextlib
+import socket
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -44,3 +47,18 @@ def max_rel_diff(actual: Any, expected: Any) -> float:
         diff = np.abs(a - b)
         worst = max(worst, float(np.max(np.where(diff == 0, 0.0, diff / np.abs(b)))))
     return worst
+
+
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A free local port, held while the block runs, for a JAX coordinator started in it.
+
+    A port found free and released at once can be taken before the coordinator
+    binds it. This socket keeps it: bound with SO_REUSEPORT, never listening, so
+    JAX's coordinator (gRPC, which sets SO_REUSEPORT too) binds beside it and
+    nothing else can (as ``jaxdp launch`` does).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]

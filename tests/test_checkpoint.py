@@ -42,13 +42,13 @@ def run(tmp_path, name, stop=None, **changes):
     return train(config, stop=stop), config
 
 
-def saved_arrays(config, samples=None):
+def saved_arrays(config, step=None):
     """A checkpoint's arrays as numpy, read with orbax alone (the newest by default)."""
     directory = pathlib.Path(config.checkpoint_dir)
-    samples = samples or max(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    step = step or max(int(p.name) for p in directory.iterdir() if p.name.isdigit())
     arrays = {}
     for item in ("replicated", "per_device"):
-        path = directory / str(samples) / item
+        path = directory / str(step) / item
         if path.exists():
             reader = ocp.PyTreeCheckpointer()
             tree = reader.metadata(path).item_metadata.tree
@@ -57,8 +57,8 @@ def saved_arrays(config, samples=None):
     return arrays
 
 
-def saved_meta(config, samples):
-    path = pathlib.Path(config.checkpoint_dir) / str(samples) / "meta" / "metadata"
+def saved_meta(config, step):
+    path = pathlib.Path(config.checkpoint_dir) / str(step) / "meta" / "metadata"
     return json.loads(path.read_text())
 
 
@@ -94,7 +94,7 @@ def copy_of(config, tmp_path, **changes):
 
 # Multisteps in float64, 14 steps: uninterrupted (`whole`), and stopped after
 # micro-batch 0 of step 13 (`mid_cycle`: epoch 1, batch 1), with boundary
-# checkpoints every 4 steps on the way (512, 1024, 1536 samples; 1600 at the stop).
+# checkpoints every 5 steps on the way (5, 10; 12 at the stop: 12 updates applied).
 MULTISTEPS = dict(path="multisteps", precision="float64", steps=14)
 
 
@@ -106,14 +106,15 @@ def whole(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mid_cycle(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mid_cycle")
-    summary, config = run(tmp, "ckpt", stop=stop_at(1, 1, 1), checkpoint_every=4, **MULTISTEPS)
+    summary, config = run(tmp, "ckpt", stop=stop_at(1, 1, 1), checkpoint_every=5, **MULTISTEPS)
     assert summary["stopped"] and summary["steps"] == 12
+    assert jaxdp.checkpoint.Checkpoints(config.checkpoint_dir).steps == [5, 10, 12]
     return config
 
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
-    """Fused, 9 steps, checkpoints after steps 3, 6 and 9: 384, 768, 1152 samples."""
+    """Fused, 9 steps, checkpoints after steps 3, 6 and 9 (384, 768, 1152 samples)."""
     tmp = tmp_path_factory.mktemp("three")
     _, config = run(tmp, "ckpt", steps=9, checkpoint_every=3, plot=str(tmp / "loss.png"))
     return config
@@ -121,13 +122,12 @@ def three(tmp_path_factory):
 
 def test_mid_cycle_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, whole, mid_cycle):
     config = copy_of(mid_cycle, tmp_path, resume=True)
-    # The checkpoint is exactly where the run stopped: inside step 13's cycle.
-    assert saved_meta(config, 1600)["position"] == {
-        "epoch": 1,
-        "step_in_epoch": 1,
-        "micro_batch": 1,
-    }
-    arrays = saved_arrays(config, 1600)
+    # The checkpoint is exactly where the run stopped: inside step 13's cycle,
+    # numbered by the 12 updates applied; the samples are in its metadata.
+    meta = saved_meta(config, 12)
+    assert meta["position"] == {"epoch": 1, "step_in_epoch": 1, "micro_batch": 1}
+    assert (meta["step"], meta["samples"]) == (12, 12 * 128 + 64)
+    arrays = saved_arrays(config, 12)
     assert arrays["replicated"]["opt_state"]["mini_step"] == 1
     assert np.any(arrays["per_device"]["opt_state"]["acc_grads"]["fc1"]["kernel"]["value"] != 0)
     summary = train(config)
@@ -135,6 +135,53 @@ def test_mid_cycle_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path,
     assert_bitwise_equal(saved_arrays(config), saved_arrays(whole))
     # The metrics file continues where the checkpoint was taken.
     assert records(config) == records(whole)
+
+
+def test_a_stop_inside_a_checkpointed_window_saves_nothing_and_resume_redoes_it(
+    tmp_path, whole, capsys
+):
+    # As mid_cycle, with checkpoints every 4 steps: the stop (12 updates applied)
+    # meets checkpoint 12, taken at the start of the window it stops in.
+    summary, config = run(tmp_path, "ckpt", stop=stop_at(1, 1, 1), checkpoint_every=4, **MULTISTEPS)
+    directory = pathlib.Path(config.checkpoint_dir)
+    assert summary["stopped"] and summary["checkpoint"] == str(directory / "12")
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        f"no checkpoint at this stop (next: epoch 1 batch 1 micro-batch 1): {directory / '12'} "
+        "holds step 12 already, taken at the start of this accumulation window; a resume "
+        "from it redoes the 1 micro-batch(es) since, exactly"
+    ) in out
+    checkpoints = jaxdp.checkpoint.Checkpoints(directory)
+    assert checkpoints.steps == [4, 8, 12]
+    assert checkpoints.metadata().position == jaxdp.SamplerPosition(1, 1, 0)
+    resumed = train(dataclasses.replace(config, resume=True))
+    assert resumed["steps"] == 14
+    assert_bitwise_equal(saved_arrays(config), saved_arrays(whole))
+    assert records(config) == records(whole)
+
+
+def test_checkpoints_are_numbered_by_optimizer_step_and_never_overwritten(tmp_path, three):
+    config = copy_of(three, tmp_path)
+    checkpoints = jaxdp.checkpoint.Checkpoints(config.checkpoint_dir)
+    assert checkpoints.steps == [3, 6, 9]
+    meta = checkpoints.metadata()  # the newest, without its arrays
+    assert (meta.step, meta.samples, meta.path.name) == (9, 9 * 128, "9")
+    assert meta.position == jaxdp.SamplerPosition(0, 9, 0)
+    assert meta.extra["config"]["steps"] == 9
+    step, sizes = make_step(config)
+    restored = checkpoints.restore(step.init(build(config)), sizes=sizes)
+    assert (restored.samples, restored.path) == (9 * 128, meta.path)
+    where = dict(position=restored.position, sizes=sizes, samples=restored.samples)
+    with pytest.raises(
+        jaxdp.checkpoint.CheckpointError, match=r"/9 exists already: step=9 is taken"
+    ):
+        checkpoints.save(restored.state, **where)
+    older = restored.state._replace(step=restored.state.step - 4)
+    with pytest.raises(
+        jaxdp.checkpoint.CheckpointError, match=r"step=5 must exceed the newest checkpoint's step 9"
+    ):
+        checkpoints.save(older, **where)
+    assert checkpoints.steps == [3, 6, 9]
 
 
 def test_fused_mid_epoch_resume_is_bitwise_identical(tmp_path, three):
@@ -159,11 +206,11 @@ def test_every_split_of_a_global_batch_takes_the_same_rows():
 
 def test_resume_on_other_devices_at_the_same_global_batch(tmp_path, whole, mid_cycle):
     config = copy_of(mid_cycle, tmp_path, resume=True, num_devices=2, accum_steps=4)
-    # From the boundary checkpoint after step 12 (the mid-cycle one cannot be re-split).
-    shutil.move(tmp_path / "ckpt" / "1600", tmp_path / "mid-cycle")
+    # From the boundary checkpoint after step 10 (the mid-cycle one cannot be re-split).
+    shutil.move(tmp_path / "ckpt" / "12", tmp_path / "mid-cycle")
     summary = train(config)
     assert summary["steps"] == 14
-    assert saved_meta(config, 1792)["batch"]["num_devices"] == 2
+    assert saved_meta(config, 14)["batch"]["num_devices"] == 2
     # The same rows per step; only the summation order differs (devices and
     # micro-batches group the rows differently), so float64 rounding, not bits.
     resumed, uninterrupted = saved_arrays(config), saved_arrays(whole)
@@ -235,51 +282,77 @@ def remove_item(step_dir):
     shutil.rmtree(step_dir / "replicated")
 
 
-@pytest.mark.parametrize("damage", [corrupt_data, flip_a_byte, corrupt_meta, remove_item])
+def move_the_position(step_dir):
+    """Valid JSON that would resume six batches early: only the meta's SHA-256 tells."""
+    meta = step_dir / "meta" / "metadata"
+    text = meta.read_text()
+    assert text.count('"step_in_epoch": 9') == 1, text
+    meta.write_text(text.replace('"step_in_epoch": 9', '"step_in_epoch": 3'))
+
+
+@pytest.mark.parametrize(
+    "damage", [corrupt_data, flip_a_byte, corrupt_meta, remove_item, move_the_position]
+)
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, three, damage):
     config = copy_of(three, tmp_path)
     directory = pathlib.Path(config.checkpoint_dir)
-    damage(directory / "1152")
+    damage(directory / "9")
     step, sizes = make_step(config)
     with pytest.warns(
-        jaxdp.checkpoint.CorruptCheckpointWarning, match=r"1152 is unreadable .*resumed from"
+        jaxdp.checkpoint.CorruptCheckpointWarning, match=r"/9 is unreadable .*resumed from"
     ):
         restored = jaxdp.checkpoint.Checkpoints(directory).restore(
             step.init(build(config)), sizes=sizes
         )
     assert restored.samples == 768 and int(restored.state.step) == 6
     # The bad one is kept under another name; the number is free again.
-    assert sorted(p.name for p in directory.iterdir()) == ["1152.corrupt", "384", "768"]
+    assert sorted(p.name for p in directory.iterdir()) == ["3", "6", "9.corrupt"]
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_file_as_checkpoint_directory_is_refused_at_construction(tmp_path, inside):
+    file = tmp_path / "file"
+    file.write_text("not a directory")
+    given = file / "ckpt" if inside else file
+    where = f"is inside {file}, which is a file" if inside else "is a file"
+    with pytest.raises(
+        jaxdp.checkpoint.CheckpointError,
+        match=f"directory='{given}' {where}, not a directory: checkpoints are directories",
+    ):
+        jaxdp.checkpoint.Checkpoints(given)
+    assert file.read_text() == "not a directory"
 
 
 def test_training_redoes_a_corrupt_checkpoint_exactly(tmp_path, three):
     config = copy_of(three, tmp_path, resume=True)
     directory = pathlib.Path(config.checkpoint_dir)
-    corrupt_data(directory / "1152")
+    corrupt_data(directory / "9")
     with pytest.warns(jaxdp.checkpoint.CorruptCheckpointWarning):
         summary = train(config)
     assert summary["steps"] == 9
     # Steps 7-9 again: every leaf has the SHA-256 the lost checkpoint recorded.
-    lost = json.loads((directory / "1152.corrupt" / "meta" / "metadata").read_text())
-    redone = json.loads((directory / "1152" / "meta" / "metadata").read_text())
+    lost = json.loads((directory / "9.corrupt" / "meta" / "metadata").read_text())
+    redone = json.loads((directory / "9" / "meta" / "metadata").read_text())
     assert redone["leaves"] == lost["leaves"]
 
 
 def test_no_readable_checkpoint_is_a_clear_error(tmp_path, three):
     config = copy_of(three, tmp_path, resume=True)
     directory = pathlib.Path(config.checkpoint_dir)
-    for name in ("384", "768", "1152"):
+    for name in ("3", "6", "9"):
         corrupt_meta(directory / name)
-    with pytest.raises(jaxdp.checkpoint.CheckpointError, match="no readable checkpoint in .*384: "):
+    with pytest.raises(
+        jaxdp.checkpoint.CheckpointError, match=r"no readable checkpoint in .*: 9: .*; 6: .*; 3: "
+    ):
         train(config)
-    assert sorted(p.name for p in directory.iterdir()) == ["1152", "384", "768"]
+    assert sorted(p.name for p in directory.iterdir()) == ["3", "6", "9"]
 
 
 def test_a_crash_before_the_commit_leaves_no_checkpoint_and_resume_redoes_it(
     tmp_path, three, monkeypatch
 ):
     """Everything written, then the process dies before orbax renames the temporary
-    directory: no checkpoint 1536 appears, the older ones stay, and resuming redoes it."""
+    directory: no checkpoint 12 appears, the older ones stay, and resuming redoes it."""
     from orbax.checkpoint._src.path import atomicity
 
     config = copy_of(three, tmp_path, resume=True, steps=12)
@@ -293,20 +366,20 @@ def test_a_crash_before_the_commit_leaves_no_checkpoint_and_resume_redoes_it(
         with pytest.raises(KeyboardInterrupt):
             train(config)
     (leftover,) = [p.name for p in directory.iterdir() if not p.name.isdigit()]
-    assert leftover.startswith("1536.") and "tmp" in leftover
-    assert sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) == [384, 768, 1152]
+    assert leftover.startswith("12.") and "tmp" in leftover
+    assert sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) == [3, 6, 9]
     summary = train(config)
-    assert summary["steps"] == 12 and summary["checkpoint"] == str(directory / "1536")
-    assert jaxdp.checkpoint.Checkpoints(directory).steps == [768, 1152, 1536]
+    assert summary["steps"] == 12 and summary["checkpoint"] == str(directory / "12")
+    assert jaxdp.checkpoint.Checkpoints(directory).steps == [6, 9, 12]
     # Opening the directory again removed the crashed save's temporary directory.
-    assert sorted(p.name for p in directory.iterdir()) == ["1152", "1536", "768"]
+    assert sorted(p.name for p in directory.iterdir()) == ["12", "6", "9"]
 
 
 def test_keep_last_k(tmp_path, three):
     config = copy_of(three, tmp_path, resume=True, steps=15, checkpoint_every=3, keep=2)
     train(config)
-    # Each save (read back) deletes all but the two newest: 384 and 768, then 1152.
-    assert jaxdp.checkpoint.Checkpoints(config.checkpoint_dir).steps == [1536, 1920]
+    # Each save (read back) deletes all but the two newest: 3 and 6, then 9.
+    assert jaxdp.checkpoint.Checkpoints(config.checkpoint_dir).steps == [12, 15]
 
 
 def test_nothing_is_deleted_for_a_checkpoint_that_does_not_read_back(tmp_path, three, monkeypatch):
@@ -315,15 +388,16 @@ def test_nothing_is_deleted_for_a_checkpoint_that_does_not_read_back(tmp_path, t
     ckpts = jaxdp.checkpoint.Checkpoints(config.checkpoint_dir, keep=1)
     restored = ckpts.restore(step.init(build(config)), sizes=sizes)
     monkeypatch.setattr(jaxdp.checkpoint.Checkpoints, "_read", lambda *args, **kwargs: 1 / 0)
-    with pytest.raises(jaxdp.checkpoint.CheckpointError, match="1153 does not read back intact"):
-        ckpts.save(restored.state, position=restored.position, sizes=sizes, samples=1153)
-    assert ckpts.steps == [384, 768, 1152, 1153]
+    state = restored.state._replace(step=restored.state.step + 1)
+    with pytest.raises(jaxdp.checkpoint.CheckpointError, match="/10 does not read back intact"):
+        ckpts.save(state, position=restored.position, sizes=sizes, samples=restored.samples)
+    assert ckpts.steps == [3, 6, 9, 10]
 
 
 def test_existing_checkpoints_need_resume(tmp_path, three):
     config = copy_of(three, tmp_path)
     with pytest.raises(
-        jaxdp.checkpoint.CheckpointError, match=r"already holds checkpoints \[384, 768, 1152\]"
+        jaxdp.checkpoint.CheckpointError, match=r"already holds checkpoints \[3, 6, 9\]"
     ):
         train(config)
 

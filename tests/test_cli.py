@@ -1,8 +1,12 @@
-"""The README's first command: `jaxdp train` on its defaults."""
+"""The command line: `jaxdp train` on its defaults, resume, help, version, the cli extra."""
 
+import importlib.metadata
 import json
 import os
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -10,7 +14,10 @@ import time
 
 import pytest
 
+import jaxdp
 from jaxdp.cli import main
+from jaxdp.cli._metrics import MetricsLog
+from jaxdp.cli._train import TrainConfig, train
 
 
 def test_default_train_run_reaches_the_stated_accuracy(tmp_path):
@@ -98,15 +105,37 @@ def test_sigterm_saves_a_checkpoint_where_it_stops_and_resume_continues(tmp_path
     assert "SIGTERM: stopping after this micro-batch" in capsys.readouterr().err
     (saved,) = list(ckpt.iterdir())
     meta = json.loads((saved / "meta" / "metadata").read_text())
-    # Stopped after some micro-batch: whole steps of 128 rows plus micro-batches of 4 x 16.
-    assert int(saved.name) == meta["step"] * 128 + meta["position"]["micro_batch"] * 64
+    # Named by the updates applied; stopped after some micro-batch: whole steps of
+    # 128 rows plus micro-batches of 4 x 16.
+    assert int(saved.name) == meta["step"]
+    assert meta["samples"] == meta["step"] * 128 + meta["position"]["micro_batch"] * 64
     assert json.loads(metrics.read_text().splitlines()[-1])["step"] == meta["step"]
     steps = meta["step"] + 2
-    assert main([*flags, "--resume", "--steps", str(steps), "--plot", str(tmp_path / "a.png")]) == 0
-    assert f"resumed from {saved}: step {meta['step']}" in capsys.readouterr().out
+    # As if the stopped run had been SIGKILLed instead: its lock file is left behind.
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = ended.pid if ended.wait() == 0 else None
+    stale = {"host": socket.gethostname(), "pid": dead, "since": "then", "command": "jaxdp train"}
+    (ckpt / "jaxdp.lock").write_text(json.dumps(stale))
+    # The plot and summary go to folders that do not exist yet: made before the first step.
+    plot, summary = tmp_path / "plots" / "a.png", tmp_path / "out" / "summary.json"
+    more = ["--steps", str(steps), "--plot", str(plot), "--summary-out", str(summary)]
+    assert main([*flags, "--resume", *more]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {saved}: step {meta['step']}" in out
+    assert (
+        f"took over the lock of {ckpt}, left by a run that is no longer running (host "
+        f"{stale['host']}, pid {dead} (jaxdp train, since then))"
+    ) in out
     lines = metrics.read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, steps + 1))
-    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(summary.read_text())["steps"] == steps
+    assert not (ckpt / "jaxdp.lock").exists()  # released at the end
+
+
+# In this process JAX runs on 8 emulated CPU devices (conftest); jaxdp train must
+# not ask for another count (its default is 4).
+TRAIN = ["train", "--cpu-devices", "8"]
 
 
 @pytest.mark.parametrize(
@@ -116,8 +145,390 @@ def test_sigterm_saves_a_checkpoint_where_it_stops_and_resume_continues(tmp_path
         (["--checkpoint-every", "10"], "checkpoint_every=10 needs a checkpoint_dir"),
         (["--steps", "0"], "steps=0 must be a positive integer"),
         (["--plot", "loss.svg"], "plot='loss.svg' must name a .png file"),
+        (["--accum-steps", "0"], "accum_steps=0 must be a positive integer"),
+        (["--micro-batch-size", "-1"], "micro_batch_size=-1 must be a positive integer"),
+        (["--num-devices", "0"], "num_devices=0 must be a positive integer"),
+        (["--epochs", "-2"], "epochs=-2 must be a positive integer"),
+        (["--keep", "0"], "keep=0 must be a positive integer"),
+        (["--hidden", "0"], "hidden=0 must be a positive integer"),
+        (["--cpu-devices", "0"], "cpu_devices=0 must be a positive integer"),
+        (
+            ["--seed", "-1"],
+            "seed=-1 must be an integer in [0, 2**32) (numpy's and scikit-learn's seeds; "
+            "JAX's key would drop higher bits)",
+        ),
+        *(
+            (
+                [f"--learning-rate={lr}"],
+                f"learning_rate={float(lr)!r} must be a finite number >= 0 (as torch.optim "
+                "requires; a negative one ascends the loss)",
+            )
+            for lr in ("nan", "inf", "-inf", "-0.1")
+        ),
+        (
+            ["--num-devices", "99"],
+            "num_devices=99 exceeds the 8 cpu device(s) there are (--cpu-devices sets how many "
+            "CPU devices to emulate)",
+        ),
+        (
+            ["--micro-batch-size", "1000"],
+            "dataset_size=1438 gives each of num_devices=8 ranks 180 samples, fewer than one "
+            "optimizer step needs (accum_steps * micro_batch_size = 2 * 1000)",
+        ),
     ],
 )
-def test_bad_train_flags_fail_before_training(flags, message):
-    with pytest.raises(SystemExit, match=message):
-        main(["train", *flags])
+def test_usage_errors_exit_2_with_one_line_before_training(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*TRAIN, *flags])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert err == f"jaxdp train: error: {message}\n"
+    assert "held-out accuracy" not in out  # nothing trained
+
+
+@pytest.mark.parametrize(
+    "where,message",
+    [
+        ("file", "checkpoint_dir='{file}' is a file, not a directory"),
+        ("file/ckpt", "checkpoint_dir='{file}/ckpt' is inside {file}, which is a file, not a "),
+        ("file/m.jsonl", "metrics_out='{file}/m.jsonl' is inside {file}, which is a file"),
+    ],
+)
+def test_an_output_path_inside_a_file_is_a_usage_error(tmp_path, capsys, where, message):
+    file = tmp_path / "file"
+    file.write_text("")
+    flag = "--metrics-out" if where.endswith(".jsonl") else "--checkpoint-dir"
+    with pytest.raises(SystemExit) as exit_:
+        main([*TRAIN, flag, str(tmp_path / where)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxdp train: error: {message.format(file=file)}")
+    assert err.count("\n") == 1
+
+
+def unprivileged():
+    """A command prefix under which mode bits bind: root without its capabilities."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: a read-only directory cannot be made")
+    return ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--plot"])
+def test_an_unwritable_output_stops_the_run_before_its_first_step(tmp_path, flag):
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    target = read_only / ("ckpt" if flag == "--checkpoint-dir" else "loss.png")
+    done = subprocess.run(
+        [*unprivileged(), sys.executable, "-m", "jaxdp", "train", "--steps", "1", flag, target],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    if flag == "--plot":
+        expected = f"plot='{target}' cannot be written (Permission denied: "
+    else:
+        expected = f"checkpoint directory {target} cannot hold its lock file jaxdp.lock: Per"
+    assert done.stderr.startswith(f"jaxdp train: error: {expected}"), done.stderr
+    assert done.stderr.count("\n") == 1
+    assert "held-out accuracy" not in done.stdout  # refused before training, not after
+
+
+def terminate_after(monkeypatch, lines):
+    """Sends this process SIGTERM once, as the metrics log writes its ``lines``-th record.
+
+    From inside the training loop, not from a thread polling the file: a starved
+    thread on a busy machine could send it after a short run had ended.
+    """
+    write, sent = MetricsLog.write, []
+
+    def write_then_terminate(self, record):
+        write(self, record)
+        if len(self.records) == lines and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(MetricsLog, "write", write_then_terminate)
+
+
+def saved_leaves(directory):
+    """The SHA-256 of every array of the newest checkpoint in ``directory``."""
+    newest = max(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    meta = json.loads((directory / str(newest) / "meta" / "metadata").read_text())
+    return {name: leaf["sha256"] for name, leaf in meta["leaves"].items()}
+
+
+def records(path):
+    """Metrics without the wall-clock throughput."""
+    lines = path.read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"} for line in lines]
+
+
+def test_resume_takes_the_run_config_from_the_checkpoint(tmp_path, capsys, monkeypatch):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    # 1438 rows, global batch 4 x 4 x 8 = 128: 11 optimizer steps per epoch.
+    flags = ["--num-devices", "4", "--accum-steps", "4", "--micro-batch-size", "8"]
+    flags += ["--path", "multisteps", "--precision", "float64", "--epochs", "12"]
+    flags += ["--checkpoint-every", "5", "--metrics-out", str(metrics)]
+    terminate_after(monkeypatch, 3)
+    assert main([*TRAIN, *flags, "--checkpoint-dir", str(ckpt)]) == 128 + signal.SIGTERM
+    capsys.readouterr()
+    # No flag but where the checkpoints are: everything else comes from the checkpoint.
+    assert main([*TRAIN, "--checkpoint-dir", str(ckpt), "--resume"]) == 0
+    out = capsys.readouterr().out
+    taken = re.search(r"^taken from checkpoint (\S+) for the options not given: (.*)$", out, re.M)
+    assert taken, out
+    assert taken.group(2) == (
+        "num_devices=4, accum_steps=4, micro_batch_size=8, epochs=12, path='multisteps', "
+        f"precision='float64', checkpoint_every=5, metrics_out='{metrics}' (the others: the "
+        "defaults)"
+    )
+    assert f"resumed from {taken.group(1)}: step " in out
+    whole = TrainConfig(
+        num_devices=4,
+        accum_steps=4,
+        micro_batch_size=8,
+        epochs=12,
+        path="multisteps",
+        precision="float64",
+        checkpoint_dir=str(tmp_path / "whole"),
+        metrics_out=str(tmp_path / "whole.jsonl"),
+        progress=False,
+    )
+    assert train(whole)["steps"] == 12 * 11
+    assert jaxdp.checkpoint.Checkpoints(ckpt).steps[-1] == 12 * 11
+    assert saved_leaves(ckpt) == saved_leaves(tmp_path / "whole")  # bitwise
+    assert records(metrics) == records(tmp_path / "whole.jsonl")
+
+
+def test_resume_refuses_a_flag_the_checkpoint_cannot_continue_with(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    flags = [*TRAIN, "--num-devices", "4", "--path", "multisteps", "--checkpoint-dir", ckpt]
+    assert main([*flags, "--steps", "2"]) == 0
+    for flag, message in [
+        (
+            ["--path", "fused"],
+            r"--path='fused' differs from the checkpoint's path='multisteps' \(.*/2\); a "
+            r"resumed run keeps it \(the accumulation path decides the optimizer state's layout\)",
+        ),
+        (["--lr", "0.1"], r"--learning-rate=0.1 differs from the checkpoint's learning_rate=0.003"),
+    ]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            main([*TRAIN, "--checkpoint-dir", ckpt, "--resume", *flag])
+        assert exit_.value.code == 2  # a usage error
+        assert re.match(f"jaxdp train: error: {message}", capsys.readouterr().err)
+    # A flag of a field a resume may change overrides the checkpoint's.
+    assert main([*TRAIN, "--checkpoint-dir", ckpt, "--resume", "--steps", "3"]) == 0
+    assert jaxdp.checkpoint.Checkpoints(ckpt).steps == [2, 3]
+
+
+def test_version_names_jaxdp_and_the_installed_jax(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    jax_version = importlib.metadata.version("jax")
+    assert capsys.readouterr().out == f"jaxdp {jaxdp.__version__} (jax {jax_version})\n"
+
+
+def option_entries(text):
+    """``(invocation, help)`` of every option in an argparse help text."""
+    entries, current = [], None
+    for line in text.splitlines():
+        if re.match(r"  \S", line):  # a new entry: an option, or a positional argument
+            current = re.split(r"\s{2,}", line.strip(), maxsplit=1) + [""]
+            current = current[:2] if line.startswith("  -") else None
+            if current is not None:
+                entries.append(current)
+        elif line.startswith("   ") and current is not None:
+            current[1] = f"{current[1]} {line.strip()}".strip()
+        else:
+            current = None
+    return entries
+
+
+@pytest.mark.parametrize("command", [[], ["train"], ["parity"], ["plan"], ["launch"], ["bench"]])
+def test_help_is_plain_text_with_every_default(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and not re.search(r":(func|class|mod|data):", text)
+    entries = option_entries(text)
+    assert len(entries) >= (2 if not command else 5)
+    for invocation, help_text in entries:
+        assert help_text, invocation
+        takes_value = any(" " in alternative for alternative in invocation.split(", "))
+        if takes_value:
+            assert "(default: " in help_text or "required" in help_text, invocation
+
+
+BLOCK_AND_RUN = """
+import sys
+
+class Block:
+    # As if the cli extra's modules were not installed.
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+
+sys.meta_path.insert(0, Block())
+import jaxdp.cli
+sys.exit(jaxdp.cli.main({argv!r}))
+"""
+
+
+def run_without(blocked, argv):
+    code = BLOCK_AND_RUN.format(blocked=sorted(blocked), argv=argv)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "argv, blocked, missing",
+    [
+        (["train"], {"sklearn", "tqdm", "matplotlib"}, "scikit-learn, tqdm, matplotlib"),
+        (["train", "--steps", "5"], {"tqdm"}, "tqdm"),
+        (["bench", "--quick"], {"sklearn", "tqdm", "matplotlib"}, "matplotlib"),
+    ],
+)
+def test_without_the_cli_extra_one_line_names_what_is_missing(argv, blocked, missing):
+    done = run_without(blocked, argv)
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"jaxdp {argv[0]}: error: needs {missing} (the command line's extra): "
+        "pip install 'jaxdp[cli]'\n"
+    )
+    assert done.stdout == ""
+
+
+def test_plan_needs_no_cli_extra():
+    done = run_without({"sklearn", "tqdm", "matplotlib"}, ["plan", "--params", "7e9"])
+    assert done.returncode == 0, done.stderr
+    assert "112.00 GB" in done.stdout
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_nonfinite_step_is_reported_and_without_skipping_stops_the_run(tmp_path, capsys, skip):
+    # SGD at 1e30: step 1's update leaves the weights finite (about 1e30), step 2's
+    # logits overflow and its loss and gradients are NaN.
+    ckpt = tmp_path / "ckpt"
+    flags = [*TRAIN, "--num-devices", "2", "--accum-steps", "1", "--optimizer", "sgd"]
+    flags += ["--lr", "1e30", "--steps", "5", "--checkpoint-dir", str(ckpt)]
+    flags += ["--checkpoint-every", "1"] + ([] if skip else ["--no-skip-nonfinite"])
+    with pytest.raises(SystemExit) as exit_:
+        main(flags)
+    assert exit_.value.code == 1
+    out, err = capsys.readouterr()
+    if skip:  # each skipped update is said, until max_consecutive_skips ends the run
+        for n in range(1, 11):
+            assert (
+                "optimizer step 2 (epoch 0): non-finite loss=nan, grad_norm=nan; update "
+                f"skipped ({n} in a row; max_consecutive_skips=10 ends the run)"
+            ) in out
+    else:
+        assert err == (
+            "jaxdp train: error: optimizer step 2 (epoch 0) had a non-finite loss=nan, "
+            "grad_norm=nan, and with skip_nonfinite off (--no-skip-nonfinite) its update made "
+            "the parameters non-finite: stopped there, nothing saved after it; the newest "
+            f"checkpoint is {ckpt / '1'}. Resume with skipping on, or a lower learning rate\n"
+        )
+    assert jaxdp.checkpoint.Checkpoints(ckpt).steps == [1]
+
+
+HOLD_LOCK = """
+import sys
+from jaxdp.checkpoint._lock import directory_lock
+with directory_lock(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_checkpoint_directory_in_use_is_refused_naming_its_owner(tmp_path, capsys, resume):
+    ckpt = tmp_path / "ckpt"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(ckpt)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(SystemExit) as exit_:
+            main([*TRAIN, "--checkpoint-dir", str(ckpt), *(["--resume"] if resume else [])])
+    finally:
+        holder.communicate("")  # ends it
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"jaxdp train: error: checkpoint directory {ckpt} is in use by another run: host "
+        f"{socket.gethostname()}, pid {holder.pid} (-c {ckpt}, since "
+    )
+    assert err.endswith(
+        f") holds {ckpt / 'jaxdp.lock'}. Wait for it to end, or choose another directory (two "
+        "runs in one directory would remove each other's unfinished checkpoints)\n"
+    )
+
+
+# Fills the file system under a checkpoint directory once a checkpoint is there, so
+# that a later one cannot be written: a small tmpfs in a mount namespace of its own
+# (no privileges needed where user namespaces are allowed), else a file size limit
+# (RLIMIT_FSIZE, set on the running process: EFBIG instead of ENOSPC).
+FILL_THE_DISK = """
+import json, os, pathlib, resource, subprocess, sys, time
+mode, disk = sys.argv[1], pathlib.Path(sys.argv[2])
+if mode == "tmpfs":
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
+ckpt = disk / "ckpt"
+train = subprocess.Popen(
+    [sys.executable, "-m", "jaxdp", "train", "--cpu-devices", "1", "--accum-steps", "1",
+     "--steps", "300", "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt),
+     "--no-progress"],
+    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+while not (ckpt / "2").exists() and train.poll() is None:  # renamed into place: complete
+    time.sleep(0.02)
+if mode == "tmpfs":
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(1 << 16))
+    except OSError:
+        pass
+else:
+    resource.prlimit(train.pid, resource.RLIMIT_FSIZE, (4096, 4096))
+out, err = train.communicate(timeout=600)
+steps = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+print(json.dumps({"status": train.returncode, "stdout": out, "stderr": err, "steps": steps}))
+"""
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_naming_the_newest_checkpoint(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    namespace = ["unshare", "--user", "--map-root-user", "--mount"]
+    probe = f"mount -t tmpfs -o size=1m tmpfs {disk}"
+    tmpfs = shutil.which("unshare") and subprocess.run([*namespace, "sh", "-c", probe]).returncode
+    command = [sys.executable, "-c", FILL_THE_DISK, "tmpfs" if tmpfs == 0 else "fsize", str(disk)]
+    done = subprocess.run(
+        [*namespace, *command] if tmpfs == 0 else command,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads(done.stdout)
+    ckpt, newest = disk / "ckpt", run["steps"][-1]
+    cause = "No space left on device (ENOSPC)" if tmpfs == 0 else "File too large (EFBIG)"
+    assert run["status"] == 1
+    # One line: the checkpoint, the cause, the newest valid checkpoint (kept); not
+    # orbax's threads' tracebacks nor tensorstore's on a closed event loop.
+    assert re.fullmatch(
+        rf"jaxdp train: error: checkpoint {ckpt}/(\d+) could not be written \(no room left: "
+        rf"{re.escape(cause)}\); the newest valid checkpoint is {ckpt}/{newest}, kept; the "
+        r"partial write is removed when the directory is next opened\n",
+        run["stderr"],
+    ), run["stderr"][-3000:]
+    assert f"checkpoint {ckpt}/{newest}: step {newest}" in run["stdout"]

@@ -84,6 +84,9 @@ assert [r.bytes for r in jaxdp.all_reduces(step.compile(state, batch))] == [24]
     },
     "checkpoints.md": {
         -1: """
+assert checkpoints.steps == [2] and checkpoints.metadata().samples == 32
+assert isinstance(checkpoints.metadata(), jaxdp.checkpoint.Metadata)
+assert isinstance(restored, jaxdp.checkpoint.Restored)
 assert int(restored.state.step) == 2
 assert restored.position == jaxdp.SamplerPosition(0, 2, 0)
 np.testing.assert_array_equal(restored.state.params["w"], state.params["w"])
@@ -99,6 +102,15 @@ assert memory.temporaries >= w_bytes, memory  # at least the gradient accumulato
 """,
     },
     "parity.md": {-1: "assert report.passed and len(report.max_abs) == 3"},
+    "check-your-port.md": {
+        1: "assert report.passed and len(report.max_abs) == 5",
+        2: """
+found = broken.divergence
+assert (broken.first_failure, found.stage, found.module) == (1, "forward", "norm"), found
+assert found.names == ["norm.bias", "norm.scale"], found.names
+""",
+        3: "assert fixed.passed and 'inp.kernel' in fixed.max_abs[0]",
+    },
 }
 
 

@@ -117,6 +117,52 @@ def test_cli_prints_the_split(capsys):
     )
 
 
+def test_cli_without_global_batch_takes_32_samples_per_device(capsys):
+    argv = ["plan", "--params", "1e6", "--policy", "fp32", "--device-memory", "100MB"]
+    argv += ["--headroom", "20%", "--num-devices", "4", "--activation-bytes-per-sample", "1MB"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "global batch size: 128 (default, 32 samples per device; --global-batch-size sets it)"
+        in out
+    )
+    # Not the largest micro-batch memory allows (60) as the whole per-device batch.
+    assert (
+        "FITS: micro-batch of 32 samples per device (up to 60 would fit; the target needs 32)"
+        in out
+    )
+    assert "global_batch_size=128 = num_devices=4 x accum_steps=1 x micro_batch_size=32" in out
+
+
+def test_without_device_memory_the_figures_are_there_and_nothing_is_decided():
+    plan = jaxdp.plan.plan_memory(params=7e9)
+    assert (plan.state, plan.accumulator) == (112 * GB, 28 * GB)
+    assert plan.device_memory is plan.usable is plan.fits_state is None
+    assert plan.max_micro_batch_size is plan.micro_batch_size is plan.accum_steps is None
+
+
+def test_cli_params_without_device_memory(capsys):
+    assert main(["plan", "--params", "7e9"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 device(s), memory per device not given" in out
+    assert "= training state 112.00 GB gradient accumulator (fp32) 28.00 GB" in out
+    assert "activations unknown (give --activation-bytes-per-sample)" in out
+    assert (
+        "Not decided without --device-memory: whether this fits, and the largest micro-batch "
+        "that does." in out
+    )
+    assert "FITS" not in out
+    assert "global batch size" not in out  # no activations: nothing sizes a batch
+    argv = ["plan", "--params", "7e9", "--num-devices", "4", "--activation-bytes-per-sample", "1MB"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "global batch size: 128 (default, 32 samples per device" in out
+    assert "activations per sample 1.00 MB total before the batch 140.00 GB" in out
+    # The two extreme splits of 32 rows per device: 32 x 1 and 1 x 32.
+    assert "total, 32 micro-batch(es) of 1 140.00 GB total, 1 micro-batch of 32 140.03 GB" in out
+    assert "Not decided without --device-memory" in out
+
+
 def test_largest_divisor():
     assert largest_divisor_at_most(128, 60) == 32
     assert largest_divisor_at_most(97, 96) == 1  # a prime
@@ -258,6 +304,27 @@ def test_cli_model_shows_estimate_and_xla(capsys):
     assert "cnn(channels=(32, 64)), 19,466 parameters, policy fp32" in out
     assert "XLA's memory analysis (jaxdp's fused step compiled for 8 cpu device(s)" in out
     assert "global_batch_size=128 = num_devices=8 x accum_steps=1 x micro_batch_size=16" in out
+
+
+def test_cli_model_without_device_memory_prints_the_per_device_table(capsys):
+    assert main(["plan", "--model", "cnn", "--model-arg", "channels=(32, 64)"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "global batch size: 32 (default, 32 samples per device; --global-batch-size sets it)" in out
+    )
+    # 19,466 fp32 parameters; Adam's two moments.
+    for row, size in [
+        ("weights", "77.86 KB"),
+        ("gradients", "77.86 KB"),
+        ("optimizer state (2 moment(s))", "155.73 KB"),
+        ("gradient accumulator (fp32)", "77.86 KB"),
+    ]:
+        assert re.search(rf"^  {re.escape(row)} +{size}$", out, re.M), row
+    assert re.search(r"^  activations per sample +[0-9.]+ KB$", out, re.M)
+    assert re.search(r"^  total, 1 micro-batch of 32 +[0-9.]+ [KM]B$", out, re.M)
+    assert "Not decided without --device-memory: whether this fits, and the largest" in out
+    assert "FITS" not in out
+    assert "XLA's analysis: needs --device-memory" in out
 
 
 def test_cli_model_argument_errors():

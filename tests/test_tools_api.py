@@ -23,6 +23,7 @@ from jaxdp.parity import (
     ATOL,
     OPTIMIZERS,
     RTOL,
+    OptimizerSpec,
     ParityConfig,
     ParityReport,
     clip_grad_norm_like_torch,
@@ -85,6 +86,42 @@ def test_optax_like_torch_takes_torchs_step(name):
         updates, state = tx.update(g, state, w)
         w = optax.apply_updates(w, updates)
     np.testing.assert_allclose(w, param.detach().numpy(), rtol=1e-12, atol=1e-15)
+
+
+def _torch_optimizer(name, **kwargs):
+    param = torch.nn.Parameter(torch.zeros(2))
+    if name == "sgd":
+        return torch.optim.SGD([param], **kwargs)
+    return torch.optim.AdamW([param], **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "rule", "torch_kwargs"),
+    [
+        ("sgd", {"learning_rate": float("nan")}, r"learning_rate=nan must be", None),
+        ("adamw", {"learning_rate": float("inf")}, r"learning_rate=inf must be", None),
+        ("sgd", {"learning_rate": -0.1}, r"learning_rate=-0\.1 must be .* >= 0", {"lr": -0.1}),
+        ("sgd", {"momentum": -0.5}, r"momentum=-0\.5 must be", {"lr": 0.1, "momentum": -0.5}),
+        ("sgd", {"weight_decay": -1.0}, r"weight_decay=-1\.0", {"lr": 0.1, "weight_decay": -1.0}),
+        ("adamw", {"eps": -1e-8}, r"eps=-1e-08 must be", {"lr": 0.1, "eps": -1e-8}),
+        ("adamw", {"b1": 1.0}, r"b1=1\.0 must be .* in \[0, 1\)", {"lr": 0.1, "betas": (1.0, 0.9)}),
+        ("adamw", {"b2": float("nan")}, r"b2=nan must be", None),
+        ("sgd", {"max_grad_norm": -1.0}, r"max_grad_norm=-1\.0 must be .* > 0", None),
+        (
+            "sgd",
+            {"nesterov": True},
+            r"nesterov=True needs momentum > 0, got momentum=0\.0",
+            {"lr": 0.1, "nesterov": True},
+        ),
+        ("rmsprop", {}, r"name='rmsprop' must be 'sgd' or 'adamw'", None),
+    ],
+)
+def test_optimizer_spec_refuses_what_torch_or_arithmetic_forbids(name, fields, rule, torch_kwargs):
+    with pytest.raises(ValueError, match=rule):
+        OptimizerSpec(name, **({"learning_rate": 0.1} | fields))
+    if torch_kwargs is not None:  # where torch.optim forbids it too (it takes NaN and Inf)
+        with pytest.raises(ValueError):
+            _torch_optimizer(name, **torch_kwargs)
 
 
 def test_clip_like_torch_scales_as_clip_grad_norm():

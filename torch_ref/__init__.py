@@ -1,7 +1,9 @@
 """torch_ref: the PyTorch reference for jaxdp, plain DDP + gradient accumulation.
 
 Plain PyTorch as its documentation teaches it (DistributedSampler, DDP,
-``no_sync``, ``loss / accum_steps``); it never imports jaxdp or jax.
+``no_sync``, ``loss / accum_steps``); it never imports jaxdp or jax. Besides its
+reference models it trains a user's own (``TrainConfig(model=..., loss=...)``,
+see ``torch_ref.user``).
 """
 
 from ._launch import load_results as load_results
@@ -27,9 +29,12 @@ from .train import torch_permutation as torch_permutation
 from .train import train_ddp as train_ddp
 from .train import train_ddp_many as train_ddp_many
 from .train import train_ga as train_ga
+from .user import LOSSES as LOSSES
+from .user import load_attr as load_attr
 
 __all__ = [
     "CNN",
+    "LOSSES",
     "MLP",
     "MODELS",
     "LinearModel",
@@ -41,6 +46,7 @@ __all__ = [
     "build_optimizer",
     "check_job",
     "compute_loss",
+    "load_attr",
     "load_results",
     "make_data",
     "micro_batches_per_epoch",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,10 @@ def launch(run: RankJobs, jobs: Sequence[Any], *, world_size: int, launcher: str
         jobs_path, results_path = Path(tmp, "jobs.pkl"), Path(tmp, "results.pkl")
         save_jobs(jobs_path, jobs)
         if launcher == "spawn":
-            args = (world_size, run, str(jobs_path), str(results_path), _free_port())
+            # The ranks meet through a file (torch's shared-file initialization), not a
+            # port found free and released: another process could take that port first.
+            store = str(Path(tmp, "store"))
+            args = (world_size, run, str(jobs_path), str(results_path), store)
             mp.spawn(worker, args=args, nprocs=world_size, join=True)
         else:
             _torchrun(world_size, jobs_path, results_path)
@@ -63,14 +65,12 @@ def worker(
     run: RankJobs,
     jobs_path: str,
     results_path: str,
-    port: int | None = None,
+    store: str | None = None,
 ) -> None:
     """One rank: joins the process group (gloo on CPU, nccl on CUDA with GPU ``rank``),
-    runs the jobs, and rank 0 writes the results. ``port`` (spawn) sets
-    MASTER_ADDR/MASTER_PORT; torchrun sets them (and RANK, WORLD_SIZE) itself."""
-    if port is not None:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
+    runs the jobs, and rank 0 writes the results. ``store`` (spawn) is the file the
+    ranks meet through (``init_method="file://..."``); torchrun sets MASTER_ADDR,
+    MASTER_PORT, RANK and WORLD_SIZE itself."""
     jobs = pickle.loads(Path(jobs_path).read_bytes())
     if jobs[0][0].device == "cuda":
         pin_cuda_precision()
@@ -79,7 +79,8 @@ def worker(
     else:
         torch.set_num_threads(1)  # the ranks share the machine's cores
         backend = "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    init_method = None if store is None else f"file://{store}"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     try:
         results = run(rank, world_size, jobs)
         # Free what the runs left in reference cycles while the group is alive and
@@ -91,12 +92,6 @@ def worker(
         dist.destroy_process_group()
     if rank == 0:
         Path(results_path).write_bytes(pickle.dumps(results))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(world_size: int, jobs_path: Path, results_path: Path) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ from .models import (
     torch_dtype,
 )
 from .optim import OptimConfig, build_optimizer
+from .user import build_user_model, check_user_model, is_user_model, loss_function
 
 Data = tuple[np.ndarray, np.ndarray]
 State = dict[str, np.ndarray]
@@ -60,7 +61,9 @@ Job = tuple["TrainConfig", Data, State]
 class TrainConfig:
     """One training run. ``global_batch_size = num_devices * accum_steps * micro_batch_size``."""
 
-    model: str  # one of torch_ref.MODELS
+    # One of torch_ref.MODELS, or a user's model: a "MODULE:ATTR" spec, a class or
+    # factory returning an nn.Module, or an nn.Module (torch_ref.user).
+    model: Any
     optimizer: OptimConfig
     micro_batch_size: int  # rows per forward/backward on one rank
     num_devices: int = 1  # DDP world size (one process per rank)
@@ -75,9 +78,22 @@ class TrainConfig:
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl, one GPU per rank, TF32 off)
     sync_batchnorm: bool = False  # DDP: BatchNorm statistics over all ranks (SyncBatchNorm)
     find_unused_parameters: bool = False  # DDP's: allow parameters without a gradient
+    # loss(output, y) of one micro-batch: "mse", "cross_entropy", a "MODULE:ATTR" spec or
+    # a callable; None: the reference model's own loss (compute_loss).
+    loss: Any = None
 
     def __post_init__(self) -> None:
-        check_model_name(self.model)
+        if is_user_model(self.model):
+            check_user_model(self.model)
+            if self.loss is None:
+                raise ValueError(
+                    f"model={self.model!r} is a user's model: give its loss ('mse', "
+                    "'cross_entropy', a 'MODULE:ATTR' spec or a callable)"
+                )
+        else:
+            check_model_name(self.model)
+        if self.loss is not None:
+            loss_function(self.loss)  # fails early on a bad name or spec
         if not isinstance(self.optimizer, OptimConfig):
             raise TypeError(f"optimizer={self.optimizer!r} must be an OptimConfig")
         for name in ("micro_batch_size", "num_devices", "accum_steps", "epochs"):
@@ -142,7 +158,7 @@ def check_job(config: TrainConfig, data: Data, initial_state: State) -> None:
             f"micro_batch_size={config.micro_batch_size}, fewer than accum_steps="
             f"{config.accum_steps} with last_window='drop': no optimizer step"
         )
-    expected = {k: tuple(v.shape) for k, v in build_model(config.model).state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in _build(config).state_dict().items()}
     given = {k: tuple(np.shape(v)) for k, v in initial_state.items()}
     if given != expected:
         missing, unexpected = sorted(expected.keys() - given), sorted(given.keys() - expected)
@@ -216,7 +232,7 @@ def _run(
     """The loop of one rank: ``ddp`` wraps the model in DDP (a process group must be up)."""
     device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
     dtype = torch_dtype(config.dtype)
-    module = build_model(config.model, dtype=dtype)
+    module = _build(config)
     module.load_state_dict(
         {
             k: torch.as_tensor(v, dtype=dtype if v.dtype.kind == "f" else None)
@@ -229,12 +245,13 @@ def _run(
     if ddp:
         if config.sync_batchnorm:
             module = convert_sync_batchnorm(module, config.device)
-        # broadcast_buffers=True (the default): rank 0's buffers (BatchNorm's running
-        # statistics) are broadcast at the start of every forward, no_sync ones too.
+        # Buffers at their default: rank 0's buffers (BatchNorm's running statistics)
+        # are broadcast at the start of every forward, no_sync ones too. Not spelled
+        # out: torch 2.13 deprecates broadcast_buffers= (a FutureWarning per rank)
+        # for forward_sync_buffers=, which older versions lack; the default is both.
         model = DDP(
             module,
             device_ids=[device] if config.device == "cuda" else None,
-            broadcast_buffers=True,
             find_unused_parameters=config.find_unused_parameters,
         )
     optimizer = build_optimizer(model.parameters(), config.optimizer)
@@ -312,7 +329,7 @@ def _train_window(
         # locally, so no_sync() must cover forward AND backward.
         sync = j == k - 1 or not isinstance(model, DDP)
         with nullcontext() if sync else model.no_sync():
-            loss = compute_loss(config.model, model, x.to(device), y.to(device)) / k
+            loss = _micro_loss(config, model, x.to(device), y.to(device)) / k
             loss.backward()
         total += loss.detach()
     if config.optimizer.max_grad_norm is not None:
@@ -320,6 +337,23 @@ def _train_window(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def _build(config: TrainConfig) -> torch.nn.Module:
+    """The model of ``config`` in its dtype (its weights are replaced by the job's state)."""
+    dtype = torch_dtype(config.dtype)
+    if is_user_model(config.model):
+        return build_user_model(config.model, seed=config.seed, dtype=dtype)
+    return build_model(config.model, dtype=dtype)
+
+
+def _micro_loss(
+    config: TrainConfig, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """The loss of one micro-batch: the reference model's, or ``config.loss(model(x), y)``."""
+    if config.loss is None:
+        return compute_loss(config.model, model, x, y)
+    return loss_function(config.loss)(model(x), y)
 
 
 def _run_rank_jobs(rank: int, world_size: int, jobs: Sequence[Job]) -> list[Result]:

@@ -1,43 +1,45 @@
 """Checkpoints of a training run with orbax: atomic, verified, resumable exactly.
 
 A checkpoint directory holds one sub-directory per checkpoint, named by the
-number of training samples consumed when it was taken (unique and increasing,
-whatever the batch identity). orbax writes each into a temporary directory and
-renames it when complete, so a crash mid-save leaves no half checkpoint under a
-step name. Each holds three orbax items: ``replicated`` (step, params, optimizer
+optimizer step of its state (``int(state.step)``: updates applied); the samples
+consumed are in its metadata. Numbers only increase and a number is never
+written twice, so a stop inside an accumulation window, whose state has the
+step of the window's start, cannot be saved where that step is already
+checkpointed. orbax writes each into a temporary directory and renames it when
+complete, so a crash mid-save leaves no half checkpoint under a step number.
+Each holds three orbax items: ``replicated`` (step, params, optimizer
 state, model state), ``per_device`` (the ``multisteps`` path's accumulators,
 one row per device) and ``meta`` (JSON: sampler position, batch identity, seed,
-the shape and dtype of every leaf and a SHA-256 of its bytes).
+the shape and dtype of every leaf and a SHA-256 of its bytes, and a SHA-256 of
+the meta itself: :mod:`._meta`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import pathlib
-import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from .._layout import BatchSizes
 from .._position import SamplerPosition
-from .._train_state import TrainState
+from .._train_state import TrainState, check_live
+from ._meta import FORMAT, array_sha256, check_sealed, sealed
+from ._quiet import quiet_failed_read_noise
 from ._rules import (
     CheckpointError,
     check_compatible,
+    check_is_directory,
     check_position,
     describe,
     is_per_device,
     named,
 )
-
-FORMAT = 1  # the layout of ``meta``; bumped when it changes
+from ._tree import abstract, join, saved_tree, split, state_from_tree, zeros
+from ._write_failure import no_room, quiet_writer_thread_logs
 
 
 class Restored(NamedTuple):
@@ -46,9 +48,21 @@ class Restored(NamedTuple):
     state: TrainState  # placed on the current mesh with ``like``'s shardings
     position: SamplerPosition  # as saved; see :func:`resume_position`
     sizes: BatchSizes  # the batch identity the checkpoint was saved with
-    samples: int  # training samples consumed; the checkpoint's number
+    samples: int  # training samples consumed when it was saved
     seed: int
     extra: dict[str, Any]
+    path: pathlib.Path
+
+
+class Metadata(NamedTuple):
+    """A checkpoint's account of itself, read without its arrays (:meth:`Checkpoints.metadata`)."""
+
+    step: int  # optimizer updates applied; the checkpoint's number
+    position: SamplerPosition  # the next data to train on, as saved
+    sizes: BatchSizes  # the batch identity it was saved with
+    samples: int  # training samples consumed
+    seed: int
+    extra: dict[str, Any]  # what ``save`` was given (``jaxdp train``: its config)
     path: pathlib.Path
 
 
@@ -71,6 +85,7 @@ class Checkpoints:
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep={keep!r} must be a positive integer, or None to keep all")
         self.directory = pathlib.Path(directory).absolute()
+        check_is_directory(directory, name="directory")
         self.keep = keep
         self.verify = verify
         options = ocp.CheckpointManagerOptions(
@@ -83,10 +98,13 @@ class Checkpoints:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._verified: set[int] = set()
+        # Installed before a failure: its noise comes while the write or read fails.
+        quiet_writer_thread_logs()
+        quiet_failed_read_noise()
 
     @property
     def steps(self) -> list[int]:
-        """Numbers (samples consumed) of the complete checkpoints, ascending."""
+        """Numbers (optimizer steps) of the complete checkpoints, ascending."""
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
@@ -100,47 +118,62 @@ class Checkpoints:
         seed: int = 0,
         extra: dict[str, Any] | None = None,
     ) -> pathlib.Path:
-        """Writes ``state`` as checkpoint number ``samples``; returns its path.
+        """Writes ``state`` as checkpoint number ``int(state.step)``; returns its path.
 
-        ``position`` is the next data to train on, ``sizes`` the batch identity
-        and ``extra`` any JSON-serializable record (``jaxdp train`` stores its
-        config). Raises :class:`CheckpointError` if ``samples`` is not newer than
-        every checkpoint there, or if the checkpoint does not read back intact.
+        ``position`` is the next data to train on, ``sizes`` the batch identity,
+        ``samples`` the training samples consumed and ``extra`` any
+        JSON-serializable record (``jaxdp train`` stores its config). Raises
+        :class:`CheckpointError` if the step is not newer than every checkpoint
+        there (one of that number exists already: checkpoints are never
+        overwritten), if it cannot be written (a full disk is named as such,
+        with the newest checkpoint, which is kept), or if it does not read back
+        intact, and ``ValueError`` before anything is written if ``state``'s
+        buffers were donated to a step's call (save the state that call returned).
         """
-        steps = self.steps
-        if steps and samples <= steps[-1]:
+        check_live(state)
+        number, steps = int(state.step), self.steps
+        if number in steps:
             raise CheckpointError(
-                f"samples={samples} must exceed the newest checkpoint's {steps[-1]} in "
-                f"{self.directory}; checkpoints are never overwritten"
+                f"checkpoint {self.directory / str(number)} exists already: step={number} is "
+                "taken (checkpoints are numbered by optimizer step and never overwritten)"
+            )
+        if steps and number < steps[-1]:
+            raise CheckpointError(
+                f"step={number} must exceed the newest checkpoint's step {steps[-1]} in "
+                f"{self.directory}; restore reads the newest"
             )
         check_position(state, position)
-        tree = _tree(state)
+        tree = saved_tree(state)
         meta = {
             "format": FORMAT,
             "samples": samples,
-            "step": int(state.step),
+            "step": number,
             "position": position._asdict(),
             "batch": sizes._asdict(),
             "seed": seed,
-            "leaves": {name: {**describe(x), "sha256": _sha256(x)} for name, x in named(tree)},
+            "leaves": {name: {**describe(x), "sha256": array_sha256(x)} for name, x in named(tree)},
             "extra": extra or {},
         }
-        replicated, per_device = _split(tree)
+        meta = sealed(meta)
+        replicated, per_device = split(tree)
         items = {"replicated": ocp.args.StandardSave(replicated), "meta": ocp.args.JsonSave(meta)}
         if jax.tree.leaves(per_device):
             items["per_device"] = ocp.args.StandardSave(per_device)
-        self._manager.save(samples, args=ocp.args.Composite(**items), force=True)
+        try:
+            self._manager.save(number, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:
+            raise self._write_failed(number, e) from e
         if self.verify:
             try:
-                self._read(samples, meta, state, per_device=True)
+                self._read(number, meta, state, per_device=True)
             except Exception as e:
                 raise CheckpointError(
-                    f"checkpoint {self.directory / str(samples)} does not read back intact "
+                    f"checkpoint {self.directory / str(number)} does not read back intact "
                     f"({_short(e)}); older checkpoints are kept"
                 ) from e
-        self._verified.add(samples)
+        self._verified.add(number)
         self._prune()
-        return self.directory / str(samples)
+        return self.directory / str(number)
 
     def restore(
         self,
@@ -174,81 +207,122 @@ class Checkpoints:
         deleted) so new checkpoints can take their numbers.
         """
         failures: list[tuple[int, Exception]] = []
-        for samples in reversed(self.steps):
-            try:
-                meta = self._read_meta(samples)
-            except Exception as e:
-                failures.append((samples, e))
-                _quiet_failed_read_noise()
-                continue
-            path = self.directory / str(samples)
-            here = {name: describe(x) for name, x in named(_tree(like))}
+        for number, meta in self._newest_first(failures):
+            path = self.directory / str(number)
+            here = {name: describe(x) for name, x in named(saved_tree(like))}
             saved = check_compatible(meta, here, sizes, force=force, path=path, validate=validate)
             same_devices = saved.num_devices == sizes.num_devices
             try:
-                state = self._read(samples, meta, like, per_device=same_devices)
+                state = self._read(number, meta, like, per_device=same_devices)
             except Exception as e:
-                failures.append((samples, e))
-                _quiet_failed_read_noise()
+                failures.append((number, e))
+                quiet_failed_read_noise()
                 continue
             self._set_aside(failures, path)
-            self._verified.add(samples)
+            self._verified.add(number)
             position = SamplerPosition(**meta["position"])
-            return Restored(state, position, saved, samples, meta["seed"], meta["extra"], path)
+            return Restored(
+                state, position, saved, meta["samples"], meta["seed"], meta["extra"], path
+            )
+        raise self._nothing_readable(failures)
+
+    def metadata(self) -> Metadata:
+        """The newest checkpoint's own account (step, position, batch, ``extra``), no arrays.
+
+        Reads the metadata of the newest checkpoint whose metadata reads: a
+        look before restoring (``jaxdp train --resume`` takes its config from
+        ``extra``). Its arrays are not checked, so :meth:`restore` may still
+        fall back to an older checkpoint. Raises :class:`CheckpointError` if no
+        checkpoint's metadata reads.
+        """
+        failures: list[tuple[int, Exception]] = []
+        for number, meta in self._newest_first(failures):
+            return Metadata(
+                step=meta["step"],
+                position=SamplerPosition(**meta["position"]),
+                sizes=BatchSizes(**meta["batch"]),
+                samples=meta["samples"],
+                seed=meta["seed"],
+                extra=meta["extra"],
+                path=self.directory / str(number),
+            )
+        raise self._nothing_readable(failures)
+
+    # ---- helpers ----------------------------------------------------------------
+
+    def _newest_first(self, failures: list[tuple[int, Exception]]) -> Iterator[tuple[int, Any]]:
+        """``(number, meta)`` of every checkpoint whose meta reads, newest first.
+
+        Those that do not read are added to ``failures``.
+        """
+        for number in reversed(self.steps):
+            try:
+                meta = self._read_meta(number)
+            except Exception as e:
+                failures.append((number, e))
+                quiet_failed_read_noise()
+                continue
+            yield number, meta
+
+    def _nothing_readable(self, failures: list[tuple[int, Exception]]) -> CheckpointError:
         if not failures:
-            raise CheckpointError(f"no checkpoint in {self.directory}")
-        raise CheckpointError(
+            return CheckpointError(f"no checkpoint in {self.directory}")
+        return CheckpointError(
             f"no readable checkpoint in {self.directory}: "
             + "; ".join(f"{n}: {_short(e)}" for n, e in failures)
         )
 
-    # ---- helpers ----------------------------------------------------------------
+    def _write_failed(self, number: int, error: Exception) -> CheckpointError:
+        """One line for a failed write: the path, the cause, the newest checkpoint (kept)."""
+        path = self.directory / str(number)
+        cause = no_room(error)
+        cause = f"no room left: {cause}" if cause else _short(error)
+        newest = [n for n in self.steps if n < number]
+        verified = [n for n in newest if n in self._verified]
+        if verified:
+            kept = f"the newest valid checkpoint is {self.directory / str(verified[-1])}, kept"
+        elif newest:
+            kept = f"the newest checkpoint is {self.directory / str(newest[-1])}, kept"
+        else:
+            kept = "no checkpoint was written before it"
+        return CheckpointError(
+            f"checkpoint {path} could not be written ({cause}); {kept}; the partial write is "
+            "removed when the directory is next opened"
+        )
 
-    def _read_meta(self, samples: int) -> dict[str, Any]:
-        meta = self._manager.restore(samples, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        meta = meta["meta"]
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise CheckpointError(f"meta is not jaxdp checkpoint format {FORMAT}")
-        return meta
+    def _read_meta(self, number: int) -> dict[str, Any]:
+        meta = self._manager.restore(number, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return check_sealed(meta["meta"])
 
     def _read(
-        self, samples: int, meta: dict[str, Any], like: TrainState, *, per_device: bool
+        self, number: int, meta: dict[str, Any], like: TrainState, *, per_device: bool
     ) -> TrainState:
         """Reads arrays into ``like``'s shardings and checks them against the SHA-256s."""
-        replicated, devices = _split(_tree(like))
-        items = {"replicated": ocp.args.StandardRestore(_abstract(replicated))}
+        replicated, devices = split(saved_tree(like))
+        items = {"replicated": ocp.args.StandardRestore(abstract(replicated))}
         read_devices = per_device and bool(jax.tree.leaves(devices))
         if read_devices:
-            items["per_device"] = ocp.args.StandardRestore(_abstract(devices))
-        out = self._manager.restore(samples, args=ocp.args.Composite(**items))
+            items["per_device"] = ocp.args.StandardRestore(abstract(devices))
+        out = self._manager.restore(number, args=ocp.args.Composite(**items))
         # Not read: at an optimizer-step boundary the accumulators are zero.
-        devices = out["per_device"] if read_devices else jax.tree.map(_zeros, devices)
-        tree = _join(out["replicated"], devices)
+        devices = out["per_device"] if read_devices else jax.tree.map(zeros, devices)
+        tree = join(out["replicated"], devices)
         for name, x in named(tree):
             expected = meta["leaves"][name]["sha256"]
             if (read_devices or not is_per_device(x)) and expected is not None:
-                actual = _sha256(x)
+                actual = array_sha256(x)
                 if actual is not None and actual != expected:
                     raise CheckpointError(f"{name} does not match its SHA-256")
-        return TrainState(
-            tree["step"],
-            tree["params"],
-            tree["opt_state"],
-            tree["accum"],
-            like.graphdef,
-            jax.tree.map(_like_key, tree["model_state"], like.model_state),
-            tree["skipped_steps"],
-            tree["consecutive_skips"],
-        )
+        return state_from_tree(tree, like)
 
     def _set_aside(self, failures: list[tuple[int, Exception]], used: pathlib.Path) -> None:
-        for samples, error in failures:
-            bad = self.directory / str(samples)
-            target = bad.with_name(f"{samples}.corrupt")
+        for number, error in failures:
+            bad = self.directory / str(number)
+            target = bad.with_name(f"{number}.corrupt")
             for i in range(1, 1000):
                 if not target.exists():
                     break
-                target = bad.with_name(f"{samples}.corrupt-{i}")
+                target = bad.with_name(f"{number}.corrupt-{i}")
             if jax.process_index() == 0:
                 bad.rename(target)
             warnings.warn(
@@ -266,106 +340,13 @@ class Checkpoints:
         if self.keep is None or not self._verified:
             return
         newest_verified = max(self._verified)
-        for samples in self.steps[: -self.keep]:
-            if samples < newest_verified:
-                self._manager.delete(samples)
-                self._verified.discard(samples)
-
-
-def _tree(state: TrainState) -> dict[str, Any]:
-    """What is saved: the state without its static NNX graph, rng keys as their data."""
-    return {
-        "step": state.step,
-        "params": state.params,
-        "opt_state": state.opt_state,
-        "accum": state.accum,
-        "model_state": jax.tree.map(_key_data, state.model_state),
-        "skipped_steps": state.skipped_steps,
-        "consecutive_skips": state.consecutive_skips,
-    }
-
-
-def _is_key(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _key_data(x: Any) -> Any:
-    """An ``nnx.Rngs`` key as its uint32 data: orbax stores plain arrays."""
-    return jax.random.key_data(x) if _is_key(x) else x
-
-
-def _like_key(x: Any, like: Any) -> Any:
-    return jax.random.wrap_key_data(x, impl=jax.random.key_impl(like)) if _is_key(like) else x
-
-
-def _split(tree: Any) -> tuple[Any, Any]:
-    """``(replicated, per_device)``: ``tree`` twice, the other kind of leaf set to None."""
-    replicated = jax.tree.map(lambda x: None if is_per_device(x) else x, tree)
-    per_device = jax.tree.map(lambda x: x if is_per_device(x) else None, tree)
-    return replicated, per_device
-
-
-def _join(replicated: Any, per_device: Any) -> Any:
-    return jax.tree.map(
-        lambda a, b: b if a is None else a, replicated, per_device, is_leaf=lambda x: x is None
-    )
-
-
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _zeros(x: Any) -> jax.Array:
-    return jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
-
-
-def _sha256(x: jax.Array) -> str | None:
-    """SHA-256 of the value's bytes; None where this process cannot see all of it."""
-    if x.is_fully_addressable:
-        value = np.asarray(x)
-    elif x.sharding.is_fully_replicated:
-        value = np.asarray(x.addressable_data(0))
-    else:
-        return None  # another process holds part of it; orbax's own checks apply
-    return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+        for number in self.steps[: -self.keep]:
+            if number < newest_verified:
+                self._manager.delete(number)
+                self._verified.discard(number)
 
 
 def _short(error: Exception) -> str:
     """The error's type and first words (tensorstore appends kilobytes of spec)."""
     text = str(error).split(" [tensorstore_spec")[0]
     return f"{type(error).__name__}: {text[:400]}"
-
-
-def _quiet_failed_read_noise() -> None:
-    """Silences the aftermath of a failed orbax read (once per process).
-
-    When one array of a restore fails, orbax's asyncio loop stops while
-    tensorstore still completes the other reads: each completion callback
-    raises RuntimeError("Event loop is closed") as an unraisable exception, and
-    asyncio logs every other failed read as "exception was never retrieved".
-    Dozens of tracebacks after an error that is already reported; everything
-    else still reaches the previous hook and the log.
-    """
-    if not isinstance(sys.unraisablehook, _QuietClosedLoop):
-        sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
-    log = logging.getLogger("asyncio")
-    if not any(isinstance(f, _QuietUnretrievedReads) for f in log.filters):
-        log.addFilter(_QuietUnretrievedReads())
-
-
-class _QuietClosedLoop:
-    def __init__(self, previous: Callable[[Any], Any]):
-        self.previous = previous
-
-    def __call__(self, unraisable: Any) -> None:
-        error = unraisable.exc_value
-        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-            return
-        self.previous(unraisable)
-
-
-class _QuietUnretrievedReads(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        unretrieved = "exception was never retrieved" in message
-        return not (unretrieved and ("orbax" in message or "tensorstore" in message))

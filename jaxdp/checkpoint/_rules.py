@@ -21,6 +21,21 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: none there, unreadable, or incompatible."""
 
 
+def check_is_directory(directory: str | pathlib.Path, *, name: str) -> None:
+    """Raises :class:`CheckpointError` if ``directory`` (argument ``name``), or a folder
+    above it, is a file. A missing directory passes: it is created."""
+    given = pathlib.Path(directory).absolute()
+    for path in (given, *given.parents):
+        if path.exists():
+            if not path.is_dir():
+                what = "is" if path == given else f"is inside {path}, which is"
+                raise CheckpointError(
+                    f"{name}={str(directory)!r} {what} a file, not a directory: checkpoints "
+                    "are directories inside it (a missing one is created)"
+                )
+            return
+
+
 def check_compatible(
     meta: dict[str, Any],
     here: dict[str, Any],

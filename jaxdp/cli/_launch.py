@@ -4,7 +4,8 @@ Each process gets the ``JAXDP_*`` environment that :func:`jaxdp.initialize`
 reads (coordinator on a free local port, process count and id, its CPU device
 count and GPU ids), runs in its own process group, and has its output prefixed
 with ``[rank r]``. When one exits non-zero the others are stopped (SIGTERM,
-then SIGKILL after a grace period) and the launcher exits with that status.
+then SIGKILL after a grace period, a short one when a signal killed it) and the
+launcher exits with that status.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import IO, Any
 
 from .._distributed import (
@@ -33,6 +34,10 @@ from .._distributed import (
 )
 
 DEFAULT_GRACE_S = 10.0
+# The grace when a rank was killed by a signal. Its peers are then blocked in a
+# collective that can never complete (a gloo all-reduce waits for every rank) and
+# cannot act on SIGTERM; the second lets one that is not blocked exit on its own.
+KILLED_PEER_GRACE_S = 1.0
 _POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -62,8 +67,10 @@ def launch(
     the same way.
 
     Exit status: 0 when all exit 0. When one exits non-zero, the others get
-    SIGTERM, then SIGKILL after ``grace_s`` seconds, and the status is that
-    rank's (``128 + n`` for a process ended by signal ``n``). A SIGINT or
+    SIGTERM, then SIGKILL after ``grace_s`` seconds (after at most
+    :data:`KILLED_PEER_GRACE_S` when a signal ended it: its peers are stuck in
+    collectives that wait for it), and the status is that rank's (``128 + n``
+    for a process ended by signal ``n``). A SIGINT or
     SIGTERM sent to the launcher is forwarded to every process and waited
     for; a second one kills them (status ``128 + signal``).
     """
@@ -71,19 +78,24 @@ def launch(
         raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
     if devices_per_process is not None and devices_per_process < 1:
         raise ValueError(f"devices_per_process={devices_per_process!r} must be at least 1")
-    if grace_s < 0:
-        raise ValueError(f"grace_s={grace_s!r} must be at least 0")
+    if not 0 <= grace_s < float("inf"):  # NaN included
+        raise ValueError(f"grace_s={grace_s!r} must be a finite number of seconds >= 0")
+    for name, value in (("timeout_s", timeout_s), ("heartbeat_timeout_s", heartbeat_timeout_s)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive integer (seconds)")
     argv = child_argv(command, subcommands)
     out = stdout or sys.stdout.buffer
     err = stderr or sys.stderr.buffer
-    address = f"127.0.0.1:{_free_port()}"
-    settings = {ENV_COORDINATOR_ADDRESS: address, ENV_NUM_PROCESSES: str(nprocs)}
-    if timeout_s is not None:
-        settings[ENV_TIMEOUT] = str(timeout_s)
-    if heartbeat_timeout_s is not None:
-        settings[ENV_HEARTBEAT_TIMEOUT] = str(heartbeat_timeout_s)
     group = _Group(out, err)
-    with _Signals() as received:
+    with _reserved_port() as port, _Signals() as received:
+        settings = {
+            ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
+            ENV_NUM_PROCESSES: str(nprocs),
+        }
+        if timeout_s is not None:
+            settings[ENV_TIMEOUT] = str(timeout_s)
+        if heartbeat_timeout_s is not None:
+            settings[ENV_HEARTBEAT_TIMEOUT] = str(heartbeat_timeout_s)
         try:
             for rank in range(nprocs):
                 env = {**os.environ, **settings, ENV_PROCESS_ID: str(rank)}
@@ -189,9 +201,11 @@ class _Group:
             if failed is None and forwarded is None:
                 failed = self._first_failure()
                 if failed is not None:
-                    self._report(failed)
+                    killed = failed[1] > 128  # the shell's status of a signal's victim
+                    wait = min(grace_s, KILLED_PEER_GRACE_S) if killed else grace_s
+                    self._report(failed, wait)
                     self.signal_all(signal.SIGTERM)
-                    kill_at = time.monotonic() + grace_s
+                    kill_at = time.monotonic() + wait
             if time.monotonic() >= kill_at:
                 self.signal_all(signal.SIGKILL)
                 kill_at = float("inf")
@@ -201,7 +215,7 @@ class _Group:
         if failed is None and forwarded is None:
             failed = self._first_failure()  # all may have ended between two polls
             if failed is not None:
-                self._report(failed)
+                self._report(failed, None)
         if failed is not None:
             rank, status = failed
             self.say(f"failed: rank {rank} exited with status {_describe(status)}")
@@ -210,12 +224,14 @@ class _Group:
             return 128 + forwarded
         return 0
 
-    def _report(self, failed: tuple[int, int]) -> None:
+    def _report(self, failed: tuple[int, int], wait: float | None) -> None:
         rank, status = failed
-        self.say(
-            f"rank {rank} (pid {self.procs[rank].pid}) exited with status "
-            f"{_describe(status)}; stopping the other {self.running()} rank(s)"
-        )
+        text = f"rank {rank} (pid {self.procs[rank].pid}) exited with status {_describe(status)}"
+        if running := self.running():
+            text += f"; stopping the other {running} rank(s)"
+            if wait is not None:
+                text += f" (SIGTERM, then SIGKILL after {wait:g} s)"
+        self.say(text)
 
     def _first_failure(self) -> tuple[int, int] | None:
         with self.lock:
@@ -266,10 +282,21 @@ def _die_with_launcher() -> Callable[[], None] | None:
     return preexec
 
 
-def _free_port() -> int:
+@contextlib.contextmanager
+def _reserved_port() -> Iterator[int]:
+    """A free local port, held while the launch runs so that nothing else takes it.
+
+    A port found free and released before the coordinator binds it can be taken
+    meanwhile (an ephemeral port of any connection). The socket holding it is
+    bound with SO_REUSEPORT and never listens: JAX's coordinator (gRPC, which
+    sets SO_REUSEPORT) binds the same port beside it and alone accepts
+    connections, while any other bind of it fails.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        if hasattr(socket, "SO_REUSEPORT"):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 class _Signals:
@@ -298,30 +325,36 @@ def add_launch_command(sub: Any) -> None:
         "of them when one fails, exiting with its status. The command is a Python "
         "script, -m module, or a jaxdp subcommand (train ..., or jaxdp train ...).",
     )
-    p.add_argument("--nprocs", type=int, required=True, help="processes to start")
+    p.add_argument("--nprocs", type=int, required=True, metavar="N", help="processes to start")
     p.add_argument(
         "--devices-per-process",
         type=int,
         default=None,
-        help="CPU devices each process emulates, and GPUs each drives (r*D .. r*D+D-1)",
+        metavar="D",
+        help="CPU devices each process emulates, and GPUs each drives (r*D .. r*D+D-1) "
+        "(default: not set; jaxdp train then emulates 4 CPU devices, and every process "
+        "sees all GPUs)",
     )
     p.add_argument(
         "--timeout-s",
         type=int,
         default=None,
+        metavar="SECONDS",
         help="seconds to wait for all processes to connect (default: jaxdp.initialize's 100)",
     )
     p.add_argument(
         "--heartbeat-timeout-s",
         type=int,
         default=None,
+        metavar="SECONDS",
         help="seconds after which a silent process counts as dead (default: 60)",
     )
     p.add_argument(
         "--grace-s",
         type=float,
         default=DEFAULT_GRACE_S,
-        help="after a failure, seconds between SIGTERM and SIGKILL (default: %(default)s)",
+        metavar="SECONDS",
+        help="after a failure, seconds between SIGTERM and SIGKILL",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(run=lambda args: _run_launch(args, set(sub.choices)))
@@ -338,5 +371,6 @@ def _run_launch(args: argparse.Namespace, subcommands: Collection[str]) -> int:
             grace_s=args.grace_s,
             subcommands=subcommands,
         )
-    except ValueError as e:
-        raise SystemExit(f"jaxdp launch: error: {e}") from None
+    except ValueError as e:  # a usage error: exit status 2, as argparse's own
+        print(f"jaxdp launch: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,17 +1,24 @@
-"""The ``jaxdp`` command line."""
+"""The ``jaxdp`` command line: its parser, ``--version`` and the ``train`` subcommand."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import functools
+import importlib.metadata
 import json
+import os
 import signal
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
+from .. import __version__
+from ._config import DEFAULT_EPOCHS, TrainConfig
+from ._extra import require_extra
+from ._help import Parser
 from ._launch import add_launch_command
 from ._parity import add_parity_command
 from ._plan import add_parser as plan_parser
@@ -21,133 +28,179 @@ DEFAULT_CPU_DEVICES = 4
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
-    from ._train import TrainConfig
-
-    defaults = TrainConfig()
     p = sub.add_parser(
         "train",
         help="train a model on the digits images, data-parallel",
-        description="Data-parallel training with gradient accumulation on "
-        "scikit-learn's digits images; prints the batch identity, a "
-        "progress bar and the held-out accuracy. With --checkpoint-dir it "
-        "saves checkpoints that --resume continues exactly; SIGINT or SIGTERM "
-        "stops at the next micro-batch with a checkpoint there.",
+        description="Data-parallel training with gradient accumulation on scikit-learn's "
+        "digits images; prints the batch identity, a progress bar and the held-out "
+        "accuracy.\n\n"
+        "With --checkpoint-dir it saves checkpoints, one directory per optimizer step, that "
+        "--resume continues exactly; a resume takes every option not given from the "
+        "checkpoint. SIGINT or SIGTERM stops at the next micro-batch with a checkpoint "
+        "there (unless that optimizer step is checkpointed already).",
     )
-    p.add_argument("--model", choices=["mlp", "cnn"], default=defaults.model)
-    p.add_argument(
-        "--num-devices",
+    defaults = TrainConfig()
+    _model_options(_options(p, "model and optimizer"), defaults)
+    _batch_options(_options(p, "devices, batch and length"), defaults)
+    _checkpoint_options(_options(p, "checkpoints"), defaults)
+    _output_options(_options(p, "output"))
+    p.set_defaults(run=_run_train)
+
+
+def _options(p: argparse.ArgumentParser, title: str) -> Callable[..., Any]:
+    """``add_argument`` of a new group of ``p``, with None as every option's default.
+
+    None tells a resume which options were given and which to take from the
+    checkpoint; TrainConfig supplies a fresh run's defaults, which the help shows.
+    """
+    return functools.partial(p.add_argument_group(title).add_argument, default=None)
+
+
+def _model_options(option: Callable[..., Any], d: TrainConfig) -> None:
+    option("--model", choices=["mlp", "cnn"], help=f"reference model (default: {d.model})")
+    option("--hidden", metavar="WIDTH", type=int, help=f"MLP hidden width (default: {d.hidden})")
+    option(
+        "--precision",
+        choices=["float32", "float64", "bfloat16"],
+        help="parameters and compute; bfloat16: bfloat16 compute, float32 parameters "
+        f"(default: {d.precision})",
+    )
+    option(
+        "--optimizer",
+        choices=["adamw", "sgd"],
+        help=f"adamw, or sgd with momentum 0.9 (default: {d.optimizer})",
+    )
+    option(
+        "--learning-rate",
+        "--lr",
+        metavar="LR",
+        type=float,
+        help=f"learning rate (default: {d.learning_rate})",
+    )
+    option(
+        "--seed",
+        metavar="SEED",
         type=int,
-        default=None,
-        help="data-parallel devices (default: all; on CPU, --cpu-devices emulated)",
+        help=f"model init, held-out split, data order (default: {d.seed})",
     )
-    p.add_argument(
+    option(
+        "--skip-nonfinite",
+        action=argparse.BooleanOptionalAction,
+        help="skip (and report) an update with NaN or Inf gradients or loss, up to 10 in a "
+        "row; --no-skip-nonfinite applies it and stops there, naming the step (default: skip)",
+    )
+
+
+def _batch_options(option: Callable[..., Any], d: TrainConfig) -> None:
+    option("--num-devices", metavar="N", type=int, help="data-parallel devices (default: all)")
+    option(
         "--cpu-devices",
+        metavar="N",
         type=int,
-        default=None,
         help="CPU devices to emulate when running on CPU (default: $JAXDP_CPU_DEVICES, "
         f"which jaxdp launch sets, else {DEFAULT_CPU_DEVICES})",
     )
-    p.add_argument(
+    option(
         "--accum-steps",
+        metavar="K",
         type=int,
-        default=defaults.accum_steps,
-        help="micro-batches per device per optimizer step (default: %(default)s)",
+        help=f"micro-batches per device per optimizer step (default: {d.accum_steps})",
     )
-    p.add_argument(
+    option(
         "--micro-batch-size",
+        metavar="B",
         type=int,
-        default=defaults.micro_batch_size,
-        help="rows per micro-batch per device (default: %(default)s)",
+        help=f"rows per micro-batch per device (default: {d.micro_batch_size})",
     )
-    p.add_argument(
-        "--epochs",
-        type=int,
-        default=None,
-        help="train until this epoch (default: 15 without --steps, else no limit)",
-    )
-    p.add_argument("--steps", type=int, default=None, help="stop after this many optimizer steps")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default=defaults.optimizer)
-    p.add_argument("--learning-rate", "--lr", type=float, default=defaults.learning_rate)
-    p.add_argument(
+    option(
         "--path",
         choices=["fused", "multisteps"],
-        default=defaults.path,
-        help="accumulation path (default: %(default)s)",
+        help="accumulation path: one call per optimizer step, or one per micro-batch "
+        f"(default: {d.path})",
     )
-    p.add_argument("--strategy", choices=["shard_map", "pmap"], default=defaults.strategy)
-    p.add_argument(
-        "--precision",
-        choices=["float32", "float64", "bfloat16"],
-        default=defaults.precision,
-        help="parameters and compute; bfloat16: bfloat16 compute, float32 parameters",
+    option(
+        "--strategy",
+        choices=["shard_map", "pmap"],
+        help=f"how the step is mapped over the devices (default: {d.strategy})",
     )
-    p.add_argument("--hidden", type=int, default=defaults.hidden, help="MLP hidden width")
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (orbax)")
-    p.add_argument(
-        "--checkpoint-every",
+    option(
+        "--epochs",
+        metavar="N",
         type=int,
-        default=None,
+        help=f"train until this epoch (default: {DEFAULT_EPOCHS} without --steps, else no limit)",
+    )
+    option(
+        "--steps",
+        metavar="N",
+        type=int,
+        help="stop after this many optimizer steps (default: none)",
+    )
+
+
+def _checkpoint_options(option: Callable[..., Any], d: TrainConfig) -> None:
+    option("--checkpoint-dir", metavar="DIR", help="save checkpoints here (default: none)")
+    option(
+        "--checkpoint-every",
+        metavar="N",
+        type=int,
         help="optimizer steps between checkpoints (default: only at the end)",
     )
-    p.add_argument(
-        "--keep", type=int, default=defaults.keep, help="checkpoints kept (default: %(default)s)"
+    option("--keep", metavar="N", type=int, help=f"checkpoints kept (default: {d.keep})")
+    option(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir, with its config "
+        "for every option not given",
     )
-    p.add_argument(
-        "--resume", action="store_true", help="continue from the newest checkpoint in the dir"
-    )
-    p.add_argument(
+    option(
         "--force-resume",
         action="store_true",
         help="resume even with another global batch size (changes the data order)",
     )
-    p.add_argument("--metrics-out", default=None, help="write per-step metrics as JSON lines")
-    p.add_argument("--summary-out", default=None, help="write the final summary as JSON")
-    p.add_argument("--plot", default=None, help="write the loss curve to this PNG file")
-    p.add_argument(
+
+
+def _output_options(option: Callable[..., Any]) -> None:
+    option("--metrics-out", metavar="FILE", help="per-step metrics as JSON lines (default: none)")
+    option("--summary-out", metavar="FILE", help="the final summary as JSON (default: none)")
+    option("--plot", metavar="FILE", help="the loss curve as a PNG file (default: none)")
+    option(
         "--progress",
         action=argparse.BooleanOptionalAction,
-        default=None,
         help="show a progress bar (default: only on a terminal)",
     )
-    p.set_defaults(run=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    import os
-
+    # Before anything imports them: one line, not a traceback.
+    require_extra("train", ["sklearn", "tqdm", "matplotlib"])
     import jax
 
-    from .._distributed import ENV_CPU_DEVICES, initialize
     from .._train_state import NonFiniteError
     from ..checkpoint._rules import CheckpointError
-    from ._train import TrainConfig, train
+    from ._run import NonFiniteStep
+    from ._train import finish, prepare
 
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    try:
-        config = TrainConfig(
-            **{k: v for k, v in vars(args).items() if k in fields and v is not None}
-        )
-    except ValueError as e:
-        raise SystemExit(f"jaxdp train: error: {e}") from None
-    # Before JAX starts its backend. The CPU device count affects the CPU
-    # backend only, so on a GPU machine the default still trains on all GPUs.
-    # Under jaxdp launch (or Slurm, Open MPI, ...) this joins the other processes.
-    cpu_devices = args.cpu_devices
-    if cpu_devices is None and not os.environ.get(ENV_CPU_DEVICES):
-        cpu_devices = DEFAULT_CPU_DEVICES
-    try:
-        initialize(cpu_devices=cpu_devices)
-    except ValueError as e:
-        raise SystemExit(f"jaxdp train: error: {e}") from None
-    if config.precision == "float64":
-        jax.config.update("jax_enable_x64", True)
-    with _stop_on_signals() as stopped_by, warnings.catch_warnings():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())  # a resume's corrupt checkpoint
         warnings.showwarning = _show_warning
+        # Everything that can refuse the run does so here, before the first step:
+        # a usage error, exit status 2 as argparse's own.
         try:
-            summary = train(config, stop=lambda _: stopped_by[0] is not None)
-        except (CheckpointError, NonFiniteError) as e:
-            raise SystemExit(f"jaxdp train: error: {e}") from None
+            config = _start(args)
+            if config.precision == "float64":
+                jax.config.update("jax_enable_x64", True)
+            files = {"summary_out": args.summary_out}
+            prepared = stack.enter_context(prepare(config, files=files))
+        except ValueError as e:  # CheckpointError included
+            print(f"jaxdp train: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        with _stop_on_signals() as stopped_by:
+            try:
+                summary = finish(prepared, stop=lambda _: stopped_by[0] is not None)
+            except (CheckpointError, NonFiniteError, NonFiniteStep) as e:
+                print(f"jaxdp train: error: {e}", file=sys.stderr)
+                stack.close()  # releases the checkpoint directory's lock
+                _exit_now(1)
     if args.summary_out and jax.process_index() == 0:
         with open(args.summary_out, "w") as f:
             json.dump(summary, f, indent=2)
@@ -157,6 +210,50 @@ def _run_train(args: argparse.Namespace) -> int:
     if signum is None and summary["stopped"]:
         signum = signal.SIGTERM
     return 0 if signum is None else 128 + signum
+
+
+def _start(args: argparse.Namespace) -> TrainConfig:
+    """The run's config (a resume's completed from its checkpoint), once JAX is set up."""
+    from .._distributed import ENV_CPU_DEVICES, initialize
+    from ._outputs import lock_while
+    from ._resume import resumed_config
+    from ._run import say
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    config = TrainConfig(**given)  # a bad flag fails before JAX starts
+    cpu_devices = args.cpu_devices
+    if cpu_devices is not None and cpu_devices < 1:
+        raise ValueError(f"cpu_devices={cpu_devices!r} must be a positive integer")
+    # Before JAX starts its backend. The CPU device count affects the CPU
+    # backend only, so on a GPU machine the default still trains on all GPUs.
+    # Under jaxdp launch (or Slurm, Open MPI, ...) this joins the other processes.
+    if cpu_devices is None and not os.environ.get(ENV_CPU_DEVICES):
+        cpu_devices = DEFAULT_CPU_DEVICES
+    initialize(cpu_devices=cpu_devices)
+    if not config.resume:
+        return config
+    assert config.checkpoint_dir is not None  # TrainConfig requires it with resume
+    # Reading a checkpoint opens its directory, which clears unfinished saves:
+    # not while another run writes there.
+    with lock_while(config.checkpoint_dir):
+        config, taken = resumed_config(given)
+    say(taken)
+    return config
+
+
+def _exit_now(status: int) -> NoReturn:
+    """Exits with ``status``; with several processes at once, as jaxdp.initialize's
+    excepthook does: a failure (a checkpoint that could not be written) may have
+    reached this process alone, and its peers wait in a collective or in orbax's
+    barrier, so JAX's shutdown barrier would hold it for ``timeout_s``."""
+    import jax
+
+    if jax.process_count() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    raise SystemExit(status)
 
 
 def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kw: Any) -> None:
@@ -197,11 +294,32 @@ SUBCOMMANDS = (
 )
 
 
+DESCRIPTION = """\
+Data-parallel training with gradient accumulation for JAX, equivalent to
+PyTorch DDP with no_sync(): the global batch (num_devices x accum_steps x
+micro_batch_size) is split over the devices, and each optimizer step averages
+the gradients with one all-reduce.
+
+"jaxdp COMMAND --help" describes a command and its options."""
+
+
+def version() -> str:
+    """``jaxdp 0.2.0 (jax 0.10.2)``: jaxdp's version and the installed jax's."""
+    try:
+        jax = importlib.metadata.version("jax")
+    except importlib.metadata.PackageNotFoundError:
+        jax = "not installed"
+    return f"jaxdp {__version__} (jax {jax})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``jaxdp`` command line on ``argv`` (default: ``sys.argv[1:]``); returns the
     exit status."""
-    parser = argparse.ArgumentParser(prog="jaxdp", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="jaxdp", description=DESCRIPTION)
+    parser.add_argument(
+        "--version", action="version", version=version(), help="print the versions of jaxdp and jax"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_parser in SUBCOMMANDS:
         add_parser(sub)
     args = parser.parse_args(argv)

@@ -1,14 +1,24 @@
-"""``jaxdp parity``: jaxdp and torch_ref trained side by side, compared step by step."""
+"""``jaxdp parity``: jaxdp and torch_ref trained side by side, compared step by step.
+
+Either a reference model (``--model NAME``) or a user's torch model and its NNX port
+(``--torch-model MODULE:ATTR --jax-model MODULE:ATTR --data PATH.npz``).
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 from ..models._reference import MODELS
 from ..parity._optim import OPTIMIZERS
-from ..parity._runner import RTOL, ParityConfig, format_parity, run_parity
+from ..parity._runner import RTOL, ParityConfig
+
+# Flags that only a reference model (--model) or only a user's models take.
+REFERENCE_ONLY = ("num_samples", "sync_batchnorm")
+PORT_ONLY = ("loss", "mapping", "jax_optimizer", "locate")
 
 
 def add_parity_command(sub: Any) -> None:
@@ -18,54 +28,220 @@ def add_parity_command(sub: Any) -> None:
         "parity",
         help="train jaxdp and torch_ref (PyTorch DDP + GA) side by side and compare",
         description="Same initial weights, data, order and hyper-parameters in jaxdp and in "
-        "torch_ref; compares weights and losses after every optimizer step and prints the "
-        "largest differences. Exit status 1 if a step is beyond tolerance.",
+        "torch_ref, on a reference model (--model) or on your torch model and its Flax NNX port "
+        "(--torch-model, --jax-model, --data); compares weights and losses after every "
+        "optimizer step and prints the largest differences, and for your models where they "
+        "first diverge. Exit status 1 if a step is beyond tolerance.",
     )
-    p.add_argument("--model", choices=sorted(MODELS), default="mlp")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=defaults.optimizer)
-    p.add_argument("--num-devices", type=int, default=defaults.num_devices)
-    p.add_argument("--accum-steps", type=int, default=defaults.accum_steps)
-    p.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size)
-    p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
-    p.add_argument("--dtype", choices=sorted(RTOL), default=defaults.dtype)
-    p.add_argument("--path", choices=["fused", "multisteps"], default=defaults.path)
-    p.add_argument("--strategy", choices=["shard_map", "pmap"], default=defaults.strategy)
-    p.add_argument("--num-samples", type=int, default=defaults.num_samples)
-    p.add_argument("--last-window", choices=["drop", "step"], default=defaults.last_window)
-    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help="a reference model (default: mlp, when no --torch-model is given)",
+    )
+    _add_port_flags(p)
+    p.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default=defaults.optimizer,
+        help="optimizer, the same in both",
+    )
+    p.add_argument(
+        "--num-devices",
+        type=int,
+        default=defaults.num_devices,
+        metavar="N",
+        help="jaxdp devices, and torch DDP ranks",
+    )
+    p.add_argument(
+        "--accum-steps",
+        type=int,
+        default=defaults.accum_steps,
+        metavar="K",
+        help="micro-batches per device per optimizer step",
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=defaults.micro_batch_size,
+        metavar="B",
+        help="rows per micro-batch per device",
+    )
+    p.add_argument(
+        "--steps", type=int, default=defaults.steps, metavar="N", help="optimizer steps compared"
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(RTOL), default=defaults.dtype, help="parameters and compute"
+    )
+    p.add_argument(
+        "--path",
+        choices=["fused", "multisteps"],
+        default=defaults.path,
+        help="jaxdp's accumulation path",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=["shard_map", "pmap"],
+        default=defaults.strategy,
+        help="how jaxdp's step is mapped over the devices",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"--model: size of the synthetic data set, epochs repeat as needed "
+        f"(default: {defaults.num_samples})",
+    )
+    p.add_argument(
+        "--last-window",
+        choices=["drop", "step"],
+        default=defaults.last_window,
+        help="an epoch's incomplete last accumulation window: dropped, or one short step",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="weights and data; the sampler uses seed + epoch",
+    )
     p.add_argument(
         "--torch-device",
         choices=["cpu", "cuda"],
         default=defaults.torch_device,
         help="where torch_ref trains (cuda: nccl, one GPU per rank, TF32 off); jaxdp uses "
-        "JAX's default backend (default: %(default)s)",
+        "JAX's default backend",
     )
     p.add_argument(
         "--sync-batchnorm",
         action="store_true",
+        default=None,
         help="cnn_bn: SyncBatchNorm in torch_ref, batch_stats='sync' in jaxdp (default: DDP's "
         "per-rank statistics with broadcast_buffers=True, batch_stats='local')",
     )
+    p.add_argument("--plot", metavar="PATH.png", help="the divergence per step, log scale")
     p.set_defaults(run=_run_parity_command)
 
 
-def _run_parity_command(args: Any) -> int:
+def _add_port_flags(p: argparse.ArgumentParser) -> None:
+    spec = "MODULE:ATTR (MODULE a module name or a .py path)"
+    p.add_argument("--torch-model", metavar="MODULE:ATTR", help=f"your torch model: {spec}")
+    p.add_argument(
+        "--jax-model",
+        metavar="MODULE:ATTR",
+        help=f"its Flax NNX port: {spec}, called with rngs= and param_dtype= if it takes them",
+    )
+    p.add_argument("--data", metavar="PATH.npz", help="the data set: arrays x and y")
+    p.add_argument(
+        "--loss",
+        metavar="LOSS",
+        help="mse, cross_entropy (default), MODULE:ATTR (one (output, y) function for both) or "
+        "MODULE:TORCH_ATTR,JAX_ATTR",
+    )
+    p.add_argument("--mapping", metavar="MODULE:ATTR", help="a dict or function for the weights")
+    p.add_argument(
+        "--jax-optimizer",
+        metavar="MODULE:ATTR",
+        help="the port's optax optimizer, or a factory of it (default: torch's --optimizer "
+        "through jaxdp.parity.optax_like_torch)",
+    )
+    p.add_argument(
+        "--locate",
+        action="store_true",
+        default=None,
+        help="run the divergence locator even if every step passes (it runs at the first "
+        "step beyond tolerance anyway)",
+    )
+
+
+def _error(message: str) -> NoReturn:
+    """A usage error: one line, exit status 2 as argparse's own."""
+    print(f"jaxdp parity: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _check_flags(args: argparse.Namespace) -> bool:
+    """True for a user's models; errors out on a flag the chosen form does not take."""
+    port = [args.torch_model, args.jax_model, args.data]
+    if not any(port):
+        given = [f"--{k.replace('_', '-')}" for k in PORT_ONLY if getattr(args, k) is not None]
+        if given:
+            _error(f"{', '.join(given)}: only with --torch-model, --jax-model and --data")
+        return False
+    if not all(port):
+        _error("--torch-model, --jax-model and --data go together")
+    if args.model is not None:
+        _error("--model names a reference model; give it or --torch-model/--jax-model")
+    given = [f"--{k.replace('_', '-')}" for k in REFERENCE_ONLY if getattr(args, k) is not None]
+    if given:
+        _error(f"{', '.join(given)}: only with --model (a reference model)")
+    return True
+
+
+def _run_parity_command(args: argparse.Namespace) -> int:
     import jax
 
     from .._mesh import emulate_cpu_devices
 
+    port = _check_flags(args)
     try:
         importlib.import_module("torch_ref")  # imports torch too
     except ImportError as e:
-        raise SystemExit(
-            f"jaxdp parity: error: needs PyTorch ({e}); on a CPU machine: pip install torch "
+        _error(
+            f"needs PyTorch ({e}); on a CPU machine: pip install torch "
             "--index-url https://download.pytorch.org/whl/cpu (torch_ref ships with jaxdp)"
-        ) from e
-
+        )
     emulate_cpu_devices(max(args.num_devices, 1))  # CPU only; before the backend starts
     jax.config.update("jax_enable_x64", args.dtype == "float64")
-    fields = {f.name for f in dataclasses.fields(ParityConfig)}
-    config = ParityConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    report = run_parity(config)
+    report = _compare_ports(args) if port else _compare_reference(args)
+    from ..parity._report import format_parity, plot_parity
+
     print(format_parity(report))
+    if args.plot:
+        plot_parity(report, args.plot)
+        print(f"plot: {args.plot}")
     return 0 if report.passed else 1
+
+
+def _compare_reference(args: argparse.Namespace) -> Any:
+    from ..parity._runner import run_parity
+
+    fields = {f.name for f in dataclasses.fields(ParityConfig)}
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    return run_parity(ParityConfig(**{"model": "mlp", **given}))
+
+
+def _compare_ports(args: argparse.Namespace) -> Any:
+    import numpy as np
+
+    from torch_ref import load_attr
+
+    from ..parity._compare_models import compare_models
+
+    with np.load(args.data) as npz:
+        data = {k: npz[k] for k in npz.files}
+    jax_optimizer = None
+    if args.jax_optimizer:
+        jax_optimizer = load_attr(args.jax_optimizer)
+        if not hasattr(jax_optimizer, "update"):  # a factory
+            jax_optimizer = jax_optimizer()
+    return compare_models(
+        args.torch_model,
+        args.jax_model,
+        data,
+        loss=args.loss or "cross_entropy",
+        optimizer=args.optimizer,
+        jax_optimizer=jax_optimizer,
+        mapping=load_attr(args.mapping) if args.mapping else None,
+        num_devices=args.num_devices,
+        accum_steps=args.accum_steps,
+        micro_batch_size=args.micro_batch_size,
+        steps=args.steps,
+        dtype=args.dtype,
+        path=args.path,
+        strategy=args.strategy,
+        seed=args.seed,
+        last_window=args.last_window,
+        torch_device=args.torch_device,
+        locate=args.locate,
+    )

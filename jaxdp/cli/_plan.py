@@ -19,6 +19,8 @@ from ..plan._memory import (
 from ..plan._report import XlaFigures, report
 
 _MAX_EMULATED = 8  # per-device figures do not depend on the device count
+# Without --global-batch-size: jaxdp train's rows per device (accum_steps 2 x micro_batch_size 16).
+DEFAULT_SAMPLES_PER_DEVICE = 32
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,49 +31,88 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "accumulator, activations), whether it fits, the largest micro-batch and the "
         "accum_steps that reach the global batch, and the all-reduce per optimizer step. "
         "With --model it also compiles jaxdp's step and shows XLA's memory analysis, "
-        "which then decides. Sizes: GB = 10^9 bytes, GiB = 2^30.",
+        "which then decides.\n\n"
+        "Without --device-memory it shows the per-device figures only. Sizes: GB = 10^9 "
+        "bytes, GiB = 2^30.",
     )
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=_arg(parse_count), help="parameter count: 7e9, 7B, 125M")
     what.add_argument(
-        "--model", help="a reference model jaxdp builds: linear, mlp, cnn or transformer"
+        "--params",
+        type=_arg(parse_count),
+        metavar="COUNT",
+        help="parameter count: 7e9, 7B, 125M (this or --model is required)",
+    )
+    what.add_argument(
+        "--model",
+        help="a reference model jaxdp builds: linear, mlp, cnn or transformer (this or "
+        "--params is required)",
     )
     p.add_argument(
         "--model-arg",
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="constructor argument of --model, e.g. d_model=256 or 'channels=(16, 32)'",
+        help="constructor argument of --model, e.g. d_model=256 or 'channels=(16, 32)'; "
+        "repeatable (default: the model's own defaults)",
     )
-    p.add_argument("--device-memory", required=True, type=_arg(parse_bytes), help="80GB, 80GiB")
+    p.add_argument(
+        "--device-memory",
+        type=_arg(parse_bytes),
+        metavar="SIZE",
+        help="memory of one device: 80GB, 80GiB (default: none; the plan then decides "
+        "nothing about what fits)",
+    )
     p.add_argument(
         "--policy",
         choices=sorted(DTYPE_POLICIES),
         default=None,
         help="dtype policy (default: mixed-bf16 with --params, fp32 with --model)",
     )
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_MOMENTS), default="adamw")
-    p.add_argument("--num-devices", type=int, default=1, help="data-parallel devices")
-    p.add_argument("--global-batch-size", "--global-batch", type=int, default=None)
+    p.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZER_MOMENTS),
+        default="adamw",
+        help="what the optimizer state holds",
+    )
+    p.add_argument("--num-devices", type=int, default=1, metavar="N", help="data-parallel devices")
+    p.add_argument(
+        "--global-batch-size",
+        "--global-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rows per optimizer step, on all devices (default: "
+        f"{DEFAULT_SAMPLES_PER_DEVICE} per device, as jaxdp train's 2 x 16)",
+    )
     p.add_argument(
         "--activation-bytes-per-sample",
         type=_arg(parse_bytes),
         default=None,
-        help="activation bytes one sample keeps for the backward pass (derived for --model)",
+        metavar="SIZE",
+        help="activation bytes one sample keeps for the backward pass (default: derived "
+        "for --model, else unknown)",
     )
     p.add_argument(
         "--input-bytes-per-sample",
         type=_arg(parse_bytes),
         default=0.0,
-        help="bytes of one input row (derived for --model)",
+        metavar="SIZE",
+        help="bytes of one input row (default: derived for --model, else 0)",
     )
     p.add_argument(
         "--headroom",
         type=_arg(_fraction),
         default=DEFAULT_HEADROOM,
+        metavar="FRACTION",
         help="fraction of device memory kept free: 0.15 or 15%% (default: 15%%)",
     )
-    p.add_argument("--link-bandwidth", type=_arg(parse_bytes), help="per device: 450GB/s, 400Gbit")
+    p.add_argument(
+        "--link-bandwidth",
+        type=_arg(parse_bytes),
+        metavar="SIZE/s",
+        help="what each device sends per second: 450GB/s, 400Gbit (default: none; no "
+        "all-reduce time is predicted)",
+    )
     p.add_argument("--no-xla", action="store_true", help="with --model: skip XLA's analysis")
     p.set_defaults(run=run)
 
@@ -106,12 +147,19 @@ def run(args: argparse.Namespace) -> int:
 
 def plan_report(args: argparse.Namespace) -> str:
     """The plan for parsed ``jaxdp plan`` arguments, as text."""
+    global_batch_size, batch_note = args.global_batch_size, None
+    if global_batch_size is None and isinstance(args.num_devices, int) and args.num_devices > 0:
+        global_batch_size = DEFAULT_SAMPLES_PER_DEVICE * args.num_devices
+        batch_note = (
+            f"global batch size: {global_batch_size} (default, {DEFAULT_SAMPLES_PER_DEVICE} "
+            "samples per device; --global-batch-size sets it)"
+        )
     options = dict(
         device_memory=args.device_memory,
         policy=args.policy or ("mixed-bf16" if args.params is not None else "fp32"),
         optimizer=args.optimizer,
         num_devices=args.num_devices,
-        global_batch_size=args.global_batch_size,
+        global_batch_size=global_batch_size,
         headroom=args.headroom,
         link_bandwidth=args.link_bandwidth,
         activation_bytes_per_sample=args.activation_bytes_per_sample,
@@ -120,7 +168,8 @@ def plan_report(args: argparse.Namespace) -> str:
     if args.params is not None:
         if args.model_arg:
             raise ValueError("--model-arg needs --model")
-        return report(plan_memory(params=args.params, **options))
+        plan = plan_memory(params=args.params, **options)
+        return _report(plan, batch_note=batch_note)
     from ..plan import _xla as xla
 
     spec = _model_spec(args, options["policy"])
@@ -128,15 +177,26 @@ def plan_report(args: argparse.Namespace) -> str:
         options["activation_bytes_per_sample"] = xla.activation_bytes_per_sample(spec)
     options["input_bytes_per_sample"] = xla.input_bytes_per_sample(spec)
     plan = plan_memory(params=xla.param_count(spec), **options)
+    shown = dict(model=spec.describe(), batch_note=batch_note)
     if args.no_xla:
-        return report(plan, model=spec.describe(), note="XLA's analysis: skipped (--no-xla).")
+        return _report(plan, note="XLA's analysis: skipped (--no-xla).", **shown)
+    if plan.device_memory is None:
+        note = "XLA's analysis: needs --device-memory (it compiles the split that fits)."
+        return _report(plan, note=note, **shown)
     if DTYPE_POLICIES[plan.policy].param_dtype is None:
         note = (
             f"XLA's analysis: not for policy {plan.policy} (jaxdp's step keeps no fp32 master "
             "copy of bf16/fp16 weights); --policy fp32 or bf16 compiles the step."
         )
-        return report(plan, model=spec.describe(), note=note)
-    return report(plan, model=spec.describe(), xla=_compile(spec, plan))
+        return _report(plan, note=note, **shown)
+    return _report(plan, xla=_compile(spec, plan), **shown)
+
+
+def _report(plan: MemoryPlan, *, batch_note: str | None, **kwargs: Any) -> str:
+    """The report; the note on a default global batch only where a batch is sized."""
+    if plan.activation_bytes_per_sample is None:
+        batch_note = None
+    return report(plan, batch_note=batch_note, **kwargs)
 
 
 def _model_spec(args: argparse.Namespace, policy: str) -> Any:

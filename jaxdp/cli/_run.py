@@ -4,6 +4,7 @@ checkpoints at the exact data position, metrics per optimizer step."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -17,21 +18,16 @@ from .._position import SamplerPosition, resume_position
 from .._step import TrainStep
 from ..checkpoint._checkpoints import Checkpoints
 from ..checkpoint._rules import CheckpointError
+from ._config import RESUME_FIXED
 from ._metrics import MetricsLog, agree
 
 if TYPE_CHECKING:
-    from ._train import TrainConfig
+    from ._config import TrainConfig
 
-# Fields a resumed run must share with the checkpoint's, and why.
-RESUME_FIXED = {
-    "model": "the parameters would not fit",
-    "hidden": "the parameters would not fit",
-    "precision": "the parameter and compute dtypes would change",
-    "optimizer": "the optimizer state would not fit",
-    "learning_rate": "the optimizer state holds the learning rate",
-    "path": "the accumulation path decides the optimizer state's layout",
-    "seed": "the seed fixes the held-out split and every epoch's data order",
-}
+
+class NonFiniteStep(RuntimeError):
+    """Without skipping, an update with a NaN or Inf loss or gradient was applied: the run
+    stops there (``jaxdp train --no-skip-nonfinite``)."""
 
 
 def say(*args: Any) -> None:
@@ -56,9 +52,11 @@ class _Run:
         self.steps_per_epoch = steps_per_epoch
         self.checkpoints = checkpoints
         self.position = SamplerPosition(0, 0, 0)
-        self.samples = 0  # training samples consumed (checkpoints are numbered by it)
+        self.samples = 0  # training samples consumed
         self.resumed_step: int | None = None
         self.last_checkpoint: str | None = None
+        # (position, samples) of last_checkpoint, the newest in the directory.
+        self.checkpointed: tuple[SamplerPosition, int] | None = None
         self.state: Any = None
 
     def start(self, fresh: Any) -> None:
@@ -86,6 +84,7 @@ class _Run:
             steps_per_epoch=self.steps_per_epoch,
         )
         self.last_checkpoint = str(restored.path)
+        self.checkpointed = (self.position, self.samples)
         say(f"resumed from {restored.path}: step {self.resumed_step}, {_where(self.position)}")
         if restored.sizes != self.sizes:
             say(f"  the checkpoint's batch was {restored.sizes.describe()}")
@@ -129,7 +128,8 @@ class _Run:
                 self.position = position
                 if emitted:
                     record = _record(self.state, metrics, epoch, self.samples)  # waits for it
-                    done = record["step"]
+                    # A skipped (non-finite) update leaves the step count as it was.
+                    advanced, done = record["step"] > done, record["step"]
                     now = time.perf_counter()
                     # The clock starts after the first update: it includes compiling.
                     if clock is None:
@@ -140,7 +140,9 @@ class _Run:
                         bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{rate:.0f}")
                     log.write(record)
                     bar.update()
-                    if every and record["step"] % every == 0:
+                    if not _finite(record):  # already on the host: no sync of its own
+                        self._nonfinite(record)
+                    if every and advanced and done % every == 0:
                         self.save()
                     if bar.disable and position.step_in_epoch == 0:
                         say(f"epoch {epoch} done: step {record['step']} loss {record['loss']:.4f}")
@@ -148,6 +150,27 @@ class _Run:
                     return True
         self.step.check(self.state)  # a skip limit reached by the last call
         return False
+
+    def _nonfinite(self, record: dict[str, Any]) -> None:
+        """Reports a skipped update; without skipping, stops the run naming the step."""
+        values = f"loss={record['loss']}, grad_norm={record.get('grad_norm')}"
+        if record.get("skipped"):
+            limit = self.step.options.max_consecutive_skips
+            self._tell(
+                f"optimizer step {record['step'] + 1} (epoch {record['epoch']}): non-finite "
+                f"{values}; update skipped ({record['consecutive_skips']:.0f} in a row; "
+                f"max_consecutive_skips={limit} ends the run)"
+            )
+            return
+        newest = "no checkpoint was saved"
+        if self.last_checkpoint:
+            newest = f"the newest checkpoint is {self.last_checkpoint}"
+        raise NonFiniteStep(
+            f"optimizer step {record['step']} (epoch {record['epoch']}) had a non-finite "
+            f"{values}, and with skip_nonfinite off (--no-skip-nonfinite) its update made "
+            f"the parameters non-finite: stopped there, nothing saved after it; {newest}. "
+            "Resume with skipping on, or a lower learning rate"
+        )
 
     def _calls(
         self, x: np.ndarray, y: np.ndarray
@@ -176,9 +199,20 @@ class _Run:
             epoch += 1
 
     def save(self) -> None:
-        """A checkpoint at the current position."""
+        """A checkpoint at the current position, unless its step number is taken.
+
+        Checkpoints are numbered by optimizer step, so a stop inside an
+        accumulation window (multisteps) meets the checkpoint of the window's
+        start if one was taken: that one stays, and a resume from it redoes
+        the micro-batches since, exactly (the data order is deterministic).
+        """
         if self.checkpoints is None:
             return
+        number = int(self.state.step)
+        if number in self.checkpoints.steps:
+            if self.checkpointed is not None and self.checkpointed[0] != self.position:
+                self._tell(self._not_saved(number))
+            return  # else it is this very position's, just saved or resumed from
         path = self.checkpoints.save(
             self.state,
             position=self.position,
@@ -188,18 +222,39 @@ class _Run:
             extra={"config": dataclasses.asdict(self.config)},
         )
         self.last_checkpoint = str(path)
+        self.checkpointed = (self.position, self.samples)
+        self._tell(f"checkpoint {path}: step {number}, {_where(self.position)}")
+
+    def _not_saved(self, number: int) -> str:
+        assert self.checkpointed is not None  # a number is taken only by this run's newest
+        at, samples = self.checkpointed
+        since = (self.samples - samples) // (self.sizes.num_devices * self.sizes.micro_batch_size)
+        taken = f"an earlier call ({_where(at)})"
+        if at == self.position._replace(micro_batch=0):
+            taken = "the start of this accumulation window"
+        return (
+            f"no checkpoint at this stop ({_where(self.position)}): {self.last_checkpoint} "
+            f"holds step {number} already, taken at {taken}; a resume from it redoes the "
+            f"{since} micro-batch(es) since, exactly (the data order is deterministic)"
+        )
+
+    def _tell(self, text: str) -> None:
+        """A line on process 0 that leaves the progress bar intact."""
         if self.share.process_index == 0:
-            tqdm.write(f"checkpoint {path}: step {int(self.state.step)}, {_where(self.position)}")
+            tqdm.write(text)
 
     def save_final(self) -> None:
         """A checkpoint where the run ended, unless one was just taken there."""
-        if self.checkpoints is not None and self.samples not in self.checkpoints.steps:
-            self.save()
+        self.save()
 
 
 def _where(position: SamplerPosition) -> str:
     text = f"next: epoch {position.epoch} batch {position.step_in_epoch}"
     return text + (f" micro-batch {position.micro_batch}" if position.micro_batch else "")
+
+
+def _finite(record: dict[str, Any]) -> bool:
+    return all(math.isfinite(record.get(k, 0.0)) for k in ("loss", "grad_norm"))
 
 
 def _record(state: Any, metrics: dict[str, Any], epoch: int, samples: int) -> dict[str, Any]:

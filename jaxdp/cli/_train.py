@@ -12,10 +12,10 @@ progress and writes metrics and plots.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import time
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,65 +26,14 @@ from flax import nnx
 from .._layout import BatchSizes, batch_sizes, epoch_schedule, process_share
 from .._mesh import data_mesh
 from .._position import SamplerPosition
-from .._step import AccumulationPath, Strategy, TrainStep, make_train_step
+from .._step import TrainStep, make_train_step
 from ..checkpoint._checkpoints import Checkpoints
 from ..models._reference import CNN, MLP
-from ._data import load_digits
+from ._config import Precision, TrainConfig
+from ._data import Split, load_digits
 from ._metrics import MetricsLog, plot_loss, sum_over_processes
+from ._outputs import claimed
 from ._run import _Run, say
-
-Precision = Literal["float32", "float64", "bfloat16"]
-DEFAULT_EPOCHS = 15  # when neither epochs nor steps is given
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    model: str = "mlp"  # "mlp" (64-hidden-hidden-10) or "cnn" (on the 8x8x1 images)
-    num_devices: int | None = None  # data-parallel devices; None: all there are
-    accum_steps: int = 2  # micro-batches per device per optimizer step
-    micro_batch_size: int = 16  # rows per micro-batch per device
-    epochs: int | None = None  # last epoch (exclusive); None: 15, or no limit with steps
-    steps: int | None = None  # stop after this many optimizer steps in all; None: no limit
-    optimizer: str = "adamw"  # "adamw" or "sgd" (momentum 0.9)
-    learning_rate: float = 3e-3
-    path: AccumulationPath = "fused"  # "fused" or "multisteps"
-    strategy: Strategy = "shard_map"  # "shard_map" or "pmap"
-    precision: Precision = "float32"  # bfloat16: bfloat16 compute, float32 parameters
-    hidden: int = 128  # width of the MLP's hidden layers
-    seed: int = 0  # model init, held-out split, data order
-    checkpoint_dir: str | None = None  # where checkpoints go; None: none
-    checkpoint_every: int | None = None  # optimizer steps between checkpoints; None: at the end
-    keep: int = 3  # checkpoints kept (the newest verified ones)
-    resume: bool = False  # continue from the newest readable checkpoint in checkpoint_dir
-    force_resume: bool = False  # resume even with another global_batch_size
-    metrics_out: str | None = None  # JSON lines file, one record per optimizer step
-    plot: str | None = None  # PNG of the loss curve
-    progress: bool | None = None  # progress bar; None: only on a terminal
-
-    def __post_init__(self) -> None:
-        for name in ("epochs", "steps", "checkpoint_every", "keep", "hidden"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        for name, allowed in (
-            ("model", ("mlp", "cnn")),
-            ("optimizer", ("adamw", "sgd")),
-            ("precision", ("float32", "float64", "bfloat16")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
-        for name in ("resume", "checkpoint_every"):
-            if getattr(self, name) and self.checkpoint_dir is None:
-                raise ValueError(f"{name}={getattr(self, name)!r} needs a checkpoint_dir")
-        if self.plot is not None and not self.plot.endswith(".png"):
-            raise ValueError(f"plot={self.plot!r} must name a .png file")
-
-    @property
-    def last_epoch(self) -> int | None:
-        if self.epochs is None and self.steps is None:
-            return DEFAULT_EPOCHS
-        return self.epochs
-
 
 # ---- model, loss and precision --------------------------------------------------------
 
@@ -152,6 +101,14 @@ def make_step(config: TrainConfig) -> tuple[TrainStep, BatchSizes]:
     """The data-parallel step of ``config`` and its batch identity."""
     if config.precision == "float64" and not jax.config.read("jax_enable_x64"):
         raise ValueError("precision='float64' needs jax_enable_x64 set before training starts")
+    there = jax.devices()
+    if config.num_devices is not None and config.num_devices > len(there):
+        platform = there[0].platform
+        hint = " (--cpu-devices sets how many CPU devices to emulate)" if platform == "cpu" else ""
+        raise ValueError(
+            f"num_devices={config.num_devices} exceeds the {len(there)} {platform} device(s) "
+            f"there are{hint}"
+        )
     mesh = data_mesh(config.num_devices)
     sizes = batch_sizes(
         num_devices=mesh.devices.size,
@@ -165,6 +122,7 @@ def make_step(config: TrainConfig) -> tuple[TrainStep, BatchSizes]:
         accum_steps=sizes.accum_steps,
         path=config.path,
         strategy=config.strategy,
+        skip_nonfinite=config.skip_nonfinite,
     )
     return step, sizes
 
@@ -177,6 +135,37 @@ def train(
     ``stop(position)`` is asked after every call of the step (every
     micro-batch on the ``multisteps`` path); True ends the run there, with a
     checkpoint at that exact position when ``checkpoint_dir`` is set.
+    Everything that can refuse the run (a size, a device count, an output path,
+    the checkpoint directory's lock, a resume) raises ValueError before the
+    first step (:func:`prepare`).
+    """
+    with prepare(config) as prepared:
+        return finish(prepared, stop=stop)
+
+
+class Prepared(NamedTuple):
+    """A run ready for its first step: what :func:`finish` needs."""
+
+    config: TrainConfig
+    run: _Run
+    data: Split
+    log: MetricsLog
+    lead: bool  # process 0: prints, plots
+
+
+@contextlib.contextmanager
+def prepare(
+    config: TrainConfig, *, files: Mapping[str, str | None] | None = None
+) -> Iterator[Prepared]:
+    """Mesh, batch identity, outputs and state (fresh or resumed), checked before any step.
+
+    Raises ValueError (a :class:`CheckpointError` for the checkpoints) for
+    anything that would stop the run: sizes, devices, a batch larger than the
+    data, an output file (``files`` adds option name -> path pairs to the
+    config's ``metrics_out`` and ``plot``) whose folder cannot be created or
+    written, a checkpoint directory that is not a writable directory or is
+    locked by a live run, a checkpoint a resume cannot continue. Holds the
+    checkpoint directory's lock until the block ends.
     """
     data = load_digits(seed=config.seed)
     step, sizes = make_step(config)
@@ -193,26 +182,35 @@ def train(
             f"processes: {share.process_count}, each feeding {share.sizes.global_batch_size} "
             f"rows per step to its {share.sizes.num_devices} device(s)"
         )
+    # Raises if one epoch of the data cannot fill an optimizer step.
     steps_per_epoch = len(epoch_schedule(len(data.x_train), sizes, seed=config.seed).rows)
-    checkpoints = None
-    if config.checkpoint_dir is not None:
-        checkpoints = Checkpoints(config.checkpoint_dir, keep=config.keep)
-    run = _Run(config, step, sizes, share, steps_per_epoch, checkpoints)
-    run.start(step.init(build(config)))
+    outputs = {"metrics_out": config.metrics_out, "plot": config.plot, **(files or {})}
+    with claimed(outputs, config.checkpoint_dir):
+        checkpoints = None
+        if config.checkpoint_dir is not None:
+            checkpoints = Checkpoints(config.checkpoint_dir, keep=config.keep)
+        run = _Run(config, step, sizes, share, steps_per_epoch, checkpoints)
+        run.start(step.init(build(config)))
+        metrics_out = config.metrics_out if lead else None
+        with MetricsLog(metrics_out, resume_step=run.resumed_step) as log:
+            yield Prepared(config, run, data, log, lead)
+
+
+def finish(prepared: Prepared, *, stop: Callable[[SamplerPosition], bool] | None) -> dict[str, Any]:
+    """Trains a prepared run to its end, checkpoints, evaluates; returns the summary."""
+    config, run, data, log, lead = prepared
     start = time.perf_counter()
-    metrics_out = config.metrics_out if lead else None
-    with MetricsLog(metrics_out, resume_step=run.resumed_step) as log:
-        x = data.x_train.astype(np.float64 if config.precision == "float64" else np.float32)
-        stopped = run.loop(x, data.y_train, log, stop)
+    x = data.x_train.astype(np.float64 if config.precision == "float64" else np.float32)
+    stopped = run.loop(x, data.y_train, log, stop)
     run.save_final()
     # Each process scores its own copy of the (replicated) model.
     params, rest = jax.tree.map(
         lambda a: np.asarray(a.addressable_data(0)), (run.state.params, run.state.model_state)
     )
-    model = step.model(run.state._replace(params=params, model_state=rest))
+    model = run.step.model(run.state._replace(params=params, model_state=rest))
     accuracy = evaluate(model, data.x_test, data.y_test, config.precision)
     if config.plot and lead:
-        plot_loss(log.records, config.plot, title=f"jaxdp train: {sizes.describe()}")
+        plot_loss(log.records, config.plot, title=f"jaxdp train: {run.sizes.describe()}")
     summary = {
         "steps": int(run.state.step),
         "samples": run.samples,

@@ -2,23 +2,30 @@
 trained from the same weights on the same data in the same order, compared after
 every optimizer step.
 
-``run_parity(ParityConfig(...))`` trains both sides and returns a
-:class:`ParityReport`; ``optax_like_torch(OptimizerSpec(...))`` is the optax
-chain that updates exactly as ``torch.optim`` does. torch and torch_ref are
+``run_parity(ParityConfig(...))`` trains both sides on a reference model and
+returns a :class:`ParityReport`; ``compare_models(torch_model, jax_model, data)``
+does the same for a user's own torch model and its NNX port, and locates where
+they first diverge (``assert_trains_like`` for test suites);
+``optax_like_torch(OptimizerSpec(...))`` is the optax chain that updates exactly
+as ``torch.optim`` does. torch and torch_ref are
 imported only when a run starts. Everything not re-exported here is private.
 """
 
+from ._compare_models import assert_trains_like as assert_trains_like
+from ._compare_models import compare_models as compare_models
+from ._locate_text import Divergence as Divergence
 from ._optim import OPTIMIZERS as OPTIMIZERS
 from ._optim import OptimizerSpec as OptimizerSpec
 from ._optim import clip_grad_norm_like_torch as clip_grad_norm_like_torch
 from ._optim import optax_like_torch as optax_like_torch
+from ._report import format_parity as format_parity
+from ._report import plot_parity as plot_parity
 from ._runner import ATOL as ATOL
 from ._runner import RTOL as RTOL
 from ._runner import ParityConfig as ParityConfig
 from ._runner import ParityReport as ParityReport
 from ._runner import Trajectory as Trajectory
 from ._runner import compare as compare
-from ._runner import format_parity as format_parity
 from ._runner import run_jaxdp as run_jaxdp
 from ._runner import run_parity as run_parity
 from ._runner import run_torch as run_torch
@@ -27,16 +34,20 @@ from ._runner import torch_inputs as torch_inputs
 
 __all__ = [
     "ATOL",
+    "Divergence",
     "OPTIMIZERS",
     "RTOL",
     "OptimizerSpec",
     "ParityConfig",
     "ParityReport",
     "Trajectory",
+    "assert_trains_like",
     "clip_grad_norm_like_torch",
     "compare",
+    "compare_models",
     "format_parity",
     "optax_like_torch",
+    "plot_parity",
     "run_jaxdp",
     "run_parity",
     "run_torch",

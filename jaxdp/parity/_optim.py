@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -23,6 +26,30 @@ class OptimizerSpec:
     b2: float = 0.999
     eps: float = 1e-8
     max_grad_norm: float | None = None  # clip_grad_norm_ after the sync
+
+    def __post_init__(self) -> None:
+        """Refuses what ``torch.optim`` refuses (a negative rate, momentum, decay or eps,
+        betas outside [0, 1), Nesterov without momentum) and NaN or Inf anywhere, which
+        torch takes and which turns the first step's parameters to NaN."""
+        if self.name not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer name={self.name!r} must be 'sgd' or 'adamw'")
+        for field in ("learning_rate", "momentum", "weight_decay", "eps"):
+            _check(field, getattr(self, field), ">= 0", lambda v: v >= 0)
+        for field in ("b1", "b2"):
+            _check(field, getattr(self, field), "in [0, 1)", lambda v: 0 <= v < 1)
+        if self.max_grad_norm is not None:
+            _check("max_grad_norm", self.max_grad_norm, "> 0 (or None)", lambda v: v > 0)
+        if self.nesterov and not self.momentum > 0:
+            raise ValueError(
+                f"nesterov=True needs momentum > 0, got momentum={self.momentum!r} "
+                "(torch.optim.SGD refuses it too)"
+            )
+
+
+def _check(field: str, value: object, rule: str, holds: Callable[[float], bool]) -> None:
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (real and math.isfinite(value) and holds(value)):
+        raise ValueError(f"{field}={value!r} must be a finite number {rule}")
 
 
 OPTIMIZERS = {
@@ -57,7 +84,7 @@ def optax_like_torch(spec: OptimizerSpec) -> optax.GradientTransformation:
             eps_root=0.0,
             weight_decay=spec.weight_decay,
         )
-    else:
+    else:  # OptimizerSpec refuses other names
         raise ValueError(f"optimizer name={spec.name!r} must be 'sgd' or 'adamw'")
     if spec.max_grad_norm is None:
         return inner

@@ -10,7 +10,7 @@ weights and losses are compared after every optimizer step. ``torch`` and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import jax
@@ -31,6 +31,7 @@ from .._model_state import batch_norm_modules
 from .._sampler import Permutation
 from .._step import AccumulationPath, Strategy, make_train_step
 from ..models._reference import TRAINABLE, build_model, model_loss
+from ._locate_text import Divergence
 from ._optim import OPTIMIZERS, OptimizerSpec, optax_like_torch
 
 Dtype = Literal["float32", "float64"]
@@ -93,9 +94,10 @@ class Trajectory:
 class ParityReport:
     """The comparison of one jaxdp run with its torch_ref twin, step by step.
 
-    Differences are elementwise over each parameter in torch's state_dict
-    layout; a step passes when every element satisfies ``|jaxdp - torch| <=
-    atol + rtol * |torch|`` and so does the loss.
+    Differences are elementwise over each parameter (in torch's state_dict
+    layout for the reference models, in the JAX model's layout under its names
+    for :func:`compare_models`); a step passes when every element satisfies
+    ``|jaxdp - torch| <= atol + rtol * |torch|`` and so does the loss.
     """
 
     config: ParityConfig
@@ -105,19 +107,21 @@ class ParityReport:
     max_rel: list[dict[str, float]]
     loss_diff: list[float]  # per step, |jaxdp - torch|
     first_failure: int | None  # first step (1-based) beyond tolerance, None if none
+    divergence: Divergence | None = None  # compare_models' divergence locator, when it ran
 
     @property
     def passed(self) -> bool:
         return self.first_failure is None
 
 
-def torch_config(config: ParityConfig) -> Any:
-    """The ``torch_ref.TrainConfig`` that mirrors ``config``."""
+def torch_config(config: ParityConfig, **overrides: Any) -> Any:
+    """The ``torch_ref.TrainConfig`` that mirrors ``config``; ``overrides`` set other
+    fields (``model`` and ``loss`` for a user's model)."""
     import torch_ref
 
-    return torch_ref.TrainConfig(
+    fields = dict(
         model=config.model,
-        optimizer=torch_ref.OptimConfig(**dataclasses.asdict(_spec(config))),
+        optimizer=torch_ref.OptimConfig(**dataclasses.asdict(spec_of(config))),
         micro_batch_size=config.micro_batch_size,
         num_devices=config.num_devices,
         accum_steps=config.accum_steps,
@@ -131,6 +135,7 @@ def torch_config(config: ParityConfig) -> Any:
         sync_batchnorm=config.sync_batchnorm,
         find_unused_parameters=config.model in UNUSED_BRANCH,
     )
+    return torch_ref.TrainConfig(**{**fields, **overrides})
 
 
 def torch_inputs(config: ParityConfig) -> tuple[tuple[np.ndarray, np.ndarray], dict]:
@@ -191,13 +196,12 @@ def _run_jaxdp(
 ) -> Trajectory:
     model = build_model(config.model, param_dtype=jnp.dtype(config.dtype))
     mesh = data_mesh(config.num_devices)
-    share = process_share(mesh, _sizes(config))
     batch_stats = None
     if batch_norm_modules(model):
         batch_stats = "sync" if config.sync_batchnorm else "local"
     step = make_train_step(
         model_loss(config.model),
-        optax_like_torch(_spec(config)),
+        optax_like_torch(spec_of(config)),
         mesh=mesh,
         accum_steps=config.accum_steps,
         path=config.path,
@@ -208,14 +212,28 @@ def _run_jaxdp(
         **{"skip_unused": config.model in UNUSED_BRANCH, **options},
     )
     state = step.init(torch_to_params(initial, model))
+    return train_steps(config, step, state, data, permutation, params_to_torch)
+
+
+def train_steps(
+    config: ParityConfig,
+    step: Any,
+    state: Any,
+    data: Any,
+    permutation: Permutation,
+    snapshot: Callable[[Any], dict[str, np.ndarray]],
+) -> Trajectory:
+    """``config.steps`` optimizer steps of ``step`` in torch's data order; ``snapshot``
+    turns the trained model (``step.model(state)``) into the compared arrays."""
+    share = process_share(step.mesh, sizes_of(config))
     states, losses = [], []
-    for batch, weights in _steps(config, data, permutation, share.rows):
+    for batch, weights in step_batches(config, data, permutation, share.rows):
         if config.path == "fused":
             state, metrics = step(state, batch, weights)
         else:
             for micro, weight in zip(micro_batches(batch, share.sizes), weights, strict=True):
                 state, metrics = step(state, micro, weight)
-        states.append(params_to_torch(step.model(state)))
+        states.append(snapshot(step.model(state)))
         losses.append(float(metrics["loss"]))
     return Trajectory(states, losses)
 
@@ -259,43 +277,12 @@ def compare(
 
 def run_parity(config: ParityConfig) -> ParityReport:
     """Trains both sides and compares them after every optimizer step."""
-    _check(config)
+    check_config(config)
     data, initial = torch_inputs(config)
     return compare(config, run_jaxdp(config, data, initial), run_torch(config, data, initial))
 
 
-def format_parity(report: ParityReport) -> str:
-    """A readable table: per step the worst parameter, then every parameter at its worst."""
-    c = report.config
-    sizes = _sizes(c)
-    lines = [
-        f"parity: {c.model}, {c.optimizer}, {c.dtype}, jaxdp {c.path}/{c.strategy} vs "
-        f"torch_ref {'DDP' if c.num_devices > 1 else 'GA'}; batch {sizes.describe()}",
-        f"tolerance: |jaxdp - torch| <= {report.atol:g} + {report.rtol:g} * |torch|",
-        "",
-        f"{'step':>4}  {'max abs':>10}  {'max rel':>10}  {'loss diff':>10}  worst parameter",
-    ]
-    for i, (abs_, rel) in enumerate(zip(report.max_abs, report.max_rel, strict=True)):
-        worst = max(abs_, key=abs_.get)
-        mark = "  <- first beyond tolerance" if report.first_failure == i + 1 else ""
-        lines.append(
-            f"{i + 1:>4}  {abs_[worst]:10.2e}  {max(rel.values()):10.2e}  "
-            f"{report.loss_diff[i]:10.2e}  {worst}{mark}"
-        )
-    lines += ["", f"{'parameter':<28} {'max abs':>10}  {'max rel':>10}  (over all steps)"]
-    for name in report.max_abs[0]:
-        a = max(step[name] for step in report.max_abs)
-        r = max(step[name] for step in report.max_rel)
-        lines.append(f"{name:<28} {a:10.2e}  {r:10.2e}")
-    verdict = (
-        "PASS: every step within tolerance"
-        if report.passed
-        else f"FAIL: step {report.first_failure} is the first beyond tolerance"
-    )
-    return "\n".join([*lines, "", verdict])
-
-
-def _sizes(config: ParityConfig) -> BatchSizes:
+def sizes_of(config: ParityConfig) -> BatchSizes:
     return batch_sizes(
         num_devices=config.num_devices,
         accum_steps=config.accum_steps,
@@ -306,12 +293,12 @@ def _sizes(config: ParityConfig) -> BatchSizes:
 def _epochs_needed(config: ParityConfig) -> int:
     # The number of steps per epoch does not depend on the order.
     schedule = epoch_schedule(
-        config.num_samples, _sizes(config), shuffle=False, last_window=config.last_window
+        config.num_samples, sizes_of(config), shuffle=False, last_window=config.last_window
     )
     return -(-config.steps // len(schedule.rows))
 
 
-def _steps(
+def step_batches(
     config: ParityConfig, data: Any, permutation: Permutation, rows: slice
 ) -> Iterator[tuple[Any, Any]]:
     """``(batch, micro_weights)`` of the first ``config.steps`` optimizer steps: the
@@ -320,7 +307,7 @@ def _steps(
     while True:
         schedule = epoch_schedule(
             config.num_samples,
-            _sizes(config),
+            sizes_of(config),
             epoch=epoch,
             shuffle=config.shuffle,
             seed=config.seed,
@@ -335,13 +322,13 @@ def _steps(
         epoch += 1
 
 
-def _spec(config: ParityConfig) -> OptimizerSpec:
+def spec_of(config: ParityConfig) -> OptimizerSpec:
     if isinstance(config.optimizer, OptimizerSpec):
         return config.optimizer
     return OPTIMIZERS[config.optimizer]
 
 
-def _check(config: ParityConfig) -> None:
+def check_config(config: ParityConfig) -> None:
     if not isinstance(config.optimizer, OptimizerSpec) and config.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={config.optimizer!r} must be one of {sorted(OPTIMIZERS)}")
     if config.dtype not in RTOL:

@@ -123,13 +123,17 @@ def ring_all_reduce_bytes(payload_bytes: float, num_devices: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Per-device memory of a data-parallel step and what fits; bytes throughout."""
+    """Per-device memory of a data-parallel step and what fits; bytes throughout.
+
+    Without ``device_memory`` the per-device figures are there, but nothing is
+    decided: ``usable`` and ``fits_state`` are None and no micro-batch is chosen.
+    """
 
     params: int
     policy: str
     optimizer: str
     num_devices: int
-    device_memory: float
+    device_memory: float | None  # None: not given
     headroom: float  # fraction of device_memory kept free
     weights: float
     gradients: float
@@ -138,7 +142,7 @@ class MemoryPlan:
     accumulator: float  # jaxdp's float32 gradient sum (the all-reduce buffer)
     activation_bytes_per_sample: float | None
     input_bytes_per_sample: float
-    max_micro_batch_size: int | None  # memory's limit; None: activations unknown; 0: none fits
+    max_micro_batch_size: int | None  # memory's limit; None: undecided; 0: none fits
     global_batch_size: int | None
     micro_batch_size: int | None  # chosen; None when nothing fits or unknown
     accum_steps: int | None
@@ -156,12 +160,16 @@ class MemoryPlan:
         return self.state + self.accumulator
 
     @property
-    def usable(self) -> float:
+    def usable(self) -> float | None:
+        if self.device_memory is None:
+            return None
         return self.device_memory * (1.0 - self.headroom)
 
     @property
-    def fits_state(self) -> bool:
-        return self.fixed <= self.usable
+    def fits_state(self) -> bool | None:
+        """Whether state and accumulator fit; None without ``device_memory``."""
+        usable = self.usable
+        return None if usable is None else self.fixed <= usable
 
     @property
     def inputs(self) -> float:
@@ -190,7 +198,7 @@ class MemoryPlan:
 def plan_memory(
     *,
     params: int,
-    device_memory: float | str,
+    device_memory: float | str | None = None,
     policy: str = "mixed-bf16",
     optimizer: str = "adamw",
     num_devices: int = 1,
@@ -204,7 +212,8 @@ def plan_memory(
 
     Args:
       params: parameter count.
-      device_memory: bytes per device, or a size such as ``"80GB"`` or ``"80GiB"``.
+      device_memory: bytes per device, or a size such as ``"80GB"`` or ``"80GiB"``;
+        None: the per-device figures only (nothing fits or not, no micro-batch).
       policy: a key of :data:`DTYPE_POLICIES`.
       optimizer: a key of :data:`OPTIMIZER_MOMENTS`; moments take the policy's
         ``moment`` bytes each.
@@ -225,7 +234,8 @@ def plan_memory(
       ValueError: naming the argument, its value and the rule it breaks.
     """
     params = parse_count(params, name="params")
-    device_memory = parse_bytes(device_memory, name="device_memory")
+    if device_memory is not None:
+        device_memory = parse_bytes(device_memory, name="device_memory")
     if link_bandwidth is not None:
         link_bandwidth = parse_bytes(link_bandwidth, name="link_bandwidth")
     _check_choice("policy", policy, DTYPE_POLICIES)
@@ -282,10 +292,10 @@ def _check_choice(name: str, value: str, choices: dict) -> None:
 
 def _size_batches(plan: MemoryPlan) -> MemoryPlan:
     """Fills in the largest micro-batch that fits and the accumulation that reaches the target."""
-    act = plan.activation_bytes_per_sample
-    if act is None:
+    act, usable = plan.activation_bytes_per_sample, plan.usable
+    if act is None or usable is None:
         return plan
-    room = plan.usable - plan.fixed
+    room = usable - plan.fixed
     if plan.global_batch_size is None:
         # One micro-batch per step: the batch holds micro_batch_size input rows.
         per_sample = act + plan.input_bytes_per_sample

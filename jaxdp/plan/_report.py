@@ -36,9 +36,14 @@ def report(
     model: str | None = None,
     xla: XlaFigures | None = None,
     note: str | None = None,
+    batch_note: str | None = None,
 ) -> str:
-    """The whole report: header, per-device table, verdict, batch split, XLA, all-reduce."""
-    sections = [_header(plan, model), _table(plan), _verdict(plan)]
+    """The whole report: header, per-device table, verdict, batch split, XLA, all-reduce.
+
+    ``batch_note`` is a line about the global batch size, put under the header.
+    """
+    header = _header(plan, model) + (f"\n{batch_note}" if batch_note else "")
+    sections = [header, _table(plan), _verdict(plan)]
     if xla is not None:
         sections.append(_xla(plan, xla))
     if note:
@@ -59,11 +64,17 @@ def _header(plan: MemoryPlan, model: str | None) -> str:
     moments = OPTIMIZER_MOMENTS[plan.optimizer]
     what = f"{model}, {plan.params:,} parameters" if model else f"{plan.params:,} parameters"
     per_param = policy.weights + policy.gradients + policy.master + moments * policy.moment
+    if plan.device_memory is None or plan.usable is None:
+        devices = f"{plan.num_devices} device(s), memory per device not given"
+    else:
+        devices = (
+            f"{plan.num_devices} device(s) of {format_bytes(plan.device_memory)}, "
+            f"{plan.headroom:.0%} kept free: {format_bytes(plan.usable)} usable per device"
+        )
     return "\n".join(
         [
             f"jaxdp plan: {what}, policy {plan.policy}, optimizer {plan.optimizer}",
-            f"{plan.num_devices} device(s) of {format_bytes(plan.device_memory)}, "
-            f"{plan.headroom:.0%} kept free: {format_bytes(plan.usable)} usable per device",
+            devices,
             f"bytes per parameter, {plan.policy} ({policy.description}):",
             f"  weights {policy.weights} + gradients {policy.gradients} + master weights "
             f"{policy.master} + optimizer state {moments} x {policy.moment} = {per_param}, "
@@ -82,17 +93,7 @@ def _table(plan: MemoryPlan) -> str:
         ("= training state", plan.state),
         ("gradient accumulator (fp32)", plan.accumulator),
     ]
-    if plan.activation_bytes_per_sample is None:
-        rows.append(("activations", None))
-    elif plan.micro_batch_size:
-        k, b = plan.accum_steps, plan.micro_batch_size
-        rows.append((f"batch inputs ({k} x {b} rows)", plan.inputs))
-        rows.append((f"activations ({b} samples)", plan.activations))
-    rows += [
-        ("total" if plan.micro_batch_size else "total before activations", plan.total),
-        (f"headroom kept free ({plan.headroom:.0%})", plan.device_memory * plan.headroom),
-        ("device memory", plan.device_memory),
-    ]
+    rows += _batch_rows(plan) if plan.device_memory is None else _fitted_rows(plan)
     lines = ["per device (estimate):"]
     for name, value in rows:
         shown = "unknown (give --activation-bytes-per-sample)" if value is None else value
@@ -100,8 +101,51 @@ def _table(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+def _fitted_rows(plan: MemoryPlan) -> list[tuple[str, float | None]]:
+    """The batch's rows at the chosen split, and the device's memory."""
+    assert plan.device_memory is not None
+    rows: list[tuple[str, float | None]] = []
+    if plan.activation_bytes_per_sample is None:
+        rows.append(("activations", None))
+    elif plan.micro_batch_size:
+        k, b = plan.accum_steps, plan.micro_batch_size
+        rows.append((f"batch inputs ({k} x {b} rows)", plan.inputs))
+        rows.append((f"activations ({b} samples)", plan.activations))
+    return rows + [
+        ("total" if plan.micro_batch_size else "total before activations", plan.total),
+        (f"headroom kept free ({plan.headroom:.0%})", plan.device_memory * plan.headroom),
+        ("device memory", plan.device_memory),
+    ]
+
+
+def _batch_rows(plan: MemoryPlan) -> list[tuple[str, float | None]]:
+    """Without a device size: the batch's bytes per sample, and the totals of the
+    extreme splits of the per-device batch (one sample per micro-batch, or one micro-batch)."""
+    act, inputs = plan.activation_bytes_per_sample, plan.input_bytes_per_sample
+    if act is None:
+        return [("activations", None), ("total before activations", plan.fixed)]
+    rows: list[tuple[str, float | None]] = [("activations per sample", act)]
+    if inputs:
+        rows.append(("batch inputs per sample", inputs))
+    rows.append(("total before the batch", plan.fixed))
+    if plan.global_batch_size is not None:
+        rows_per_device = plan.global_batch_size // plan.num_devices
+        held = plan.fixed + rows_per_device * inputs
+        rows.append((f"total, {rows_per_device} micro-batch(es) of 1", held + act))
+        if rows_per_device > 1:
+            rows.append(
+                (f"total, 1 micro-batch of {rows_per_device}", held + rows_per_device * act)
+            )
+    return rows
+
+
 def _verdict(plan: MemoryPlan) -> str:
     state, fixed, usable = plan.state, plan.fixed, plan.usable
+    if plan.device_memory is None or usable is None:
+        return (
+            "Not decided without --device-memory: whether this fits, and the largest "
+            "micro-batch that does."
+        )
     if not plan.fits_state:
         if state > plan.device_memory:
             first = (

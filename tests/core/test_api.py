@@ -36,8 +36,9 @@ def test_every_public_name_is_used_by_a_test():
     unused = []
     for module in ["jaxdp"] + [f"jaxdp.{s}" for s in SUBPACKAGES]:
         for name, _ in public(module):
+            imported = rf"from {re.escape(module)} import (\([^)]*|[^\n(]*)\b{name}\b"
             used = re.search(rf"\b{re.escape(module)}\.{name}\b", sources) or re.search(
-                rf"from {re.escape(module)} import [^\n]*\b{name}\b", sources
+                imported, sources
             )
             if not used:
                 unused.append(f"{module}.{name}")

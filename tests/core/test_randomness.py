@@ -2,7 +2,6 @@
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import optax
 import pytest
 from dropout_run import ACCUM, MICRO, NUM_DEVICES, STEPS, Masked, batches, make_step, train
 from flax import nnx
+from helpers import reserved_port
 
 import jaxdp
 
@@ -84,14 +84,13 @@ def test_loss_rng_keyword_differs_per_device_and_micro_batch():
     np.testing.assert_array_equal(drawn[d * ACCUM + j], expected)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_of_two_devices_equal_one_process_of_four(run, tmp_path):
-    out, port = tmp_path / "weights.npy", _free_port()
+    with reserved_port() as port:
+        _two_processes_equal_one_process_of_four(run, tmp_path, port)
+
+
+def _two_processes_equal_one_process_of_four(run, tmp_path, port):
+    out = tmp_path / "weights.npy"
     here = pathlib.Path(__file__).parent
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])

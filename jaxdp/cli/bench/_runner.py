@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .._extra import require_extra
+
 CPU_MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory")
 ALL_MEASUREMENTS = (*CPU_MEASUREMENTS, "gpu")  # gpu only when named: it needs a GPU
 
@@ -37,7 +39,8 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         "--out",
         type=Path,
         default=Path("benchmarks/results"),
-        help="results directory (default: %(default)s)",
+        metavar="DIR",
+        help="results directory",
     )
     p.add_argument(
         "--only",
@@ -45,19 +48,22 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         choices=ALL_MEASUREMENTS,
         default=None,
         metavar="NAME",
-        help=f"run only this measurement (repeatable): one of {', '.join(ALL_MEASUREMENTS)}",
+        help=f"run only this measurement (repeatable): one of {', '.join(ALL_MEASUREMENTS)} "
+        f"(default: {', '.join(CPU_MEASUREMENTS)})",
     )
     p.add_argument(
         "--markdown",
         type=Path,
         default=Path("BENCHMARKS.md"),
-        help="file whose generated parts are rewritten (default: %(default)s; created if missing)",
+        metavar="FILE",
+        help="file whose generated parts are rewritten; created if missing",
     )
     p.add_argument("--no-markdown", action="store_true", help="write JSON and PNG only")
     p.set_defaults(run=_run_command)
 
 
 def _run_command(args: argparse.Namespace) -> int:
+    require_extra("bench", ["matplotlib"])  # the figures; before the measurements run
     names = tuple(dict.fromkeys(args.only)) if args.only else CPU_MEASUREMENTS
     command = "bin/jaxdp bench" + " --quick" * args.quick
     command += "".join(f" --only {name}" for name in args.only or ())

@@ -1,0 +1,168 @@
+"""Checks of what a user hands the step, each naming the argument, the rule and the values.
+
+None of them reads a device value on a step's ordinary call: they look at Python
+values, shapes, dtypes and tree structures, on the host before the call or while
+the step traces a new input structure (so once, not per call). docs/semantics.md
+("Errors and guards") lists every guard and what it costs.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ._frozen import split_trainable, trainable_mask
+from ._model_state import split_state
+
+if TYPE_CHECKING:
+    from ._layout import BatchSizes
+    from ._options import StepOptions
+    from ._train_state import TrainState
+
+
+def is_integer(value: Any) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_params(params: Any, trainable: Any, name: str = "params") -> tuple[bool, ...]:
+    """Every leaf an array, every trainable one floating-point (or complex); once, at init.
+
+    Returns the trainable mask (:func:`jaxdp._frozen.trainable_mask`), computed
+    after the leaves are known to be arrays (a predicate may read them).
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    for path, leaf in leaves:
+        if _dtype(leaf) is None:
+            where = name + jax.tree_util.keystr(path)
+            raise TypeError(
+                f"{where} is a {type(leaf).__name__} ({_short(leaf)}), not an array: every "
+                "leaf of the parameters must be an array. Split static parts off the model "
+                "first; for an equinox module pass params, static = eqx.partition(model, "
+                "eqx.is_array) and rebuild it in loss_fn with eqx.combine(params, static)"
+            )
+    mask = trainable_mask(params, trainable)
+    for (path, leaf), trains in zip(leaves, mask, strict=True):
+        dtype = _dtype(leaf)
+        if trains and not jnp.issubdtype(dtype, jnp.inexact):
+            where = name + jax.tree_util.keystr(path)
+            raise TypeError(
+                f"{where} has dtype {dtype}; every trainable parameter must be floating-point "
+                "(gradients need real or complex values): freeze it with trainable= (e.g. a "
+                "predicate (path, value) -> bool that is False for it) or keep it out of the "
+                "parameters"
+            )
+    return mask
+
+
+def _dtype(leaf: Any) -> Any:
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        dtype = leaf.dtype
+    elif isinstance(leaf, (bool, int, float, complex)):
+        dtype = np.asarray(leaf).dtype
+    else:
+        return None
+    numeric = jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+    return dtype if numeric else None
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_micro_weights(weights: np.ndarray) -> None:
+    """Host values only: a negative weight would step against the gradient."""
+    if not np.all(np.isfinite(weights) & (weights >= 0)):
+        raise ValueError(
+            f"micro_weights={weights.tolist()} must be finite and at least 0 (1 for a "
+            "micro-batch, 0 for the padding of an incomplete window)"
+        )
+
+
+def check_state_layout(options: StepOptions, state: TrainState) -> None:
+    """Refuses a state another step built (another path or optimizer), naming both.
+
+    Run while the step traces (a new input structure): free on later calls.
+    """
+    built = "fused" if state.accum is None else "multisteps"
+    if built != options.path:
+        raise ValueError(
+            f"state was built by a step with path='{built}'; this step has "
+            f"path='{options.path}': build the state with this step's init, or use a "
+            f"step with path='{built}'"
+        )
+    mask = trainable_mask(state.params, options.trainable)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), split_trainable(state.params, mask)
+    )
+    dtype = options.accumulator_dtype(state.params)
+    stats = split_state(state.model_state)[0]
+    expected = jax.eval_shape(lambda p: options.init_opt_state(p, dtype, stats), abstract)
+    if jax.tree.structure(expected) != jax.tree.structure(state.opt_state):
+        raise ValueError(
+            f"state.opt_state was built by another optimizer: it holds "
+            f"{describe_layout(state.opt_state)}; this step's optimizer keeps "
+            f"{describe_layout(expected)}. Build the state with this step's init, or the "
+            "step with the optimizer the state was made for"
+        )
+
+
+def describe_layout(tree: Any) -> str:
+    """An optimizer state's node types, e.g. ``(ScaleByAdamState, EmptyState, EmptyState)``."""
+    if isinstance(tree, optax.MultiStepsState):
+        return f"MultiStepsState({describe_layout(tree.inner_opt_state)})"
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree).__name__
+    if isinstance(tree, (tuple, list)):
+        return "(" + ", ".join(describe_layout(x) for x in tree) + ")"
+    return type(tree).__name__
+
+
+class ResizeWatch:
+    """The micro-batch size of a step's last call (host state, like :class:`SkipWatch`).
+
+    A multisteps window keeps one batch identity: a call with another
+    micro-batch size while a window is open raises, naming both sizes. The
+    first change of the size at all is announced with a ``UserWarning``: the
+    step compiles again and each update averages another number of samples.
+    Costs a comparison of two integers per call; the open window's position
+    (a device value) is read only when the size changes.
+    """
+
+    def __init__(self, path: str, accum_steps: int):
+        self.path = path
+        self.accum_steps = accum_steps
+        self.last: int | None = None
+        self.announced = False
+
+    def before(self, state: TrainState, sizes: BatchSizes) -> None:
+        size, last = sizes.micro_batch_size, self.last
+        if last is None or size == last:
+            self.last = size
+            return
+        if self.path == "multisteps":
+            done = int(np.asarray(state.opt_state.mini_step.addressable_data(0)))
+            if done:
+                raise ValueError(
+                    f"this call has micro_batch_size={size} ({sizes.describe()}), but the open "
+                    f"accumulation window ({done} of accum_steps={self.accum_steps} "
+                    f"micro-batches) started with micro_batch_size={last}: one update must "
+                    f"not mix batch identities; finish the window with micro_batch_size={last} "
+                    "and change the size between windows"
+                )
+        if not self.announced:
+            self.announced = True
+            warnings.warn(
+                f"micro_batch_size changed from {last} to {size} ({sizes.describe()}): the "
+                "step compiles again for the new shape, and each update now averages another "
+                "number of samples (said once per step)",
+                stacklevel=3,
+            )
+        self.last = size

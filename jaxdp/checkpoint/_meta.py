@@ -1,0 +1,62 @@
+"""A checkpoint's ``meta`` item, sealed: a SHA-256 of every array, and one of the meta itself.
+
+The arrays' SHA-256s tie the files to the state that was meant to be written;
+the meta's own SHA-256 covers everything else a resume acts on (the sampler
+position, the batch identity, the seed, the samples, the saved configuration
+and the arrays' SHA-256s themselves), so a changed byte there is an unreadable
+checkpoint, never a resume two batches late.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._rules import CheckpointError
+
+# The layout of ``meta``; bumped when it changes. 2: the meta's own SHA-256.
+FORMAT = 2
+_SEAL = "meta_sha256"
+
+
+def sealed(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` as JSON will read it back, with its SHA-256 under ``meta_sha256``."""
+    meta = json.loads(json.dumps(meta))  # tuples as lists, keys as strings: what is read back
+    return {**meta, _SEAL: _digest(meta)}
+
+
+def check_sealed(meta: Any) -> dict[str, Any]:
+    """``meta`` if it is this format and matches its SHA-256; else :class:`CheckpointError`."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(
+            f"meta is format {found!r}, not jaxdp checkpoint format {FORMAT} (format 1, "
+            "written before the metadata had a checksum, is not read)"
+        )
+    body = {k: v for k, v in meta.items() if k != _SEAL}
+    if meta.get(_SEAL) != _digest(body):
+        raise CheckpointError(
+            "meta does not match its SHA-256: the position, batch, seed or configuration it "
+            "holds changed after it was written"
+        )
+    return body
+
+
+def _digest(meta: dict[str, Any]) -> str:
+    text = json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def array_sha256(x: jax.Array) -> str | None:
+    """SHA-256 of the value's bytes; None where this process cannot see all of it."""
+    if x.is_fully_addressable:
+        value = np.asarray(x)
+    elif x.sharding.is_fully_replicated:
+        value = np.asarray(x.addressable_data(0))
+    else:
+        return None  # another process holds part of it; orbax's own checks apply
+    return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()

@@ -1,0 +1,110 @@
+"""The configuration of ``jaxdp train`` and what a resumed run must keep.
+
+Nothing here needs the ``cli`` extra: the command line builds its parser (and
+its help, with these defaults) before it checks that the extra is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from .._options import AccumulationPath, Strategy
+
+Precision = Literal["float32", "float64", "bfloat16"]
+DEFAULT_EPOCHS = 15  # when neither epochs nor steps is given
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: str = "mlp"  # "mlp" (64-hidden-hidden-10) or "cnn" (on the 8x8x1 images)
+    num_devices: int | None = None  # data-parallel devices; None: all there are
+    accum_steps: int = 2  # micro-batches per device per optimizer step
+    micro_batch_size: int = 16  # rows per micro-batch per device
+    epochs: int | None = None  # last epoch (exclusive); None: 15, or no limit with steps
+    steps: int | None = None  # stop after this many optimizer steps in all; None: no limit
+    optimizer: str = "adamw"  # "adamw" or "sgd" (momentum 0.9)
+    learning_rate: float = 3e-3
+    path: AccumulationPath = "fused"  # "fused" or "multisteps"
+    strategy: Strategy = "shard_map"  # "shard_map" or "pmap"
+    precision: Precision = "float32"  # bfloat16: bfloat16 compute, float32 parameters
+    hidden: int = 128  # width of the MLP's hidden layers
+    seed: int = 0  # model init, held-out split, data order
+    checkpoint_dir: str | None = None  # where checkpoints go; None: none
+    checkpoint_every: int | None = None  # optimizer steps between checkpoints; None: at the end
+    keep: int = 3  # checkpoints kept (the newest verified ones)
+    skip_nonfinite: bool = True  # skip an update with NaN/Inf gradients; off: stop at it
+    resume: bool = False  # continue from the newest readable checkpoint in checkpoint_dir
+    force_resume: bool = False  # resume even with another global_batch_size
+    metrics_out: str | None = None  # JSON lines file, one record per optimizer step
+    plot: str | None = None  # PNG of the loss curve
+    progress: bool | None = None  # progress bar; None: only on a terminal
+
+    def __post_init__(self) -> None:
+        # Every number, before JAX starts: a bad one must not cost a run (or a NaN step 1).
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise ValueError(
+                f"seed={self.seed!r} must be an integer in [0, 2**32) (numpy's and "
+                "scikit-learn's seeds; JAX's key would drop higher bits)"
+            )
+        lr = self.learning_rate
+        number = isinstance(lr, int | float) and not isinstance(lr, bool)
+        if not number or not math.isfinite(lr) or lr < 0:
+            raise ValueError(
+                f"learning_rate={lr!r} must be a finite number >= 0 (as torch.optim requires; "
+                "a negative one ascends the loss)"
+            )
+        for name, allowed in (
+            ("model", ("mlp", "cnn")),
+            ("optimizer", ("adamw", "sgd")),
+            ("precision", ("float32", "float64", "bfloat16")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        for name in ("resume", "checkpoint_every"):
+            if getattr(self, name) and self.checkpoint_dir is None:
+                raise ValueError(f"{name}={getattr(self, name)!r} needs a checkpoint_dir")
+        if self.plot is not None and not self.plot.endswith(".png"):
+            raise ValueError(f"plot={self.plot!r} must name a .png file")
+
+    @property
+    def last_epoch(self) -> int | None:
+        if self.epochs is None and self.steps is None:
+            return DEFAULT_EPOCHS
+        return self.epochs
+
+
+_POSITIVE = (
+    "num_devices",
+    "accum_steps",
+    "micro_batch_size",
+    "epochs",
+    "steps",
+    "checkpoint_every",
+    "keep",
+    "hidden",
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# Fields a resumed run must share with the checkpoint's, and why.
+RESUME_FIXED = {
+    "model": "the parameters would not fit",
+    "hidden": "the parameters would not fit",
+    "precision": "the parameter and compute dtypes would change",
+    "optimizer": "the optimizer state would not fit",
+    "learning_rate": "the optimizer state holds the learning rate",
+    "path": "the accumulation path decides the optimizer state's layout",
+    "seed": "the seed fixes the held-out split and every epoch's data order",
+}
+
+# Fields a resume never takes from the checkpoint: they say how to resume.
+NOT_RESUMED = frozenset({"checkpoint_dir", "resume", "force_resume", "progress"})

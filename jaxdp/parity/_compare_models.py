@@ -1,0 +1,130 @@
+"""``compare_models`` and ``assert_trains_like``: does a JAX port train like its torch model?"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import optax
+
+from .._layout import LastWindow
+from .._step import AccumulationPath, Strategy
+from ._locate import locate as _locate
+from ._mapping import Mapping_
+from ._optim import OptimizerSpec
+from ._port import Loss, prepare, run_jax_port, run_torch_port, torch_trajectory
+from ._report import format_parity
+from ._runner import Dtype, ParityReport, compare
+
+
+def compare_models(
+    torch_model: Any,
+    jax_model: Any,
+    data: Any,
+    *,
+    loss: Loss = "cross_entropy",
+    optimizer: str | OptimizerSpec = "adamw",
+    jax_optimizer: optax.GradientTransformation | None = None,
+    mapping: Mapping_ = None,
+    num_devices: int = 1,
+    accum_steps: int = 2,
+    micro_batch_size: int = 4,
+    steps: int = 10,
+    dtype: Dtype = "float64",
+    path: AccumulationPath = "fused",
+    strategy: Strategy = "shard_map",
+    shuffle: bool = True,
+    seed: int = 0,
+    last_window: LastWindow = "drop",
+    torch_device: str = "cpu",
+    step_options: Mapping[str, Any] | None = None,
+    locate: bool | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> ParityReport:
+    """Trains a torch model (torch_ref: real DDP + ``no_sync`` + ``loss / accum_steps``)
+    and its NNX port (jaxdp's step) from the same weights on the same data in the same
+    order, and compares weights and loss after every optimizer step.
+
+    ``torch_model``: an ``nn.Module`` (its weights are the start), a class or factory
+    taking no arguments (built after ``torch.manual_seed(seed)``), or ``"MODULE:ATTR"``
+    (MODULE a module name or a ``.py`` path). Several devices train in spawned
+    processes, which import a class or factory by name (so it must live in an
+    importable module, not in a test's or notebook's own namespace) or unpickle a module.
+    ``jax_model``: an ``nnx.Module`` (its structure; its values are replaced), a
+    class or factory (called with ``rngs=nnx.Rngs(seed)`` if it takes ``rngs``), or
+    ``"MODULE:ATTR"``. Both models take ``x`` and return the output the loss reads.
+
+    ``data``: ``(x, y)`` arrays or a mapping with ``x`` and ``y`` (an ``.npz``);
+    floating arrays become ``dtype`` on both sides. ``loss``: ``"cross_entropy"``
+    (logits over the last axis, integer labels), ``"mse"``, a callable ``(output, y)
+    -> scalar`` both frameworks run, a ``(torch_loss, jax_loss)`` pair, or
+    ``"MODULE:ATTR"`` / ``"MODULE:TORCH_ATTR,JAX_ATTR"``: one micro-batch's mean,
+    unscaled (torch_ref divides it by ``accum_steps``, jaxdp averages the window).
+    ``optimizer``: torch's, as a :class:`OptimizerSpec` or a key of ``OPTIMIZERS``;
+    ``jax_optimizer``: the port's optax optimizer (default
+    ``optax_like_torch(optimizer)``). ``mapping`` converts the weights when names or
+    layers differ: a dict ``{torch name: JAX path | (path or paths, transform) |
+    None}`` overriding the automatic rules per tensor, or a function ``state_dict ->
+    {JAX path: array}``; without one, names and standard layers decide (Linear,
+    Conv1d/2d/3d, LayerNorm, GroupNorm, Embedding, BatchNorm and its buffers,
+    MultiheadAttention). Every unmapped, unused or mis-shaped parameter on either
+    side is listed in one ``ValueError`` before anything trains.
+
+    Layout: ``num_devices`` (jaxdp devices = DDP ranks) x ``accum_steps`` x
+    ``micro_batch_size``; ``path``, ``strategy`` and ``step_options`` (more
+    :func:`jaxdp.make_train_step` options) configure jaxdp's step; torch parameters
+    without ``requires_grad`` are frozen in the port, a model with BatchNorm trains
+    with DDP's per-rank statistics (``batch_stats="local"``). Tolerances:
+    ``RTOL[dtype]``/``ATOL[dtype]`` unless given. ``locate``: run the divergence
+    locator at the first step beyond tolerance (None, the default), also when every
+    step passes (True, at the step that differs most), or never (False); its
+    :class:`Divergence` is ``report.divergence``.
+    """
+    port = prepare(
+        torch_model,
+        jax_model,
+        data,
+        loss=loss,
+        optimizer=optimizer,
+        jax_optimizer=jax_optimizer,
+        mapping=mapping,
+        step_options=step_options,
+        num_devices=num_devices,
+        accum_steps=accum_steps,
+        micro_batch_size=micro_batch_size,
+        steps=steps,
+        dtype=dtype,
+        path=path,
+        strategy=strategy,
+        shuffle=shuffle,
+        seed=seed,
+        last_window=last_window,
+        torch_device=torch_device,
+    )
+    result = run_torch_port(port)
+    report = compare(
+        port.config, run_jax_port(port), torch_trajectory(port, result), rtol=rtol, atol=atol
+    )
+    if locate or (locate is None and not report.passed):
+        step = report.first_failure or 1 + int(np.argmax([max(r.values()) for r in report.max_rel]))
+        report.divergence = _locate(port, result.states, step, report.rtol, report.atol)
+    return report
+
+
+def assert_trains_like(
+    torch_model: Any, jax_model: Any, data: Any, *, steps: int = 5, **options: Any
+) -> ParityReport:
+    """For a test suite: raises ``AssertionError`` with the report (per-step table and the
+    divergence locator's finding) unless ``jax_model`` trains like ``torch_model`` within
+    ``RTOL``/``ATOL`` of the dtype (float64: 1e-10 relative, 1e-12 absolute; float32:
+    PyTorch's ``assertEqual`` defaults, 1.3e-6 and 1e-5) at every one of ``steps``
+    optimizer steps. ``options`` are :func:`compare_models`'s; returns the report.
+    """
+    report = compare_models(torch_model, jax_model, data, steps=steps, **options)
+    if not report.passed:
+        raise AssertionError(
+            f"the JAX model does not train like the torch model:\n{format_parity(report)}"
+        )
+    return report

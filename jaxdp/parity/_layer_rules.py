@@ -1,0 +1,112 @@
+"""Layer rules of the weight map: which JAX leaves a torch layer's tensor fills, and how
+its layout changes on the way (the table in :mod:`jaxdp.parity._mapping`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+Transform = Callable[[np.ndarray], Any]
+
+
+def _transpose(w: np.ndarray) -> np.ndarray:
+    return w.T
+
+
+def _conv(w: np.ndarray) -> np.ndarray:
+    return np.transpose(w, (*range(2, w.ndim), 1, 0))
+
+
+def same(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def kind(module: Any) -> str:
+    from torch import nn
+
+    if isinstance(module, nn.MultiheadAttention):
+        return "mha"
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return "conv"
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm)):
+        return "norm"
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return "batchnorm"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    return "other"
+
+
+# (torch layer kind, tensor name) -> (JAX leaf names to try, transform, description)
+_RULES: dict[tuple[str, str], tuple[tuple[str, ...], Transform, str]] = {
+    ("linear", "weight"): (("kernel",), _transpose, "Linear [out, in] -> [in, out]"),
+    ("conv", "weight"): (("kernel",), _conv, "Conv [O, I, *k] -> [*k, I, O]"),
+    ("norm", "weight"): (("scale",), same, "as is"),
+    ("batchnorm", "weight"): (("scale",), same, "as is"),
+    ("embedding", "weight"): (("embedding",), same, "as is"),
+    ("batchnorm", "running_mean"): (("running_mean", "mean"), same, "as is"),
+    ("batchnorm", "running_var"): (("running_var", "var"), same, "as is"),
+}
+
+
+def rule(name: str, modules: dict[str, Any]) -> tuple[tuple[str, ...], Transform, str]:
+    owner_path, _, leaf = name.rpartition(".")
+    default = ((leaf,), same, "as is")
+    return _RULES.get((kind(modules.get(owner_path)), leaf), default)
+
+
+def candidates(name: str, modules: dict[str, Any]) -> list[tuple[tuple[str, ...], Transform, str]]:
+    """``(JAX paths, transform, description)`` to try, in order, for torch tensor ``name``."""
+    owner_path, _, leaf = name.rpartition(".")
+    prefix = owner_path + "." if owner_path else ""
+    out = _attention_candidates(name, modules)
+    targets, transform, how = rule(name, modules)
+    out += [((prefix + target,), transform, how) for target in targets]
+    if (name,) not in [paths for paths, _, _ in out]:
+        out.append(((name,), same, "as is"))
+    return out
+
+
+def _attention_candidates(
+    name: str, modules: dict[str, Any]
+) -> list[tuple[tuple[str, ...], Transform, str]]:
+    """nnx.MultiHeadAttention's layout for a torch MultiheadAttention's tensors."""
+    owner_path, _, leaf = name.rpartition(".")
+    owner = modules.get(owner_path)
+    prefix = owner_path + "." if owner_path else ""
+    if kind(owner) == "mha" and leaf in ("in_proj_weight", "in_proj_bias"):
+        target = "kernel" if leaf == "in_proj_weight" else "bias"
+        paths = tuple(f"{prefix}{p}.{target}" for p in ("query", "key", "value"))
+        return [(paths, _mha_in(owner, target == "kernel"), "in_proj split into q, k, v")]
+    parent_path, _, child = owner_path.rpartition(".")
+    parent = modules.get(parent_path)
+    if child == "out_proj" and kind(parent) == "mha" and leaf in ("weight", "bias"):
+        base = parent_path + "." if parent_path else ""
+        target = "kernel" if leaf == "weight" else "bias"
+        return [((f"{base}out.{target}",), _mha_out(parent, leaf == "weight"), "out_proj")]
+    return []
+
+
+def _mha_in(mha: Any, weight: bool) -> Transform:
+    heads, d = mha.num_heads, mha.embed_dim
+
+    def split(w: np.ndarray) -> tuple[np.ndarray, ...]:
+        parts = np.split(w, 3, axis=0)
+        if weight:  # [d, in] each -> [in, heads, head_dim]
+            return tuple(p.T.reshape(p.shape[1], heads, d // heads) for p in parts)
+        return tuple(p.reshape(heads, d // heads) for p in parts)
+
+    return split
+
+
+def _mha_out(mha: Any, weight: bool) -> Transform:
+    heads, d = mha.num_heads, mha.embed_dim
+
+    def out(w: np.ndarray) -> np.ndarray:
+        return w.T.reshape(heads, d // heads, w.shape[0]) if weight else w
+
+    return out

@@ -1,0 +1,306 @@
+"""A user's torch model against their NNX port: resolved, converted and trained side by side.
+
+:func:`compare_models` is the entry point; :class:`Port` holds what it resolved before
+anything runs (so a mapping error comes first), and its parts are what the tests batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import pickle
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from .._mesh import data_mesh
+from .._model_state import batch_norm_modules
+from .._step import AccumulationPath, make_train_step
+from ._mapping import Mapping_, WeightMap, build_weight_map, jax_leaves
+from ._optim import OPTIMIZERS, OptimizerSpec, optax_like_torch
+from ._runner import (
+    Dtype,
+    ParityConfig,
+    Trajectory,
+    check_config,
+    torch_config,
+    train_steps,
+)
+
+Loss = str | Callable[..., Any] | tuple[Any, Any]
+"""``"mse"``, ``"cross_entropy"``, ``"MODULE:ATTR"`` (one function for both frameworks) or
+``"MODULE:TORCH_ATTR,JAX_ATTR"``, a callable ``(output, y) -> scalar`` both frameworks run,
+or a ``(torch_loss, jax_loss)`` pair (callables or specs)."""
+
+
+def _jax_cross_entropy(out: jax.Array, y: jax.Array) -> jax.Array:
+    logits = out.reshape(-1, out.shape[-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y.reshape(-1)).mean()
+
+
+def _jax_mse(out: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.square(out - y))
+
+
+JAX_LOSSES = {"cross_entropy": _jax_cross_entropy, "mse": _jax_mse}
+
+
+@dataclasses.dataclass(frozen=True)
+class Port:
+    """One comparison, resolved: both models, the weight map, losses, optimizers, data."""
+
+    config: ParityConfig  # the layout, steps, dtype, path; model is a label
+    torch_model: Any  # what torch_ref builds in every rank: a spec, a callable or a module
+    torch_loss: Any  # torch_ref's loss: a name, a spec or a callable
+    jax_module: nnx.Module  # the port, holding torch's initial weights in config.dtype
+    jax_loss: Callable[[Any, Any], Any]  # (output, y) -> scalar
+    jax_optimizer: optax.GradientTransformation
+    spec: OptimizerSpec  # torch's optimizer
+    weights: WeightMap
+    data: tuple[np.ndarray, np.ndarray]  # floating arrays in config.dtype
+    initial: dict[str, np.ndarray]  # torch's initial state_dict
+    step_options: dict[str, Any]  # make_train_step's, for the JAX side
+
+    def loss_fn(self, model: nnx.Module, batch: tuple[Any, Any]) -> jax.Array:
+        """jaxdp's ``loss_fn(model, (x, y))``: one micro-batch's loss."""
+        return self.jax_loss(model(batch[0]), batch[1])
+
+    def torch_job(self) -> tuple[Any, tuple[np.ndarray, np.ndarray], dict[str, np.ndarray]]:
+        """``(torch_ref.TrainConfig, data, initial_state)``: a job for ``torch_ref``."""
+        config = torch_config(self.config, model=self.torch_model, loss=self.torch_loss)
+        return config, self.data, self.initial
+
+    def step_kwargs(self) -> dict[str, Any]:
+        """make_train_step's options: BatchNorm as DDP's, torch's frozen tensors, the user's."""
+        kwargs: dict[str, Any] = {}
+        if batch_norm_modules(self.jax_module):
+            kwargs["batch_stats"] = "local"  # DDP's per-rank statistics, rank 0's buffers
+        if self.weights.frozen:
+            frozen = self.weights.frozen
+            kwargs["trainable"] = lambda path, value: ".".join(path) not in frozen
+        return {**kwargs, **self.step_options}
+
+
+def prepare(
+    torch_model: Any,
+    jax_model: Any,
+    data: Any,
+    *,
+    loss: Loss,
+    optimizer: str | OptimizerSpec,
+    jax_optimizer: optax.GradientTransformation | None,
+    mapping: Mapping_,
+    step_options: Mapping[str, Any] | None,
+    **layout: Any,
+) -> Port:
+    """Resolves and checks everything; ``layout`` holds :class:`ParityConfig`'s fields."""
+    import torch_ref
+    from torch_ref.user import build_user_model
+
+    spec = _optimizer(optimizer)
+    dtype = layout["dtype"]
+    arrays = _data(data, dtype)
+    config = ParityConfig(
+        model=f"{_label(torch_model)} vs {_label(jax_model)}",
+        optimizer=spec,
+        num_samples=len(arrays[0]),
+        **layout,
+    )
+    check_config(config)
+    module = build_user_model(torch_model, seed=config.seed, dtype=_torch_dtype(dtype))
+    initial = torch_ref.numpy_state_dict(module)
+    port_module = _jax_module(jax_model, config.seed, dtype)
+    weights = build_weight_map(module, port_module, mapping)
+    torch_loss, jax_loss = _losses(loss)
+    if config.num_devices > 1:
+        _check_picklable(torch_model=torch_model, loss=torch_loss)
+    return Port(
+        config=config,
+        torch_model=torch_model,
+        torch_loss=torch_loss,
+        jax_module=weights.load(port_module, initial, jnp.dtype(dtype)),
+        jax_loss=jax_loss,
+        jax_optimizer=optax_like_torch(spec) if jax_optimizer is None else jax_optimizer,
+        spec=spec,
+        weights=weights,
+        data=arrays,
+        initial=initial,
+        step_options=dict(step_options or {}),
+    )
+
+
+def run_torch_port(port: Port) -> Any:
+    """torch_ref's run (a ``torch_ref.Result``): in this process on one device, DDP
+    processes on several."""
+    import torch_ref
+
+    job = port.torch_job()
+    if port.config.num_devices == 1:
+        return torch_ref.train_ga(*job)
+    return torch_ref.train_ddp(*job)
+
+
+def torch_trajectory(port: Port, result: Any) -> Trajectory:
+    """torch_ref's states in the JAX layout, under the JAX names."""
+    return Trajectory([port.weights.to_jax(s) for s in result.states], list(result.losses))
+
+
+def run_jax_port(port: Port, path: AccumulationPath | None = None) -> Trajectory:
+    """jaxdp's step on the port, in torch's data order (``path`` overrides the config's)."""
+    import torch_ref
+
+    config = port.config if path is None else dataclasses.replace(port.config, path=path)
+    with jax.default_matmul_precision("highest"):
+        step = make_train_step(
+            port.loss_fn,
+            port.jax_optimizer,
+            mesh=data_mesh(config.num_devices),
+            accum_steps=config.accum_steps,
+            path=config.path,
+            strategy=config.strategy,
+            **port.step_kwargs(),
+        )
+        state = step.init(port.jax_module)
+        return train_steps(config, step, state, port.data, torch_ref.torch_permutation, snapshot)
+
+
+def snapshot(module: nnx.Module) -> dict[str, np.ndarray]:
+    """Every Param and BatchStat of a module, by dotted path (host copies)."""
+    return {path: np.asarray(var.get_value()) for path, var in jax_leaves(module).items()}
+
+
+# ---- resolving the arguments ------------------------------------------------------------------
+
+
+def _optimizer(optimizer: str | OptimizerSpec) -> OptimizerSpec:
+    if isinstance(optimizer, OptimizerSpec):
+        return optimizer
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"optimizer={optimizer!r} must be an OptimizerSpec or one of {sorted(OPTIMIZERS)}"
+        )
+    return OPTIMIZERS[optimizer]
+
+
+def _data(data: Any, dtype: Dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, y)`` from a pair or a mapping with ``x`` and ``y`` (an ``.npz``); floating
+    arrays cast to ``dtype``."""
+    if isinstance(data, Mapping) or hasattr(data, "files"):
+        missing = [k for k in ("x", "y") if k not in data]
+        if missing:
+            raise ValueError(f"data has no array {missing[0]!r}; it needs 'x' and 'y'")
+        data = (data["x"], data["y"])
+    if not (isinstance(data, (tuple, list)) and len(data) == 2):
+        raise TypeError(f"data must be (x, y) or a mapping with 'x' and 'y', got {type(data)}")
+    x, y = (np.asarray(a) for a in data)
+    if len(x) != len(y):
+        raise ValueError(f"data: x has {len(x)} rows but y has {len(y)}")
+    return tuple(a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a for a in (x, y))
+
+
+def _check_picklable(**torch_side: Any) -> None:
+    """DDP ranks are processes of their own: what they build must travel by pickle."""
+    for name, value in torch_side.items():
+        try:
+            pickle.dumps(value)
+        except Exception as e:  # noqa: BLE001 - pickle raises several kinds
+            raise ValueError(
+                f"{name}={value!r} cannot reach the DDP ranks of num_devices > 1 ({e}); give "
+                "a class or function defined at a module's top level, or a 'MODULE:ATTR' spec"
+            ) from e
+
+
+def _label(model: Any) -> str:
+    if isinstance(model, str):
+        return model.rpartition(":")[2]
+    if isinstance(model, type) or inspect.isfunction(model):
+        return model.__qualname__
+    return type(model).__name__
+
+
+def _torch_dtype(dtype: Dtype) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "float64": torch.float64}[dtype]
+
+
+def _jax_module(jax_model: Any, seed: int, dtype: Dtype) -> nnx.Module:
+    """The port: a module, or a class or factory called with ``rngs=nnx.Rngs(seed)`` and
+    ``param_dtype=dtype`` for those of the two it takes (``"MODULE:ATTR"`` names either)."""
+    from torch_ref import load_attr
+
+    if isinstance(jax_model, str):
+        jax_model = load_attr(jax_model)
+    if not isinstance(jax_model, nnx.Module):
+        if not callable(jax_model):
+            raise TypeError(f"jax_model={jax_model!r} must be an nnx.Module, a class or a factory")
+        given = {"rngs": nnx.Rngs(seed), "param_dtype": jnp.dtype(dtype)}
+        jax_model = jax_model(**{k: v for k, v in given.items() if k in _keywords(jax_model)})
+        if not isinstance(jax_model, nnx.Module):
+            raise TypeError(f"jax_model returned {type(jax_model).__name__}, not nnx.Module")
+    _check_compute_dtypes(jax_model, dtype)
+    return jax_model
+
+
+def _keywords(factory: Any) -> set[str]:
+    """The keyword arguments a class or factory (or a partial of one) still takes."""
+    bound: set[str] = set()
+    while isinstance(factory, functools.partial):
+        bound |= set(factory.keywords)
+        factory = factory.func
+    # An NNX class's metaclass hides __init__'s signature.
+    target = factory.__init__ if isinstance(factory, type) else factory
+    return set(inspect.signature(target).parameters) - bound
+
+
+def _check_compute_dtypes(module: nnx.Module, dtype: Dtype) -> None:
+    """flax layers fix their compute dtype when built (nnx.Embed: its parameter's), so a
+    port built in float32 computes in float32 whatever its weights become."""
+    want = np.dtype(dtype)
+    narrow = [
+        f"{'.'.join(map(str, path)) or '<model>'} ({np.dtype(m.dtype).name})"
+        for path, m in nnx.iter_modules(module)
+        if _is_float(getattr(m, "dtype", None)) and np.dtype(m.dtype).itemsize < want.itemsize
+    ]
+    if narrow:
+        raise ValueError(
+            f"jax_model computes in a narrower dtype than dtype={dtype!r} in: "
+            f"{', '.join(narrow)}; build the port with param_dtype=jnp.{dtype} (a factory "
+            "taking param_dtype gets it) or compare in float32"
+        )
+
+
+def _is_float(value: Any) -> bool:
+    try:
+        return value is not None and np.issubdtype(np.dtype(value), np.floating)
+    except TypeError:
+        return False
+
+
+def _losses(loss: Loss) -> tuple[Any, Callable[[Any, Any], Any]]:
+    """``(torch_ref's loss, the JAX loss)``."""
+    from torch_ref import load_attr
+
+    if isinstance(loss, str) and loss in JAX_LOSSES:
+        return loss, JAX_LOSSES[loss]
+    if isinstance(loss, str):
+        module, sep, attrs = loss.partition(":")
+        torch_attr, _, jax_attr = attrs.partition(",")
+        if not (sep and torch_attr):
+            raise ValueError(
+                f"loss={loss!r} must be one of {sorted(JAX_LOSSES)}, 'MODULE:ATTR' or "
+                "'MODULE:TORCH_ATTR,JAX_ATTR'"
+            )
+        return f"{module}:{torch_attr}", load_attr(f"{module}:{jax_attr or torch_attr}")
+    if isinstance(loss, tuple) and len(loss) == 2:
+        jax_loss = load_attr(loss[1]) if isinstance(loss[1], str) else loss[1]
+        return loss[0], jax_loss
+    if callable(loss):
+        return loss, loss
+    raise TypeError(f"loss={loss!r} must be a name, a spec, a callable or a (torch, jax) pair")
