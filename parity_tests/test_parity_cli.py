@@ -10,7 +10,7 @@ import numpy as np
 import port_models
 import pytest
 
-from jaxdp.parity import ParityConfig, Trajectory, compare, format_parity
+from jaxdp.parity import ParityConfig, Trajectory, compare, format_parity, plot_parity
 
 JAXDP = pathlib.Path(sys.executable).parent / "jaxdp"
 
@@ -78,6 +78,14 @@ def test_report_names_the_first_step_beyond_tolerance():
     text = format_parity(report)
     assert "<- first beyond tolerance" in text.splitlines()[5]
     assert text.endswith("FAIL: step 2 is the first beyond tolerance")
+
+
+def test_plot_parity_writes_a_png(tmp_path):
+    theirs = Trajectory([{"w": np.ones(3)} for _ in range(2)], [1.0, 1.0])
+    ours = copy.deepcopy(theirs)
+    ours.states[1]["w"][0] += 1e-9
+    plot_parity(compare(ParityConfig(steps=2), ours, theirs), tmp_path / "parity.png")
+    assert (tmp_path / "parity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_step_counts_must_agree():

@@ -11,6 +11,7 @@ from flax import nnx
 
 import torch_ref
 from jaxdp.parity import (
+    Divergence,
     OptimizerSpec,
     assert_trains_like,
     compare,
@@ -122,7 +123,7 @@ def test_locator_names_the_stage_and_parameter_of_a_broken_port(broken):
         **options,
     )
     found = report.divergence
-    assert report.first_failure == 1 and found is not None, format_parity(report)
+    assert report.first_failure == 1 and isinstance(found, Divergence), format_parity(report)
     assert (found.step, found.stage, found.module) == (1, stage, module), found.describe()
     if parameter is not None:
         assert parameter in found.names, found.describe()
