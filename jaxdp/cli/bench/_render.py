@@ -132,7 +132,7 @@ def vs_torch_section(v: dict[str, Any]) -> str:
             f"and after the torch ranks). Load average (1 min): {_load(v)}."
         )
         + "\n\n"
-        + componentsmarkdown_table(v)
+        + components_table(v)
     )
 
 
@@ -146,7 +146,7 @@ def _hand(r: dict[str, Any], key: str, fmt: str) -> str:
     return fmt.format(r[key]) if key in r else "-"
 
 
-def componentsmarkdown_table(v: dict[str, Any]) -> str:
+def components_table(v: dict[str, Any]) -> str:
     """Where a step's time goes: each part timed alone in each framework."""
     rows = []
     for c in v.get("components", []):
