@@ -52,16 +52,17 @@ def quiet_gloo_notes() -> bool:
     os.dup2(write, 1)
     os.close(write)
     old = sys.stdout
-    # The same buffering as before: unbuffered under python -u / PYTHONUNBUFFERED
-    # (as jaxdp launch runs ranks), so nothing printed is lost when a rank is killed.
-    raw = io.FileIO(original, "w", closefd=False)
+    # The same buffering as before, but whole lines: under python -u /
+    # PYTHONUNBUFFERED (as jaxdp launch runs ranks) every line is written as it
+    # ends, so nothing printed is lost when a rank is killed. Not unbuffered:
+    # print writes its text and its newline apart, and the filter's own write
+    # could land between the two (a CI run saw "python 2from C").
     unbuffered = not isinstance(getattr(old, "buffer", None), io.BufferedWriter)
     sys.stdout = io.TextIOWrapper(
-        raw if unbuffered else io.BufferedWriter(raw),
+        io.BufferedWriter(io.FileIO(original, "w", closefd=False)),
         encoding=old.encoding,
         errors=old.errors,
-        line_buffering=old.line_buffering,
-        write_through=unbuffered or getattr(old, "write_through", False),
+        line_buffering=unbuffered or old.line_buffering,
     )
     pump = threading.Thread(target=_forward, args=(read, original), daemon=True)
     pump.start()

@@ -11,9 +11,12 @@ jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     # The tests that read torch_runs go to one xdist worker (with --dist
-    # loadgroup), so the batched torch runs below are made once.
+    # loadgroup), so the batched torch runs below are made once. First among the
+    # hooks: xdist reads the group marks in its own (they were added after it, and
+    # two workers each made every torch run, 140 s).
     for item in items:
         if "torch_runs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("torch_runs"))

@@ -76,3 +76,28 @@ def test_unbuffered_output_stays_unbuffered():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == -signal.SIGKILL
     assert done.stdout == "printed before the kill\n"
+
+
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+def test_python_lines_and_c_lines_never_mix(unbuffered):
+    # Python prints while a C-level writer's lines pass the filter: each line stays whole
+    # (unbuffered, print wrote its text and its newline apart, and a C line came between).
+    code = textwrap.dedent("""
+        import os, threading
+        from jaxdp._quiet_gloo import quiet_gloo_notes
+        assert quiet_gloo_notes()
+        def c_side():
+            for i in range(2000):
+                os.write(1, f"from C {i}\\n".encode())
+        thread = threading.Thread(target=c_side)
+        thread.start()
+        for i in range(2000):
+            print(f"python {i}")
+        thread.join()
+    """)
+    env = dict(os.environ, PYTHONUNBUFFERED=unbuffered)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    expected = [f"{who} {i}" for who in ("from C", "python") for i in range(2000)]
+    assert sorted(done.stdout.splitlines()) == sorted(expected)
