@@ -119,26 +119,43 @@ def add_parity_command(sub: Any) -> None:
         help="cnn_bn: SyncBatchNorm in torch_ref, batch_stats='sync' in jaxdp (default: DDP's "
         "per-rank statistics with broadcast_buffers=True, batch_stats='local')",
     )
-    p.add_argument("--plot", metavar="PATH.png", help="the divergence per step, log scale")
+    p.add_argument(
+        "--plot",
+        metavar="PATH.png",
+        help="a PNG of the divergence per step, log scale (default: none)",
+    )
     p.set_defaults(run=_run_parity_command)
 
 
 def _add_port_flags(p: argparse.ArgumentParser) -> None:
     spec = "MODULE:ATTR (MODULE a module name or a .py path)"
-    p.add_argument("--torch-model", metavar="MODULE:ATTR", help=f"your torch model: {spec}")
+    p.add_argument(
+        "--torch-model",
+        metavar="MODULE:ATTR",
+        help=f"your torch model: {spec} (default: none, a reference --model)",
+    )
     p.add_argument(
         "--jax-model",
         metavar="MODULE:ATTR",
-        help=f"its Flax NNX port: {spec}, called with rngs= and param_dtype= if it takes them",
+        help=f"its Flax NNX port: {spec}, called with rngs= and param_dtype= if it takes them "
+        "(required with --torch-model)",
     )
-    p.add_argument("--data", metavar="PATH.npz", help="the data set: arrays x and y")
+    p.add_argument(
+        "--data",
+        metavar="PATH.npz",
+        help="the data set: arrays x and y (required with --torch-model)",
+    )
     p.add_argument(
         "--loss",
         metavar="LOSS",
-        help="mse, cross_entropy (default), MODULE:ATTR (one (output, y) function for both) or "
-        "MODULE:TORCH_ATTR,JAX_ATTR",
+        help="mse, cross_entropy, MODULE:ATTR (one (output, y) function for both) or "
+        "MODULE:TORCH_ATTR,JAX_ATTR (default: cross_entropy)",
     )
-    p.add_argument("--mapping", metavar="MODULE:ATTR", help="a dict or function for the weights")
+    p.add_argument(
+        "--mapping",
+        metavar="MODULE:ATTR",
+        help="a dict or function for the weights (default: by names and layer kinds)",
+    )
     p.add_argument(
         "--jax-optimizer",
         metavar="MODULE:ATTR",
