@@ -11,6 +11,8 @@ executable, so results are bitwise those of compiling it again.
 import os
 import pathlib
 
+import pytest
+
 CACHE = pathlib.Path(__file__).parent / ".jax-cache"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -19,3 +21,37 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # without it an entry is written in place, and a test's process could read one half
 # written by another's.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cells-per-test",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run at most N parameter cells of each parametrized test, spread evenly over "
+        "its grid (bin/test-newest-jax; the main run takes every cell)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """``--cells-per-test N``: of each test function's cells, N spread evenly in
+    collection order (first and last included), so the sample still meets every
+    value of the grid's first parameters."""
+    n = config.getoption("--cells-per-test")
+    if not n:
+        return
+    if n < 2:
+        raise pytest.UsageError(f"--cells-per-test must be at least 2, got {n}")
+    cells: dict[tuple[str, str], list] = {}
+    for item in items:
+        cells.setdefault((item.nodeid.split("::")[0], item.originalname), []).append(item)
+    keep = set()
+    for group in cells.values():
+        step = (len(group) - 1) / (n - 1)
+        picked = {round(i * step) for i in range(n)} if len(group) > n else range(len(group))
+        keep.update(id(group[i]) for i in picked)
+    dropped = [item for item in items if id(item) not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if id(item) in keep]
