@@ -387,3 +387,10 @@ def test_stage_1_sends_what_a_ring_all_reduce_does_and_stage_2_one_scatter_per_m
     assert two.ring_bytes == pytest.approx(share * (2 * 2e9 + 4e9))
     with pytest.raises(ValueError, match="zero_stage=3 must be 0, 1 or 2"):
         jaxdp.plan.plan_memory(**common, zero_stage=3)
+
+
+def test_cli_model_at_a_zero_stage_says_xla_analysis_is_stage_0_only(capsys):
+    flags = ["--model", "mlp", "--zero-stage", "1", "--num-devices", "4", "--device-memory", "1GB"]
+    assert main(["plan", *flags]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "XLA's analysis: at --zero-stage 0 only" in out and "1 reduce-scatter" in out

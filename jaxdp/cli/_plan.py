@@ -196,6 +196,13 @@ def plan_report(args: argparse.Namespace) -> str:
     shown = dict(model=spec.describe(), batch_note=batch_note)
     if args.no_xla:
         return _report(plan, note="XLA's analysis: skipped (--no-xla).", **shown)
+    if plan.zero_stage:
+        note = (
+            "XLA's analysis: at --zero-stage 0 only (a stage's per-device figures shrink with "
+            "the device count, and the plan compiles on at most 8 devices); the estimate above "
+            "counts the split."
+        )
+        return _report(plan, note=note, **shown)
     if plan.device_memory is None:
         note = "XLA's analysis: needs --device-memory (it compiles the split that fits)."
         return _report(plan, note=note, **shown)
