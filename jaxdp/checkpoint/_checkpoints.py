@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .._layout import BatchSizes
 from .._position import SamplerPosition
@@ -36,9 +38,11 @@ from ._rules import (
     check_position,
     describe,
     is_per_device,
+    is_shard,
+    leaf_name,
     named,
 )
-from ._tree import abstract, join, saved_tree, split, state_from_tree, zeros
+from ._tree import abstract, join, relaid, saved_tree, split, state_from_tree, zeros
 from ._write_failure import no_room, quiet_writer_thread_logs
 
 
@@ -155,10 +159,12 @@ class Checkpoints:
             "extra": extra or {},
         }
         meta = sealed(meta)
-        replicated, per_device = split(tree)
+        replicated, per_device, shards = split(tree)
         items = {"replicated": ocp.args.StandardSave(replicated), "meta": ocp.args.JsonSave(meta)}
         if jax.tree.leaves(per_device):
             items["per_device"] = ocp.args.StandardSave(per_device)
+        if jax.tree.leaves(shards):  # every process writes its own shards
+            items["shards"] = ocp.args.StandardSave(shards)
         try:
             self._manager.save(number, args=ocp.args.Composite(**items), force=True)
         except Exception as e:
@@ -298,21 +304,26 @@ class Checkpoints:
         self, number: int, meta: dict[str, Any], like: TrainState, *, per_device: bool
     ) -> TrainState:
         """Reads arrays into ``like``'s shardings and checks them against the SHA-256s."""
-        replicated, devices = split(saved_tree(like))
+        replicated, devices, shards = split(saved_tree(like))
         items = {"replicated": ocp.args.StandardRestore(abstract(replicated))}
         read_devices = per_device and bool(jax.tree.leaves(devices))
         if read_devices:
             items["per_device"] = ocp.args.StandardRestore(abstract(devices))
+        if jax.tree.leaves(shards):
+            items["shards"] = ocp.args.StandardRestore(_as_saved(shards, meta, per_device))
         out = self._manager.restore(number, args=ocp.args.Composite(**items))
         # Not read: at an optimizer-step boundary the accumulators are zero.
         devices = out["per_device"] if read_devices else jax.tree.map(zeros, devices)
-        tree = join(out["replicated"], devices)
+        read_shards = out["shards"] if jax.tree.leaves(shards) else shards
+        tree = join(out["replicated"], devices, read_shards)
         for name, x in named(tree):
             expected = meta["leaves"][name]["sha256"]
-            if (read_devices or not is_per_device(x)) and expected is not None:
+            if (read_devices or not is_per_device(x) or is_shard(name)) and expected is not None:
                 actual = array_sha256(x)
                 if actual is not None and actual != expected:
                     raise CheckpointError(f"{name} does not match its SHA-256")
+        if not per_device:  # saved on another device count: re-shard for this mesh
+            tree = join(out["replicated"], devices, jax.tree.map(relaid, read_shards, shards))
         return state_from_tree(tree, like)
 
     def _set_aside(self, failures: list[tuple[int, Exception]], used: pathlib.Path) -> None:
@@ -344,6 +355,21 @@ class Checkpoints:
             if number < newest_verified:
                 self._manager.delete(number)
                 self._verified.discard(number)
+
+
+def _as_saved(shards: Any, meta: dict[str, Any], same_devices: bool) -> Any:
+    """What to read the ZeRO shards into: this run's layout on the same device count;
+    else the saved shapes, replicated on this mesh, to be re-laid out (:func:`relaid`)."""
+    if same_devices:
+        return abstract(shards)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(
+            tuple(meta["leaves"][leaf_name(path)]["shape"]),
+            x.dtype,
+            sharding=NamedSharding(x.sharding.mesh, P()),
+        ),
+        shards,
+    )
 
 
 def _short(error: Exception) -> str:

@@ -58,6 +58,7 @@ def check_compatible(
         )
     if validate is not None:
         validate(meta["extra"])
+    _check_zero(saved_leaves, here, path)
     mismatches = _mismatches(saved_leaves, here, lambda name: not name.startswith("params/"))
     if mismatches:
         raise CheckpointError(
@@ -84,6 +85,23 @@ def check_compatible(
             f"or move {path} aside to resume from the checkpoint before it"
         )
     return saved
+
+
+def _check_zero(saved: dict[str, Any], here: dict[str, Any], path: pathlib.Path) -> None:
+    """The optimizer state split over the mesh (ZeRO stage 1 or 2) or replicated (stage 0)
+    on both sides: between the two the leaves' shapes differ, and jaxdp does not convert."""
+
+    def split(leaves: dict[str, Any]) -> bool:
+        return any(is_shard(n) and d["per_device"] for n, d in leaves.items())
+
+    if split(saved) != split(here):
+        kinds = ("replicated (zero_stage=0)", "split over the devices (zero_stage 1 or 2)")
+        raise CheckpointError(
+            f"checkpoint {path} holds the optimizer state {kinds[split(saved)]}; this run "
+            f"keeps it {kinds[split(here)]}. Resume with the checkpoint's zero stage: jaxdp "
+            "re-shards a split state onto another device count, but does not convert between "
+            "replicated and split ones"
+        )
 
 
 def _mismatches(
@@ -134,15 +152,21 @@ def is_per_device(x: Any) -> bool:
     return isinstance(sharding, NamedSharding) and any(a is not None for a in sharding.spec)
 
 
+def leaf_name(path: Any) -> str:
+    """``"params/hidden/kernel"``; NNX's ``.value`` is left out of names."""
+    keys = [k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")]
+    return jax.tree_util.keystr(tuple(keys), simple=True, separator="/")
+
+
 def named(tree: Any) -> list[tuple[str, Any]]:
-    """``("params/hidden/kernel", leaf)`` pairs; NNX's ``.value`` is left out of names."""
-    out = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        keys = [
-            k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")
-        ]
-        out.append((jax.tree_util.keystr(tuple(keys), simple=True, separator="/"), leaf))
-    return out
+    """``("params/hidden/kernel", leaf)`` pairs (:func:`leaf_name`)."""
+    return [(leaf_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def is_shard(name: str) -> bool:
+    """A per-device leaf of the optimizer state other than the gradient sums: the optimizer
+    state split over the mesh at a ZeRO stage (flat, padded, one chunk per device)."""
+    return name.startswith("opt_state/") and not name.startswith("opt_state/acc_grads/")
 
 
 def describe(x: Any) -> dict[str, Any]:
