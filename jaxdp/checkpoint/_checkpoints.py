@@ -37,6 +37,7 @@ from ._rules import (
     check_is_directory,
     check_position,
     describe,
+    is_accumulator,
     is_per_device,
     is_shard,
     leaf_name,
@@ -218,8 +219,16 @@ class Checkpoints:
             here = {name: describe(x) for name, x in named(saved_tree(like))}
             saved = check_compatible(meta, here, sizes, force=force, path=path, validate=validate)
             same_devices = saved.num_devices == sizes.num_devices
+            # Accumulators are read where they fit; at a step boundary they are zero.
+            fits = all(
+                meta["leaves"][n]["shape"] == d["shape"]
+                for n, d in here.items()
+                if is_accumulator(n)
+            )
             try:
-                state = self._read(number, meta, like, per_device=same_devices)
+                state = self._read(
+                    number, meta, like, per_device=same_devices and fits, same_devices=same_devices
+                )
             except Exception as e:
                 failures.append((number, e))
                 quiet_failed_read_noise()
@@ -301,16 +310,24 @@ class Checkpoints:
         return check_sealed(meta["meta"])
 
     def _read(
-        self, number: int, meta: dict[str, Any], like: TrainState, *, per_device: bool
+        self,
+        number: int,
+        meta: dict[str, Any],
+        like: TrainState,
+        *,
+        per_device: bool,
+        same_devices: bool = True,
     ) -> TrainState:
-        """Reads arrays into ``like``'s shardings and checks them against the SHA-256s."""
+        """Reads arrays into ``like``'s shardings and checks them against the SHA-256s:
+        the accumulators if ``per_device`` (else zeros), the ZeRO shards re-laid out
+        unless ``same_devices``."""
         replicated, devices, shards = split(saved_tree(like))
         items = {"replicated": ocp.args.StandardRestore(abstract(replicated))}
         read_devices = per_device and bool(jax.tree.leaves(devices))
         if read_devices:
             items["per_device"] = ocp.args.StandardRestore(abstract(devices))
         if jax.tree.leaves(shards):
-            items["shards"] = ocp.args.StandardRestore(_as_saved(shards, meta, per_device))
+            items["shards"] = ocp.args.StandardRestore(_as_saved(shards, meta, same_devices))
         out = self._manager.restore(number, args=ocp.args.Composite(**items))
         # Not read: at an optimizer-step boundary the accumulators are zero.
         devices = out["per_device"] if read_devices else jax.tree.map(zeros, devices)
@@ -322,7 +339,7 @@ class Checkpoints:
                 actual = array_sha256(x)
                 if actual is not None and actual != expected:
                     raise CheckpointError(f"{name} does not match its SHA-256")
-        if not per_device:  # saved on another device count: re-shard for this mesh
+        if not same_devices:  # saved on another device count: re-shard for this mesh
             tree = join(out["replicated"], devices, jax.tree.map(relaid, read_shards, shards))
         return state_from_tree(tree, like)
 

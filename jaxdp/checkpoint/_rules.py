@@ -59,7 +59,14 @@ def check_compatible(
     if validate is not None:
         validate(meta["extra"])
     _check_zero(saved_leaves, here, path)
-    mismatches = _mismatches(saved_leaves, here, lambda name: not name.startswith("params/"))
+    # At a step boundary the accumulators are zero and rebuilt for this run's layout.
+    boundary = meta["position"]["micro_batch"] == 0
+    mismatches = _mismatches(
+        saved_leaves,
+        here,
+        lambda name: not name.startswith("params/"),
+        loose=lambda name: boundary and is_accumulator(name),
+    )
     if mismatches:
         raise CheckpointError(
             f"checkpoint {path} holds a differently laid out training state (another "
@@ -105,9 +112,13 @@ def _check_zero(saved: dict[str, Any], here: dict[str, Any], path: pathlib.Path)
 
 
 def _mismatches(
-    saved: dict[str, Any], here: dict[str, Any], selected: Callable[[str], bool]
+    saved: dict[str, Any],
+    here: dict[str, Any],
+    selected: Callable[[str], bool],
+    loose: Callable[[str], bool] = lambda name: False,
 ) -> list[str]:
-    """Human-readable differences between two ``name -> description`` maps."""
+    """Human-readable differences between two ``name -> description`` maps; ``loose``
+    names are compared by dtype and placement only."""
     out = []
     for name in sorted(n for n in {*saved, *here} if selected(n)):
         a, b = saved.get(name), here.get(name)
@@ -115,6 +126,8 @@ def _mismatches(
             out.append(f"{name} missing in the checkpoint")
         elif b is None:
             out.append(f"{name} missing in this run")
+        elif loose(name) and (a["dtype"], a["per_device"]) == (b["dtype"], b["per_device"]):
+            continue
         elif _layout(a) != _layout(b):
             out.append(f"{name} {_layout_str(a)} vs {_layout_str(b)}")
     return out
@@ -161,6 +174,11 @@ def leaf_name(path: Any) -> str:
 def named(tree: Any) -> list[tuple[str, Any]]:
     """``("params/hidden/kernel", leaf)`` pairs (:func:`leaf_name`)."""
     return [(leaf_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def is_accumulator(name: str) -> bool:
+    """The open window's per-device sums (multisteps): zero at an optimizer-step boundary."""
+    return name.startswith(("accum/", "opt_state/acc_grads/"))
 
 
 def is_shard(name: str) -> bool:
