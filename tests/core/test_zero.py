@@ -2,11 +2,13 @@
 split over the devices, and the collectives read from the compiled program."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from helpers import ATOL, RTOL, assert_trees_close
-from models import big_batch_reference, mlp_params, mse_loss, regression_data, train
+from models import big_batch_reference, mlp_apply, mlp_params, mse_loss, regression_data, train
 
 import jaxdp
 
@@ -97,6 +99,14 @@ def test_stage_1_optimizer_state_is_a_quarter_per_device():
     multi = make(2, path="multisteps").init(params)
     # Stage 2: the gradient sums too, a [1, shard] block per device.
     assert per_device_bytes(multi.opt_state.acc_grads) == padded_bytes(params, 4) // 4
+    # XLA's memory analysis of the compiled step agrees: its per-device arguments
+    # shrink by the moments' three quarters, nothing else.
+    memory = [
+        jaxdp.plan.compiled_memory(make(s).compile(state, one_call(make(s))))
+        for s, state in ((0, full), (1, sharded))
+    ]
+    saved = per_device_bytes(full.opt_state) - per_device_bytes(sharded.opt_state)
+    assert memory[0].arguments - memory[1].arguments == saved == 2 * 8 * (195 - 49)
 
 
 @pytest.mark.parametrize("accum_steps", [1, 4])
@@ -144,27 +154,26 @@ def test_bf16_communication_halves_the_bytes_and_stays_close():
     x, y = regression_data(GLOBAL_BATCH * STEPS, dtype=np.float32)
     data = [(x[i::STEPS], y[i::STEPS]) for i in range(STEPS)]
     exact, _ = train(make(0, optimizer="sgd_momentum"), params, data)
-    for stage in (0, 1):
-        step = make(stage, optimizer="sgd_momentum", comm_dtype="bfloat16")
-        state, _ = train(step, params, data)
-        leaves = (jax.tree.leaves(t) for t in (state.params, exact.params, params))
-        for a, b, p in zip(*leaves, strict=True):
-            moved = np.asarray(b) - p
-            assert np.max(np.abs(np.asarray(a) - b)) <= 0.02 * np.max(np.abs(moved))
-            assert not np.array_equal(np.asarray(a), np.asarray(b))  # bf16 did round
-        # The program jaxdp hands XLA. XLA:CPU then promotes bfloat16 reductions to
-        # float32 in its own passes (no bf16 adds on CPU); NCCL reduces bfloat16 as is.
-        hlo = step.lower(state, one_call(step)).compiler_ir("hlo").as_hlo_text()
-        found = kinds(hlo)
-        elements = sum(np.size(p) for p in jax.tree.leaves(params))
-        if stage == 0:
-            wide = [r for r in found["all-reduce"] if r.shapes != ("f32[]",)]
-            assert {s[:5] for r in wide for s in r.shapes} == {"bf16["}
-            assert sum(r.bytes for r in wide) == 2 * elements  # float32 would be 4 * elements
-        else:
-            (scatter,) = found["reduce-scatter"]
-            assert scatter.shapes[0].startswith("bf16[")
-            assert scatter.bytes == 2 * padded_bytes(params, 4) // 8
+    step = make(1, optimizer="sgd_momentum", comm_dtype="bfloat16")
+    state, _ = train(step, params, data)
+    leaves = (jax.tree.leaves(t) for t in (state.params, exact.params, params))
+    for a, b, p in zip(*leaves, strict=True):
+        moved = np.asarray(b) - p
+        assert np.max(np.abs(np.asarray(a) - b)) <= 0.02 * np.max(np.abs(moved))
+        assert not np.array_equal(np.asarray(a), np.asarray(b))  # bf16 did round
+    # The program jaxdp hands XLA. XLA:CPU then promotes bfloat16 reductions to
+    # float32 in its own passes (no bf16 adds on CPU); NCCL reduces bfloat16 as is.
+    (scatter,) = kinds(step.lower(state, one_call(step)).compiler_ir("hlo").as_hlo_text())[
+        "reduce-scatter"
+    ]
+    assert scatter.shapes[0].startswith("bf16[")
+    assert scatter.bytes == 2 * padded_bytes(params, 4) // 8  # float32 would be 4 bytes
+    step = make(0, optimizer="sgd_momentum", comm_dtype="bfloat16")
+    state = step.init(params)
+    found = kinds(step.lower(state, one_call(step)).compiler_ir("hlo").as_hlo_text())
+    wide = [r for r in found["all-reduce"] if r.shapes != ("f32[]",)]
+    assert {s[:5] for r in wide for s in r.shapes} == {"bf16["}
+    assert sum(r.bytes for r in wide) == 2 * sum(np.size(p) for p in jax.tree.leaves(params))
 
 
 def test_one_device_frozen_leaves_and_nonfinite_skip_at_stage_1():
@@ -183,6 +192,65 @@ def test_one_device_frozen_leaves_and_nonfinite_skip_at_stage_1():
     state, metrics = step(state, (np.where(np.arange(len(x))[:, None] == 3, np.nan, x), y))
     assert bool(metrics["skipped"]) and not bool(metrics["finite"])
     assert_trees_close(state.params, before, rtol=0)
+
+
+class TinyBatchNorm(nnx.Module):
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.inp = nnx.Linear(8, 4, param_dtype=jnp.float64, rngs=rngs)
+        self.norm = jaxdp.models.BatchNorm(4, param_dtype=jnp.float64)
+        self.out = nnx.Linear(4, 3, param_dtype=jnp.float64, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.norm(self.inp(x))))
+
+
+def batch_norm_loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def test_local_batch_statistics_and_weighted_loss_at_stage_1():
+    """Device 0's running statistics ride in the scalar psum; a weighted loss divides by
+    the global count: both as at stage 0 (float64, RTOL 1e-12)."""
+    x, y = regression_data(GLOBAL_BATCH)
+    results = []
+    for stage in (0, 1):
+        step = jaxdp.make_train_step(
+            batch_norm_loss,
+            OPTIMIZERS["adamw_clip"](),
+            mesh=jaxdp.data_mesh(4),
+            accum_steps=3,
+            batch_stats="local",
+            zero_stage=stage,
+        )
+        state, metrics = step(step.init(TinyBatchNorm()), (x, y))
+        stats = nnx.state(step.model(state), nnx.BatchStat)
+        results.append((state.params, stats, float(metrics["loss"])))
+    (p0, s0, l0), (p1, s1, l1) = results
+    assert_trees_close(p1, p0, rtol=RTOL["float64"], atol=ATOL["float64"])
+    assert_trees_close(s1, s0, rtol=RTOL["float64"], atol=ATOL["float64"])
+    fresh = jax.tree.leaves(nnx.state(TinyBatchNorm(), nnx.BatchStat))
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1), fresh, strict=True))
+    assert l1 == pytest.approx(l0, rel=RTOL["float64"])
+
+    def token_loss(params, batch):
+        x, y, mask = batch
+        return jnp.sum((mlp_apply(params, x) - y) ** 2 * mask[:, None]), jnp.sum(mask)
+
+    mask = (np.arange(GLOBAL_BATCH) % 3 != 0).astype(np.float64)
+    weighted = []
+    for stage in (0, 1):
+        step = jaxdp.make_train_step(
+            token_loss,
+            optax.sgd(0.1),
+            mesh=jaxdp.data_mesh(4),
+            accum_steps=3,
+            loss_reduction="weighted",
+            zero_stage=stage,
+        )
+        weighted.append(step(step.init(mlp_params()), (x, y, mask))[0].params)
+    assert_trees_close(weighted[1], weighted[0], rtol=RTOL["float64"], atol=ATOL["float64"])
 
 
 def test_bad_zero_options_are_refused_naming_them():
