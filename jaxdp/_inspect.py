@@ -10,6 +10,7 @@ a ``conditional`` branch runs at most once, only when that branch is taken.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +43,9 @@ _CALLEE = re.compile(
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS = re.compile(r"replica_groups=(\{\{([\d,]*)\}|\[\d+,(\d+)\]<=)")
+# jax 0.12 prints a mesh and the axes a collective spans: mesh['data'=4] {'data'}.
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 _KINDS = {
     "all-reduce": "all-reduce",
     "all-reduce-start": "all-reduce",
@@ -220,6 +224,11 @@ class Collective:
 
 
 def _group_size(rest: str) -> int:
+    mesh = _MESH_GROUPS.search(rest)
+    if mesh:
+        sizes = dict(_MESH_AXIS.findall(mesh.group(1)))
+        spanned = re.findall(r"'([^']+)'", mesh.group(2))
+        return math.prod(int(sizes[a]) for a in spanned if a in sizes)
     found = _GROUPS.search(rest)
     if not found:
         return 1

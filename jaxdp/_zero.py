@@ -13,6 +13,7 @@ every gradient and one all-gather per parameter dtype every parameter.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -21,10 +22,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-try:  # Varying -> Invariant, so gathered parameters leave shard_map replicated.
-    from jax._src.lax.parallel import all_gather_invariant as _gather
-except ImportError:  # pragma: no cover - older or newer jax: the public, Varying one
-    _gather = jax.lax.all_gather
+
+def _gather(x: jax.Array, axis_name: str) -> jax.Array:
+    """``all_gather``, Varying -> Invariant, so the gathered parameters leave shard_map
+    replicated: ``to="invarying"`` from jax 0.11, a private function in 0.10.2."""
+    if "to" in inspect.signature(jax.lax.all_gather).parameters:
+        return jax.lax.all_gather(x, axis_name, to="invarying")
+    from jax._src.lax.parallel import all_gather_invariant
+
+    return all_gather_invariant(x, axis_name)
 
 
 class ShardLayout:
