@@ -303,3 +303,8 @@ def test_bad_zero_options_are_refused_naming_them():
     step = jaxdp.make_train_step(mse_loss, blocky, mesh=mesh, zero_stage=1)
     with pytest.raises(ValueError, match="zero_stage=1: the optimizer's clip_by_block_rms"):
         step.init(mlp_params())
+    # A mask from the leaves' rank: a shard is flat, so it would decay no weight at all.
+    by_rank = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+    step = jaxdp.make_train_step(mse_loss, by_rank, mesh=mesh, zero_stage=2)
+    with pytest.raises(ValueError, match="zero_stage=2: the optimizer's masked transform"):
+        step.init(mlp_params())
