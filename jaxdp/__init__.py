@@ -19,7 +19,9 @@ from ._distributed import initialize as initialize
 from ._forward import LossReduction as LossReduction
 from ._frozen import Trainable as Trainable
 from ._inspect import AllReduce as AllReduce
+from ._inspect import Collective as Collective
 from ._inspect import all_reduces as all_reduces
+from ._inspect import collectives as collectives
 from ._inspect import format_report as format_report
 from ._interop import params_to_torch as params_to_torch
 from ._interop import torch_to_params as torch_to_params
@@ -86,6 +88,8 @@ __all__ = [
     # Inspection of compiled steps
     "all_reduces",
     "AllReduce",
+    "collectives",
+    "Collective",
     "format_report",
     # Weights from and to PyTorch
     "params_to_torch",

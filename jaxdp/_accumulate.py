@@ -74,10 +74,9 @@ def fused_update(
     micro_batches: Any,
     micro_weights: jax.Array,
     *,
-    axis_name: str,
-    dtype: Any,
+    end: StepEnd,
     to_varying: Callable[[Any], Any],
-    skip_nonfinite: bool,
+    micro_sync: Callable[[Any], Any] | None = None,
 ) -> Update:
     """One optimizer step over ``[accum_steps, micro_batch_size, ...]`` local data.
 
@@ -88,23 +87,33 @@ def fused_update(
     (shard_map with check_vma) JAX treats replicated params as invariant and
     the transpose of their implicit broadcast is a psum: an all-reduce inside
     the scan body, i.e. one per micro-batch.
+
+    ``micro_sync`` (ZeRO stage 2) reduce-scatters each micro-batch's gradients
+    into this device's shard of the sums; ``end`` is the step's end
+    (:class:`StepEnd`, or :class:`jaxdp._zero_step.ShardedEnd`).
     """
     local_params = to_varying(params)
+    dtype, micro_sync = end.dtype, micro_sync or _identity
 
     def micro_step(carry, inputs):
         sums, stats = carry
         batch, scale, index = inputs
-        *parts, stats = _scaled(forward, local_params, batch, stats, index, scale, dtype)
+        grads, *parts, stats = _scaled(forward, local_params, batch, stats, index, scale, dtype)
+        parts = (micro_sync(grads), *parts)
         return (jax.tree.map(jnp.add, sums, tuple(parts)), stats), None
 
     # Also for one micro-batch: without the loop XLA kept 19% more temporaries
     # on the digits CNN, for no time measured (docs/decisions.md).
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
+    like = jax.eval_shape(micro_sync, jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params))
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), like)
     init = to_varying(((zeros, jnp.zeros([], dtype), jnp.zeros([], dtype)), batch_stats))
     indices = jnp.arange(len(micro_weights))
     (sums, stats), _ = jax.lax.scan(micro_step, init, (micro_batches, micro_weights, indices))
-    end = StepEnd(axis_name, dtype, skip_nonfinite)
     return end(optimizer, params, opt_state, batch_stats, *sums, stats)[0]
+
+
+def _identity(x: Any) -> Any:
+    return x
 
 
 class StepEnd(NamedTuple):
@@ -114,6 +123,8 @@ class StepEnd(NamedTuple):
     axis_name: str
     dtype: Any  # of the accumulators, and of the loss and norm the SyncState keeps
     skip_nonfinite: bool
+    comm_dtype: Any = None  # the gradients' dtype on the wire (bfloat16), None: their own
+    num_devices: int = 1
 
     def __call__(
         self,
@@ -130,7 +141,7 @@ class StepEnd(NamedTuple):
         skips. Returns the update and what was synchronized (``SyncState``)."""
         wire = device0(stats, self.axis_name, self.dtype)
         grad_sum, loss, weight, wire = all_reduce_sums(
-            grad_sum, loss_sum, weight, wire, self.axis_name
+            grad_sum, loss_sum, weight, wire, self.axis_name, self.comm_dtype, self.num_devices
         )
         grad_norm = optax.tree.norm(grad_sum) / weight
         finite = all_finite(grad_norm, loss, wire)
@@ -147,7 +158,7 @@ class StepEnd(NamedTuple):
             # A branch, not a select over params and optimizer state: a skipped step
             # costs nothing and an applied one no extra pass (measured 1.3 ms of a
             # 6.6 ms MLP step with selects, docs/decisions.md).
-            keep = functools.partial(cast_like, updated_like(optimizer, params, opt_state))
+            keep = functools.partial(cast_like, self.updated_like(optimizer, params, opt_state))
             new_params, new_opt_state = jax.lax.cond(ok, apply, keep, (params, opt_state))
         else:
             new_params, new_opt_state = apply((params, opt_state))
@@ -155,6 +166,9 @@ class StepEnd(NamedTuple):
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
         sync = SyncState(loss.astype(self.dtype), grad_norm.astype(self.dtype), finite, wire)
         return Update(new_params, new_opt_state, new_stats, ok, ~ok, metrics), sync
+
+    def updated_like(self, optimizer: Any, params: Any, opt_state: Any) -> Any:
+        return updated_like(optimizer, params, opt_state)
 
 
 def updated_like(optimizer: optax.GradientTransformation, params: Any, opt_state: Any) -> Any:
@@ -184,11 +198,10 @@ def multisteps_update(
     batch: Any,
     micro_weight: jax.Array,
     *,
-    axis_name: str,
+    end: StepEnd,
     accum_steps: int,
-    dtype: Any,
     to_varying: Callable[[Any], Any],
-    skip_nonfinite: bool,
+    micro_sync: Callable[[Any], Any] | None = None,
 ) -> tuple[Update, AccumState]:
     """One micro-batch of a window of ``accum_steps`` calls; syncs only when emitting.
 
@@ -201,19 +214,19 @@ def multisteps_update(
     ``optimizer`` (or the non-finite skip) as the fused path does, and resets
     the sums. A skipped update keeps the last applied one's ``SyncState``.
     """
-    mini_step = opt_state.mini_step
+    mini_step, dtype = opt_state.mini_step, end.dtype
     emits = mini_step == accum_steps - 1
     start = select(mini_step == 0, to_varying(batch_stats), accum.batch_stats)
     grads, value, weight, stats = _scaled(
         forward, to_varying(params), batch, start, mini_step, micro_weight, dtype
     )
+    grads = (micro_sync or _identity)(grads)
     # In place in the donated state, the one pass over the gradients of a call that
     # does not emit; in the sums' own shape (shard_map: this device's [1, ...]
     # block), as XLA:CPU adds in place only into a buffer of the same shape.
     acc = jax.tree.map(lambda a, g: a + g.reshape(a.shape), opt_state.acc_grads, grads)
     sums = jax.tree.map(lambda a, g: a.reshape(g.shape), acc, grads)
     window = (sums, accum.loss_sum + value, accum.weight + weight, stats)
-    end = StepEnd(axis_name, dtype, skip_nonfinite)
 
     def emit(operands):
         params, (sync, inner_state), batch_stats, window = operands
@@ -223,7 +236,7 @@ def multisteps_update(
 
     def keep(operands):
         params, (sync, inner_state), batch_stats, _ = operands
-        like = updated_like(optimizer, params, inner_state)
+        like = end.updated_like(optimizer, params, inner_state)
         params, inner_state = cast_like(like, (params, inner_state))
         no = jnp.zeros([], bool)
         metrics = {"loss": sync.loss, "grad_norm": sync.grad_norm, "finite": sync.finite}
@@ -265,20 +278,27 @@ def _unchanged(operands: tuple[Any, jax.Array]) -> Any:
 
 
 def multisteps_init(
-    optimizer: optax.GradientTransformation, params: Any, *, dtype: Any, extra_like: Any
+    optimizer: optax.GradientTransformation,
+    params: Any,
+    *,
+    dtype: Any,
+    extra_like: Any,
+    sums_like: Any = None,
 ) -> optax.MultiStepsState:
     """The multisteps path's optimizer state: ``optax.MultiSteps``' layout, as
     ``optax.MultiSteps(chain(sync, optimizer), use_grad_mean=False)`` builds it
     (so ``optax.MultiSteps.has_updated`` reads it): the mini-step and update
     counters, ``(SyncState, optimizer's state)`` and the gradient sums in ``dtype``
-    (one copy here; the step keeps one per device)."""
+    (one copy here; the step keeps one per device), shaped like ``sums_like``
+    (default ``params``; ZeRO stage 2: a device's shard)."""
+    sums_like = params if sums_like is None else sums_like
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), extra_like)
     sync = SyncState(jnp.zeros([], dtype), jnp.zeros([], dtype), jnp.ones([], bool), zeros)
     return optax.MultiStepsState(
         mini_step=jnp.zeros([], jnp.int32),
         gradient_step=jnp.zeros([], jnp.int32),
         inner_opt_state=(sync, optimizer.init(params)),
-        acc_grads=jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params),
+        acc_grads=jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), sums_like),
         skip_state=(),
     )
 

@@ -19,13 +19,14 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ._accumulate import AccumState, Forward, Update, fused_update, multisteps_update
+from ._accumulate import AccumState, Forward, StepEnd, Update, fused_update, multisteps_update
 from ._forward import loss_parts, micro_forward
 from ._frozen import combine, split_trainable, trainable_mask
 from ._model_state import configure, split_state
 from ._options import StepOptions
 from ._sync import mark_varying
 from ._train_state import TrainState, advance
+from ._zero_step import ShardedEnd
 
 
 def global_step(
@@ -128,16 +129,16 @@ def _update(
     batch: Any,
     micro_weights: jax.Array,
 ) -> tuple[Update, AccumState | None]:
+    end = _end(options, parts)
     common = dict(
         forward=forward,
         optimizer=options.inner_optimizer(),
         params=parts.trainable,
         opt_state=state.opt_state,
         batch_stats=parts.batch_stats,
-        axis_name=options.axis_name,
-        dtype=parts.dtype,
+        end=end,
         to_varying=_to_varying(options),
-        skip_nonfinite=options.skip_nonfinite,
+        micro_sync=end.micro_sync if options.zero_stage == 2 else None,
     )
     if options.path == "fused":
         k = options.accum_steps
@@ -150,6 +151,17 @@ def _update(
         micro_weight=micro_weights,
         accum_steps=options.accum_steps,
     )
+
+
+def _end(options: StepOptions, parts: _Parts) -> StepEnd | ShardedEnd:
+    """The step's end: one all-reduce (stage 0), or reduce-scatter, the optimizer on
+    this device's shard and all-gather (ZeRO stages 1 and 2)."""
+    common = (options.axis_name, parts.dtype, options.skip_nonfinite)
+    if options.zero_stage:
+        layout = options.layout(parts.trainable)
+        rest = (options.zero_stage, options.comm, options.num_devices)
+        return ShardedEnd(*common, layout, *rest)
+    return StepEnd(*common, options.comm, options.num_devices)
 
 
 def _to_varying(options: StepOptions) -> Callable[[Any], Any]:

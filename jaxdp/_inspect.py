@@ -1,4 +1,5 @@
-"""Inspection of compiled steps: which all-reduces run, how often, how big.
+"""Inspection of compiled steps: which collectives (all-reduce, reduce-scatter,
+all-gather) run, how often, how big.
 
 Reads the optimized HLO text of a compiled executable. An all-reduce at the
 top level runs once per call, one inside a ``while`` body runs once per
@@ -9,6 +10,7 @@ a ``conditional`` branch runs at most once, only when that branch is taken.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +32,9 @@ _BYTES = {
     "c64": 8,
     "c128": 16,
 }
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*->.*\{\s*$")
+# Optimized HLO names computations with a %; the unoptimized text of
+# ``lowered.compiler_ir("hlo").as_hlo_text()`` (before XLA's passes) does not.
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*->.*)?\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _CALLEE = re.compile(
@@ -38,6 +42,17 @@ _CALLEE = re.compile(
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_GROUPS = re.compile(r"replica_groups=(\{\{([\d,]*)\}|\[\d+,(\d+)\]<=)")
+# jax 0.12 prints a mesh and the axes a collective spans: mesh['data'=4] {'data'}.
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
+_KINDS = {
+    "all-reduce": "all-reduce",
+    "all-reduce-start": "all-reduce",
+    "reduce-scatter": "reduce-scatter",
+    "all-gather": "all-gather",
+    "all-gather-start": "all-gather",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,13 +187,89 @@ def all_reduces(compiled_or_hlo: Any) -> list[AllReduce]:
     ]
 
 
-def format_report(reduces: list[AllReduce]) -> str:
-    """A readable table of :func:`all_reduces`."""
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program (:func:`collectives`).
+
+    ``kind`` is ``"all-reduce"``, ``"reduce-scatter"`` or ``"all-gather"``.
+    ``bytes`` is the whole buffer of one execution, the same measure for every
+    kind: what an all-reduce sums, what a reduce-scatter sums before each device
+    keeps its ``1/devices`` share, what an all-gather returns to every device.
+    ``devices`` is the size of its replica group; ``ring_bytes`` what each device
+    sends under a ring algorithm (an all-reduce ``2 (n-1)/n`` of ``bytes``, the
+    other two ``(n-1)/n``). ``context`` and ``executions`` as for :class:`AllReduce`.
+    """
+
+    kind: str
+    name: str
+    bytes: int
+    devices: int
+    shapes: tuple[str, ...]
+    context: tuple[str, ...]
+    executions: tuple[int, int]
+
+    @property
+    def in_loop(self) -> bool:
+        return any(c.startswith("while") for c in self.context)
+
+    @property
+    def in_conditional(self) -> bool:
+        return any(c.startswith("conditional") for c in self.context)
+
+    @property
+    def ring_bytes(self) -> float:
+        n = self.devices
+        share = (n - 1) / n if n else 0.0
+        return (2 if self.kind == "all-reduce" else 1) * share * self.bytes
+
+
+def _group_size(rest: str) -> int:
+    mesh = _MESH_GROUPS.search(rest)
+    if mesh:
+        sizes = dict(_MESH_AXIS.findall(mesh.group(1)))
+        spanned = re.findall(r"'([^']+)'", mesh.group(2))
+        return math.prod(int(sizes[a]) for a in spanned if a in sizes)
+    found = _GROUPS.search(rest)
+    if not found:
+        return 1
+    if found.group(3):
+        return int(found.group(3))
+    return len([d for d in found.group(2).split(",") if d])
+
+
+def collectives(compiled_or_hlo: Any) -> list[Collective]:
+    """Every all-reduce, reduce-scatter and all-gather of a compiled program, with
+    the bytes of its whole buffer and its executions per call.
+
+    Accepts what :func:`all_reduces` accepts. For a jaxdp step at ZeRO stage 1:
+    one reduce-scatter and one all-gather of the gradients' and parameters'
+    bytes (their ring bytes add up to one all-reduce's), and a scalar all-reduce
+    of the norm and the loss and weight sums.
+    """
+    hlo = compiled_or_hlo if isinstance(compiled_or_hlo, str) else compiled_or_hlo.as_text()
+    entry, computations = _parse(hlo)
+    rests = {name: rest for insts in computations.values() for name, _, _, rest in insts}
+    found = []
+    for i in _walk(computations, entry, (), 1, 1):
+        kind = _KINDS.get(i.opcode)
+        if kind is None:
+            continue
+        devices = _group_size(rests.get(i.name, ""))
+        size = i.bytes * devices if kind == "reduce-scatter" else i.bytes
+        found.append(Collective(kind, i.name, size, devices, i.shapes, i.context, i.executions))
+    return found
+
+
+def format_report(reduces: list[AllReduce] | list[Collective]) -> str:
+    """A readable table of :func:`all_reduces` or :func:`collectives`."""
     lines = [f"{'all-reduce':<28} {'bytes':>12} {'runs/call':>10}  where"]
+    if any(isinstance(r, Collective) for r in reduces):
+        lines = [f"{'collective':<28} {'kind':<15} {'bytes':>12} {'runs/call':>10}  where"]
     for r in reduces:
         lo, hi = r.executions
         runs = str(hi) if lo == hi else f"{lo}..{hi}"
+        kind = f" {r.kind:<15}" if isinstance(r, Collective) else ""
         lines.append(
-            f"{r.name:<28} {r.bytes:>12,} {runs:>10}  {' > '.join(r.context) or 'top level'}"
+            f"{r.name:<28}{kind} {r.bytes:>12,} {runs:>10}  {' > '.join(r.context) or 'top level'}"
         )
     return "\n".join(lines)

@@ -20,10 +20,11 @@ from ._guards import ResizeWatch, check_micro_weights, check_params, check_state
 from ._layout import BatchSizes, call_sizes
 from ._mesh import place
 from ._model_state import BatchStats, check_batch_stats, split_state
-from ._options import AccumulationPath, StepOptions, Strategy
+from ._options import AccumulationPath, StepOptions, Strategy, ZeroStage
 from ._skip_watch import SkipWatch
 from ._sync import check_replicas
 from ._train_state import TrainState, check_live
+from ._zero_optim import check_shardable
 
 
 class TrainStep:
@@ -117,21 +118,25 @@ class TrainStep:
         def init_opt(params):
             return o.init_opt_state(split_trainable(params, mask), dtype, stats)
 
-        if o.path == "fused":
-            opt_state = jax.jit(init_opt, out_shardings=replicated)(params)
-            return TrainState(step, params, opt_state, None, graphdef, model_state, *counters)
+        if o.zero_stage:
+            trainable = split_trainable(params, mask)
+            check_shardable(o.optimizer, trainable, o.num_devices, o.axis_name, o.zero_stage)
         per_device = NamedSharding(o.mesh, P(o.axis_name))
 
         def stack(tree):
             return jax.tree.map(lambda x: jnp.zeros((o.num_devices, *x.shape), x.dtype), tree)
 
-        def init_multisteps(params):
+        def init_state(params):
             state = init_opt(params)
+            if o.path == "fused":
+                return state
             return state._replace(acc_grads=stack(state.acc_grads))
 
-        specs = o.opt_specs(jax.eval_shape(init_multisteps, params))
+        specs = o.opt_specs(jax.eval_shape(init_state, params), split_trainable(params, mask))
         shardings = jax.tree.map(lambda s: NamedSharding(o.mesh, s), specs)
-        opt_state = jax.jit(init_multisteps, out_shardings=shardings)(params)
+        opt_state = jax.jit(init_state, out_shardings=shardings)(params)
+        if o.path == "fused":
+            return TrainState(step, params, opt_state, None, graphdef, model_state, *counters)
         accum = AccumState(
             *(jax.device_put(jnp.zeros([o.num_devices], dtype), per_device) for _ in range(2)),
             jax.jit(stack, out_shardings=per_device)(stats),
@@ -259,6 +264,8 @@ def make_train_step(
     skip_unused: bool = False,
     skip_nonfinite: bool = True,
     max_consecutive_skips: int | None = 10,
+    zero_stage: ZeroStage = 0,
+    comm_dtype: Any = None,
 ) -> TrainStep:
     """Builds a data-parallel step with gradient accumulation.
 
@@ -317,6 +324,20 @@ def make_train_step(
         Watched on the host by ``step.watch`` (:class:`SkipWatch`), two calls
         behind, so the host is not synced every call; :meth:`TrainStep.check`
         tests a state at once.
+      zero_stage: 0 keeps the optimizer state on every device. 1 (ZeRO-1,
+        torch's ``ZeroRedundancyOptimizer``) splits it over the mesh: after the
+        last micro-batch ONE reduce-scatter gives each device the global
+        gradient sum of its shard of every parameter, it updates that shard
+        with its shard of the state, and ONE all-gather returns the whole
+        parameters. 2 (ZeRO-2) also shards the gradient accumulator: every
+        micro-batch is reduce-scattered (``accum_steps`` reduce-scatters per
+        update). Elementwise optimizers update exactly as at stage 0; global-norm
+        clipping, the ``grad_norm`` metric and the non-finite check see the
+        global norm (a scalar psum); a transform that cannot run on shards is
+        refused by name at ``init``. ``shard_map`` strategy only.
+      comm_dtype: ``"bfloat16"`` sends the gradient sums in bfloat16 (torch's
+        ``bf16_compress_hook``: divided by ``num_devices``, cast, reduced, cast
+        back): half the bytes of float32; accumulation stays in ``accum_dtype``.
 
     Gradients travel in one all-reduce per optimizer step, issued after the
     last micro-batch (``no_sync`` on the others), together with the loss and
@@ -346,5 +367,7 @@ def make_train_step(
             skip_unused,
             skip_nonfinite,
             max_consecutive_skips,
+            zero_stage,
+            comm_dtype,
         )
     )

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ._mesh import DATA_AXIS
+from ._zero import compress, decompress
 
 
 def mark_varying(tree: Any, axis_name: str = DATA_AXIS) -> Any:
@@ -27,7 +28,13 @@ def mark_varying(tree: Any, axis_name: str = DATA_AXIS) -> Any:
 
 
 def all_reduce_sums(
-    grad_sum: Any, loss_sum: jax.Array, weight: jax.Array, extra: Any, axis_name: str = DATA_AXIS
+    grad_sum: Any,
+    loss_sum: jax.Array,
+    weight: jax.Array,
+    extra: Any,
+    axis_name: str = DATA_AXIS,
+    comm_dtype: Any = None,
+    num_devices: int = 1,
 ) -> tuple[Any, jax.Array, jax.Array, Any]:
     """The step's one psum: gradient sums, loss sum, weight and ``extra`` together.
 
@@ -36,8 +43,18 @@ def all_reduce_sums(
     division into its pass over the gradients. jaxdp passes device 0's batch
     statistics as ``extra`` (zeros elsewhere), so committing them costs their
     bytes in the one all-reduce, not a collective of their own.
+
+    ``comm_dtype`` (bfloat16) sends the gradients narrow, as torch's
+    ``bf16_compress_hook``: divided by ``num_devices``, cast, summed, cast back
+    and multiplied back; the loss, weight and ``extra`` keep their dtypes.
     """
+    dtypes = [g.dtype for g in jax.tree.leaves(grad_sum)]
+    grad_sum = jax.tree.map(lambda g: compress(g, comm_dtype, num_devices), grad_sum)
     grad_sum, loss_sum, weight, extra = jax.lax.psum((grad_sum, loss_sum, weight, extra), axis_name)
+    leaves, treedef = jax.tree.flatten(grad_sum)
+    grad_sum = treedef.unflatten(
+        [decompress(g, d, comm_dtype, num_devices) for g, d in zip(leaves, dtypes, strict=True)]
+    )
     return grad_sum, loss_sum / weight.astype(loss_sum.dtype), weight, extra
 
 

@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import json
+import math
 import os
 import re
 import shutil
@@ -164,6 +165,11 @@ TRAIN = ["train", "--cpu-devices", "8"]
                 "requires; a negative one ascends the loss)",
             )
             for lr in ("nan", "inf", "-inf", "-0.1")
+        ),
+        (
+            ["--zero-stage", "1", "--strategy", "pmap"],
+            "zero_stage=1 needs strategy='shard_map' (the legacy pmap strategy keeps the "
+            "optimizer state replicated); use strategy='shard_map' or zero_stage=0",
         ),
         (
             ["--num-devices", "99"],
@@ -401,6 +407,19 @@ def test_without_the_cli_extra_one_line_names_what_is_missing(argv, blocked, mis
         "pip install 'jaxdp[cli]'\n"
     )
     assert done.stdout == ""
+
+
+def test_zero_stage_2_with_bf16_communication_trains(tmp_path, capsys):
+    summary = tmp_path / "summary.json"
+    flags = [*TRAIN, "--num-devices", "4", "--zero-stage", "2", "--comm-dtype", "bfloat16"]
+    assert main([*flags, "--steps", "3", "--summary-out", str(summary)]) == 0
+    result = json.loads(summary.read_text())
+    assert result["steps"] == 3 and math.isfinite(result["final_loss"])
+    out = capsys.readouterr().out
+    assert (
+        "zero_stage=2: optimizer state and gradient accumulator split over 4 device(s); "
+        "gradients sent in bfloat16"
+    ) in out
 
 
 def test_plan_needs_no_cli_extra():

@@ -73,6 +73,11 @@ assert abs(float(metrics["loss"]) - expected) < 1e-5, (float(metrics["loss"]), e
 reduces = jaxdp.all_reduces(step.compile(state, (x, y, mask)))
 assert [(r.bytes, r.executions) for r in reduces] == [(24, (1, 1))], reduces
 """,
+        4: """
+found = {c.kind: c for c in jaxdp.collectives(zero.compile(zero_state, batch))}
+assert found["reduce-scatter"].bytes == found["all-gather"].bytes == 112, found
+assert found["all-reduce"].bytes <= 12 and zero_state.opt_state[0].mu["w"].shape == (24,)
+""",
     },
     "model-state.md": {
         0: "assert int(step.model(state).layers[1].num_batches_tracked[...]) == 2",

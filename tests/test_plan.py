@@ -343,3 +343,54 @@ def test_bf16_policy_table_matches_the_compiled_arguments():
     inputs = 4 * xla.input_bytes_per_sample(spec)
     assert plan.weights + plan.optimizer_state == 6 * params
     assert actual.arguments - (plan.weights + plan.optimizer_state + inputs) == 3 * 4 + 4 + 4
+
+
+def test_zero_stages_split_the_7b_state_and_find_the_fewest_devices(capsys):
+    """The README's 7B (16 bytes/parameter + jaxdp's 4-byte accumulator) on 80 GB devices:
+    no device count at stage 0; stage 1 from 8 devices; stage 2 from 3, and on 8 with room."""
+    plans = {
+        stage: jaxdp.plan.plan_memory(
+            params=7e9, device_memory="80GB", num_devices=8, zero_stage=stage
+        )
+        for stage in (0, 1, 2)
+    }
+    assert [plans[s].fixed / GB for s in (0, 1, 2)] == [140, 66.5, 42]
+    assert [plans[s].fits_state for s in (0, 1, 2)] == [False, True, True]
+    assert main(["plan", "--params", "7e9", "--device-memory", "80GB"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--zero-stage 1: state and accumulator fit on 8 device(s) or more" in out
+    assert "--zero-stage 2: state and accumulator fit on 3 device(s) or more" in out
+    flags = ["--zero-stage", "2", "--num-devices", "8", "--global-batch-size", "256"]
+    assert main(["plan", "--params", "7e9", "--device-memory", "80GB", *flags]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "gradient accumulator (fp32, 1/8) 3.50 GB" in out and "The state fits" in out
+
+
+@pytest.mark.parametrize("num_devices", [2, 8])
+def test_stage_1_sends_what_a_ring_all_reduce_does_and_stage_2_one_scatter_per_micro_batch(
+    num_devices,
+):
+    common = dict(params=1e9, policy="fp32", num_devices=num_devices)
+    zero = jaxdp.plan.plan_memory(**common)
+    one = jaxdp.plan.plan_memory(**common, zero_stage=1)
+    assert one.ring_bytes == pytest.approx(zero.ring_bytes)  # fp32 weights: same bytes
+    two = jaxdp.plan.plan_memory(
+        **common,
+        zero_stage=2,
+        device_memory="80GB",
+        global_batch_size=64 * num_devices,
+        activation_bytes_per_sample=1e9,
+        comm_dtype="bfloat16",
+    )
+    assert two.accum_steps == 2 and two.allreduce_bytes == 2e9  # 32 rows fit, bf16 sums
+    share = (num_devices - 1) / num_devices
+    assert two.ring_bytes == pytest.approx(share * (2 * 2e9 + 4e9))
+    with pytest.raises(ValueError, match="zero_stage=3 must be 0, 1 or 2"):
+        jaxdp.plan.plan_memory(**common, zero_stage=3)
+
+
+def test_cli_model_at_a_zero_stage_says_xla_analysis_is_stage_0_only(capsys):
+    flags = ["--model", "mlp", "--zero-stage", "1", "--num-devices", "4", "--device-memory", "1GB"]
+    assert main(["plan", *flags]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "XLA's analysis: at --zero-stage 0 only" in out and "1 reduce-scatter" in out

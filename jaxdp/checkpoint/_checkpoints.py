@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .._layout import BatchSizes
 from .._position import SamplerPosition
@@ -35,10 +37,13 @@ from ._rules import (
     check_is_directory,
     check_position,
     describe,
+    is_accumulator,
     is_per_device,
+    is_shard,
+    leaf_name,
     named,
 )
-from ._tree import abstract, join, saved_tree, split, state_from_tree, zeros
+from ._tree import abstract, join, relaid, saved_tree, split, state_from_tree, zeros
 from ._write_failure import no_room, quiet_writer_thread_logs
 
 
@@ -155,10 +160,12 @@ class Checkpoints:
             "extra": extra or {},
         }
         meta = sealed(meta)
-        replicated, per_device = split(tree)
+        replicated, per_device, shards = split(tree)
         items = {"replicated": ocp.args.StandardSave(replicated), "meta": ocp.args.JsonSave(meta)}
         if jax.tree.leaves(per_device):
             items["per_device"] = ocp.args.StandardSave(per_device)
+        if jax.tree.leaves(shards):  # every process writes its own shards
+            items["shards"] = ocp.args.StandardSave(shards)
         try:
             self._manager.save(number, args=ocp.args.Composite(**items), force=True)
         except Exception as e:
@@ -212,8 +219,16 @@ class Checkpoints:
             here = {name: describe(x) for name, x in named(saved_tree(like))}
             saved = check_compatible(meta, here, sizes, force=force, path=path, validate=validate)
             same_devices = saved.num_devices == sizes.num_devices
+            # Accumulators are read where they fit; at a step boundary they are zero.
+            fits = all(
+                meta["leaves"][n]["shape"] == d["shape"]
+                for n, d in here.items()
+                if is_accumulator(n)
+            )
             try:
-                state = self._read(number, meta, like, per_device=same_devices)
+                state = self._read(
+                    number, meta, like, per_device=same_devices and fits, same_devices=same_devices
+                )
             except Exception as e:
                 failures.append((number, e))
                 quiet_failed_read_noise()
@@ -295,24 +310,37 @@ class Checkpoints:
         return check_sealed(meta["meta"])
 
     def _read(
-        self, number: int, meta: dict[str, Any], like: TrainState, *, per_device: bool
+        self,
+        number: int,
+        meta: dict[str, Any],
+        like: TrainState,
+        *,
+        per_device: bool,
+        same_devices: bool = True,
     ) -> TrainState:
-        """Reads arrays into ``like``'s shardings and checks them against the SHA-256s."""
-        replicated, devices = split(saved_tree(like))
+        """Reads arrays into ``like``'s shardings and checks them against the SHA-256s:
+        the accumulators if ``per_device`` (else zeros), the ZeRO shards re-laid out
+        unless ``same_devices``."""
+        replicated, devices, shards = split(saved_tree(like))
         items = {"replicated": ocp.args.StandardRestore(abstract(replicated))}
         read_devices = per_device and bool(jax.tree.leaves(devices))
         if read_devices:
             items["per_device"] = ocp.args.StandardRestore(abstract(devices))
+        if jax.tree.leaves(shards):
+            items["shards"] = ocp.args.StandardRestore(_as_saved(shards, meta, same_devices))
         out = self._manager.restore(number, args=ocp.args.Composite(**items))
         # Not read: at an optimizer-step boundary the accumulators are zero.
         devices = out["per_device"] if read_devices else jax.tree.map(zeros, devices)
-        tree = join(out["replicated"], devices)
+        read_shards = out["shards"] if jax.tree.leaves(shards) else shards
+        tree = join(out["replicated"], devices, read_shards)
         for name, x in named(tree):
             expected = meta["leaves"][name]["sha256"]
-            if (read_devices or not is_per_device(x)) and expected is not None:
+            if (read_devices or not is_per_device(x) or is_shard(name)) and expected is not None:
                 actual = array_sha256(x)
                 if actual is not None and actual != expected:
                     raise CheckpointError(f"{name} does not match its SHA-256")
+        if not same_devices:  # saved on another device count: re-shard for this mesh
+            tree = join(out["replicated"], devices, jax.tree.map(relaid, read_shards, shards))
         return state_from_tree(tree, like)
 
     def _set_aside(self, failures: list[tuple[int, Exception]], used: pathlib.Path) -> None:
@@ -344,6 +372,21 @@ class Checkpoints:
             if number < newest_verified:
                 self._manager.delete(number)
                 self._verified.discard(number)
+
+
+def _as_saved(shards: Any, meta: dict[str, Any], same_devices: bool) -> Any:
+    """What to read the ZeRO shards into: this run's layout on the same device count;
+    else the saved shapes, replicated on this mesh, to be re-laid out (:func:`relaid`)."""
+    if same_devices:
+        return abstract(shards)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(
+            tuple(meta["leaves"][leaf_name(path)]["shape"]),
+            x.dtype,
+            sharding=NamedSharding(x.sharding.mesh, P()),
+        ),
+        shards,
+    )
 
 
 def _short(error: Exception) -> str:

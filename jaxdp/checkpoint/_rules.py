@@ -58,7 +58,15 @@ def check_compatible(
         )
     if validate is not None:
         validate(meta["extra"])
-    mismatches = _mismatches(saved_leaves, here, lambda name: not name.startswith("params/"))
+    _check_zero(saved_leaves, here, path)
+    # At a step boundary the accumulators are zero and rebuilt for this run's layout.
+    boundary = meta["position"]["micro_batch"] == 0
+    mismatches = _mismatches(
+        saved_leaves,
+        here,
+        lambda name: not name.startswith("params/"),
+        loose=lambda name: boundary and is_accumulator(name),
+    )
     if mismatches:
         raise CheckpointError(
             f"checkpoint {path} holds a differently laid out training state (another "
@@ -86,10 +94,31 @@ def check_compatible(
     return saved
 
 
+def _check_zero(saved: dict[str, Any], here: dict[str, Any], path: pathlib.Path) -> None:
+    """The optimizer state split over the mesh (ZeRO stage 1 or 2) or replicated (stage 0)
+    on both sides: between the two the leaves' shapes differ, and jaxdp does not convert."""
+
+    def split(leaves: dict[str, Any]) -> bool:
+        return any(is_shard(n) and d["per_device"] for n, d in leaves.items())
+
+    if split(saved) != split(here):
+        kinds = ("replicated (zero_stage=0)", "split over the devices (zero_stage 1 or 2)")
+        raise CheckpointError(
+            f"checkpoint {path} holds the optimizer state {kinds[split(saved)]}; this run "
+            f"keeps it {kinds[split(here)]}. Resume with the checkpoint's zero stage: jaxdp "
+            "re-shards a split state onto another device count, but does not convert between "
+            "replicated and split ones"
+        )
+
+
 def _mismatches(
-    saved: dict[str, Any], here: dict[str, Any], selected: Callable[[str], bool]
+    saved: dict[str, Any],
+    here: dict[str, Any],
+    selected: Callable[[str], bool],
+    loose: Callable[[str], bool] = lambda name: False,
 ) -> list[str]:
-    """Human-readable differences between two ``name -> description`` maps."""
+    """Human-readable differences between two ``name -> description`` maps; ``loose``
+    names are compared by dtype and placement only."""
     out = []
     for name in sorted(n for n in {*saved, *here} if selected(n)):
         a, b = saved.get(name), here.get(name)
@@ -97,6 +126,8 @@ def _mismatches(
             out.append(f"{name} missing in the checkpoint")
         elif b is None:
             out.append(f"{name} missing in this run")
+        elif loose(name) and (a["dtype"], a["per_device"]) == (b["dtype"], b["per_device"]):
+            continue
         elif _layout(a) != _layout(b):
             out.append(f"{name} {_layout_str(a)} vs {_layout_str(b)}")
     return out
@@ -134,15 +165,26 @@ def is_per_device(x: Any) -> bool:
     return isinstance(sharding, NamedSharding) and any(a is not None for a in sharding.spec)
 
 
+def leaf_name(path: Any) -> str:
+    """``"params/hidden/kernel"``; NNX's ``.value`` is left out of names."""
+    keys = [k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")]
+    return jax.tree_util.keystr(tuple(keys), simple=True, separator="/")
+
+
 def named(tree: Any) -> list[tuple[str, Any]]:
-    """``("params/hidden/kernel", leaf)`` pairs; NNX's ``.value`` is left out of names."""
-    out = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        keys = [
-            k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")
-        ]
-        out.append((jax.tree_util.keystr(tuple(keys), simple=True, separator="/"), leaf))
-    return out
+    """``("params/hidden/kernel", leaf)`` pairs (:func:`leaf_name`)."""
+    return [(leaf_name(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def is_accumulator(name: str) -> bool:
+    """The open window's per-device sums (multisteps): zero at an optimizer-step boundary."""
+    return name.startswith(("accum/", "opt_state/acc_grads/"))
+
+
+def is_shard(name: str) -> bool:
+    """A per-device leaf of the optimizer state other than the gradient sums: the optimizer
+    state split over the mesh at a ZeRO stage (flat, padded, one chunk per device)."""
+    return name.startswith("opt_state/") and not name.startswith("opt_state/acc_grads/")
 
 
 def describe(x: Any) -> dict[str, Any]:

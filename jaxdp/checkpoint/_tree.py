@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .._train_state import TrainState
-from ._rules import is_per_device
+from ._rules import is_per_device, is_shard, leaf_name
 
 
 def saved_tree(state: TrainState) -> dict[str, Any]:
@@ -52,17 +52,39 @@ def state_from_tree(tree: dict[str, Any], like: TrainState) -> TrainState:
     )
 
 
-def split(tree: Any) -> tuple[Any, Any]:
-    """``(replicated, per_device)``: ``tree`` twice, the other kind of leaf set to None."""
-    replicated = jax.tree.map(lambda x: None if is_per_device(x) else x, tree)
-    per_device = jax.tree.map(lambda x: x if is_per_device(x) else None, tree)
-    return replicated, per_device
+def split(tree: Any) -> tuple[Any, Any, Any]:
+    """``(replicated, per_device, shards)``: ``tree`` three times, the other kinds of leaf
+    set to None. ``per_device``: the accumulators (one row per device, zero at a step
+    boundary); ``shards``: the optimizer state split over the mesh at a ZeRO stage."""
+
+    def kind(path: Any, x: Any) -> str:
+        if not is_per_device(x):
+            return "replicated"
+        return "shards" if is_shard(leaf_name(path)) else "per_device"
+
+    def keep(which: str) -> Any:
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: x if kind(path, x) == which else None, tree
+        )
+
+    return keep("replicated"), keep("per_device"), keep("shards")
 
 
-def join(replicated: Any, per_device: Any) -> Any:
-    return jax.tree.map(
-        lambda a, b: b if a is None else a, replicated, per_device, is_leaf=lambda x: x is None
-    )
+def join(*trees: Any) -> Any:
+    """The leaves of ``trees`` (as :func:`split` made them) in one tree."""
+
+    def first(*leaves: Any) -> Any:
+        return next((x for x in leaves if x is not None), None)
+
+    return jax.tree.map(first, *trees, is_leaf=lambda x: x is None)
+
+
+def relaid(x: jax.Array, like: Any) -> jax.Array:
+    """A ZeRO shard leaf saved on another device count, laid out as ``like``: the leaf's
+    elements lead its flat array and zeros pad it, so cutting or padding zeros keeps them."""
+    flat = x.reshape(-1)[: like.size]
+    flat = jnp.pad(flat, (0, like.size - flat.size))
+    return jax.device_put(flat.reshape(like.shape), like.sharding)
 
 
 def abstract(tree: Any) -> Any:

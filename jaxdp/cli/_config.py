@@ -28,6 +28,8 @@ class TrainConfig:
     learning_rate: float = 3e-3
     path: AccumulationPath = "fused"  # "fused" or "multisteps"
     strategy: Strategy = "shard_map"  # "shard_map" or "pmap"
+    zero_stage: int = 0  # 1: optimizer state sharded over the devices; 2: and the accumulator
+    comm_dtype: str | None = None  # "bfloat16": gradients sent in bfloat16; None: as accumulated
     precision: Precision = "float32"  # bfloat16: bfloat16 compute, float32 parameters
     hidden: int = 128  # width of the MLP's hidden layers
     seed: int = 0  # model init, held-out split, data order
@@ -63,6 +65,8 @@ class TrainConfig:
             ("model", ("mlp", "cnn")),
             ("optimizer", ("adamw", "sgd")),
             ("precision", ("float32", "float64", "bfloat16")),
+            ("zero_stage", (0, 1, 2)),
+            ("comm_dtype", (None, "bfloat16")),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
@@ -103,6 +107,7 @@ RESUME_FIXED = {
     "optimizer": "the optimizer state would not fit",
     "learning_rate": "the optimizer state holds the learning rate",
     "path": "the accumulation path decides the optimizer state's layout",
+    "zero_stage": "the stage decides how the optimizer state is split over the devices",
     "seed": "the seed fixes the held-out split and every epoch's data order",
 }
 

@@ -124,6 +124,20 @@ def _batch_options(option: Callable[..., Any], d: TrainConfig) -> None:
         help=f"how the step is mapped over the devices (default: {d.strategy})",
     )
     option(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2],
+        help="1: the optimizer state split over the devices (ZeRO-1: one reduce-scatter and "
+        "one all-gather per step); 2: the gradient accumulator too (a reduce-scatter per "
+        f"micro-batch); shard_map only (default: {d.zero_stage})",
+    )
+    option(
+        "--comm-dtype",
+        choices=["bfloat16"],
+        help="send the gradient sums in bfloat16 (torch's bf16_compress_hook); accumulation "
+        "stays in float32 (default: the accumulator's dtype)",
+    )
+    option(
         "--epochs",
         metavar="N",
         type=int,

@@ -113,6 +113,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="what each device sends per second: 450GB/s, 400Gbit (default: none; no "
         "all-reduce time is predicted)",
     )
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2],
+        default=0,
+        help="1: master weights and optimizer state split over the devices (ZeRO-1); 2: the "
+        "gradient accumulator too (default: 0, all replicated)",
+    )
+    p.add_argument(
+        "--comm-dtype",
+        choices=["bfloat16"],
+        default=None,
+        help="gradient sums sent in bfloat16 (default: fp32)",
+    )
     p.add_argument("--no-xla", action="store_true", help="with --model: skip XLA's analysis")
     p.set_defaults(run=run)
 
@@ -164,6 +178,8 @@ def plan_report(args: argparse.Namespace) -> str:
         link_bandwidth=args.link_bandwidth,
         activation_bytes_per_sample=args.activation_bytes_per_sample,
         input_bytes_per_sample=args.input_bytes_per_sample,
+        zero_stage=args.zero_stage,
+        comm_dtype=args.comm_dtype,
     )
     if args.params is not None:
         if args.model_arg:
@@ -180,6 +196,13 @@ def plan_report(args: argparse.Namespace) -> str:
     shown = dict(model=spec.describe(), batch_note=batch_note)
     if args.no_xla:
         return _report(plan, note="XLA's analysis: skipped (--no-xla).", **shown)
+    if plan.zero_stage:
+        note = (
+            "XLA's analysis: at --zero-stage 0 only (a stage's per-device figures shrink with "
+            "the device count, and the plan compiles on at most 8 devices); the estimate above "
+            "counts the split."
+        )
+        return _report(plan, note=note, **shown)
     if plan.device_memory is None:
         note = "XLA's analysis: needs --device-memory (it compiles the split that fits)."
         return _report(plan, note=note, **shown)

@@ -123,6 +123,8 @@ def make_step(config: TrainConfig) -> tuple[TrainStep, BatchSizes]:
         path=config.path,
         strategy=config.strategy,
         skip_nonfinite=config.skip_nonfinite,
+        zero_stage=config.zero_stage,
+        comm_dtype=config.comm_dtype,
     )
     return step, sizes
 
@@ -177,6 +179,12 @@ def prepare(
         f"{len(data.x_test)} held-out images"
     )
     say(f"batch: {sizes.describe()}")
+    if config.zero_stage or config.comm_dtype:
+        split = ("optimizer state", "optimizer state and gradient accumulator")
+        zero = f"zero_stage={config.zero_stage}"
+        if config.zero_stage:
+            zero += f": {split[config.zero_stage - 1]} split over {sizes.num_devices} device(s)"
+        say(zero + (f"; gradients sent in {config.comm_dtype}" if config.comm_dtype else ""))
     if share.process_count > 1:
         say(
             f"processes: {share.process_count}, each feeding {share.sizes.global_batch_size} "

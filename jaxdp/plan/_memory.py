@@ -146,8 +146,10 @@ class MemoryPlan:
     global_batch_size: int | None
     micro_batch_size: int | None  # chosen; None when nothing fits or unknown
     accum_steps: int | None
-    allreduce_bytes: float  # payload of the one all-reduce per optimizer step
+    allreduce_bytes: float  # payload of the gradient sums' collective per optimizer step
     link_bandwidth: float | None  # bytes/s each device sends at
+    zero_stage: int = 0  # 1: master weights and moments split over the devices; 2: accumulator too
+    gather_bytes: float = 0.0  # ZeRO: payload of the all-gather of the updated weights
 
     @property
     def state(self) -> float:
@@ -186,7 +188,14 @@ class MemoryPlan:
 
     @property
     def ring_bytes(self) -> float:
-        return ring_all_reduce_bytes(self.allreduce_bytes, self.num_devices)
+        """What each device sends per optimizer step under ring algorithms: one all-reduce
+        (stage 0); a reduce-scatter and an all-gather (stage 1); ``accum_steps``
+        reduce-scatters and an all-gather (stage 2)."""
+        if not self.zero_stage:
+            return ring_all_reduce_bytes(self.allreduce_bytes, self.num_devices)
+        scatters = (self.accum_steps or 1) if self.zero_stage == 2 else 1
+        share = (self.num_devices - 1) / self.num_devices
+        return share * (scatters * self.allreduce_bytes + self.gather_bytes)
 
     @property
     def allreduce_seconds(self) -> float | None:
@@ -207,6 +216,8 @@ def plan_memory(
     input_bytes_per_sample: float = 0.0,
     headroom: float = DEFAULT_HEADROOM,
     link_bandwidth: float | str | None = None,
+    zero_stage: int = 0,
+    comm_dtype: str | None = None,
 ) -> MemoryPlan:
     """Estimates one device's memory for data-parallel training with accumulation.
 
@@ -229,6 +240,11 @@ def plan_memory(
         fragmentation, the runtime's own buffers).
       link_bandwidth: bytes/s each device sends at (or a size such as
         ``"450GB/s"``), for the predicted all-reduce time.
+      zero_stage: 1 splits the master weights and the optimizer moments over
+        the devices (``/ num_devices``), 2 the float32 gradient accumulator too
+        (:func:`jaxdp.make_train_step`'s ``zero_stage``); weights and one
+        micro-batch's gradients stay whole.
+      comm_dtype: ``"bfloat16"``: the gradient sums travel in 2 bytes/parameter.
 
     Raises:
       ValueError: naming the argument, its value and the rule it breaks.
@@ -244,6 +260,10 @@ def plan_memory(
         raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1)")
+    if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
+        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1 or 2")
+    if comm_dtype not in (None, "bfloat16"):
+        raise ValueError(f"comm_dtype={comm_dtype!r} must be None or 'bfloat16'")
     for name, value in (
         ("activation_bytes_per_sample", activation_bytes_per_sample),
         ("input_bytes_per_sample", input_bytes_per_sample),
@@ -261,6 +281,10 @@ def plan_memory(
             "micro_batch_size must be a positive multiple of num_devices"
         )
     p = DTYPE_POLICIES[policy]
+
+    def split(value: float, from_stage: int) -> float:
+        return value / num_devices if zero_stage >= from_stage else value
+
     plan = MemoryPlan(
         params=params,
         policy=policy,
@@ -270,19 +294,48 @@ def plan_memory(
         headroom=headroom,
         weights=params * p.weights,
         gradients=params * p.gradients,
-        master=params * p.master,
-        optimizer_state=params * p.moment * OPTIMIZER_MOMENTS[optimizer],
-        accumulator=params * ACCUM_BYTES,
+        master=split(params * p.master, 1),
+        optimizer_state=split(params * p.moment * OPTIMIZER_MOMENTS[optimizer], 1),
+        accumulator=split(params * ACCUM_BYTES, 2),
         activation_bytes_per_sample=activation_bytes_per_sample,
         input_bytes_per_sample=input_bytes_per_sample,
         max_micro_batch_size=None,
         global_batch_size=global_batch_size,
         micro_batch_size=None,
         accum_steps=None,
-        allreduce_bytes=params * ACCUM_BYTES,
+        allreduce_bytes=params * (2 if comm_dtype else ACCUM_BYTES),
         link_bandwidth=link_bandwidth,
+        zero_stage=zero_stage,
+        gather_bytes=params * p.weights if zero_stage else 0.0,
     )
     return _size_batches(plan)
+
+
+def fixed_bytes(
+    params: int, policy: str, optimizer: str, num_devices: int, zero_stage: int
+) -> float:
+    """Training state and accumulator per device, at a stage on ``num_devices``."""
+    p = DTYPE_POLICIES[policy]
+    split = [p.master + p.moment * OPTIMIZER_MOMENTS[optimizer], ACCUM_BYTES]
+    whole = p.weights + p.gradients
+    for stage, part in enumerate(split, start=1):
+        whole += part / num_devices if zero_stage >= stage else part
+    return params * whole
+
+
+def smallest_fit(plan: MemoryPlan, *, max_devices: int = 4096) -> dict[int, int | None]:
+    """Per ZeRO stage, the fewest devices on which state and accumulator fit the usable
+    memory (before the batch); None where no count does (stage 0: the same on any)."""
+    assert plan.usable is not None
+    found: dict[int, int | None] = {}
+    for stage in (0, 1, 2):
+        n = 1
+        while n <= max_devices:
+            if fixed_bytes(plan.params, plan.policy, plan.optimizer, n, stage) <= plan.usable:
+                break
+            n = n + 1 if stage else max_devices + 1
+        found[stage] = n if n <= max_devices else None
+    return found
 
 
 def _check_choice(name: str, value: str, choices: dict) -> None:

@@ -6,7 +6,7 @@ import dataclasses
 import textwrap
 from typing import Any
 
-from ._memory import ACCUM_BYTES, DTYPE_POLICIES, OPTIMIZER_MOMENTS, MemoryPlan
+from ._memory import ACCUM_BYTES, DTYPE_POLICIES, OPTIMIZER_MOMENTS, MemoryPlan, smallest_fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +79,18 @@ def _header(plan: MemoryPlan, model: str | None) -> str:
             f"  weights {policy.weights} + gradients {policy.gradients} + master weights "
             f"{policy.master} + optimizer state {moments} x {policy.moment} = {per_param}, "
             f"and jaxdp's fp32 gradient accumulator {ACCUM_BYTES}",
+            *_zero_line(plan),
         ]
     )
+
+
+def _zero_line(plan: MemoryPlan) -> list[str]:
+    if not plan.zero_stage:
+        return []
+    split = "master weights and optimizer state"
+    if plan.zero_stage == 2:
+        split = "master weights, optimizer state and gradient accumulator"
+    return [f"zero_stage={plan.zero_stage}: {split} split over the {plan.num_devices} device(s)"]
 
 
 def _table(plan: MemoryPlan) -> str:
@@ -93,6 +103,12 @@ def _table(plan: MemoryPlan) -> str:
         ("= training state", plan.state),
         ("gradient accumulator (fp32)", plan.accumulator),
     ]
+    if plan.zero_stage:
+        n = plan.num_devices
+        rows[2] = (f"master weights (1/{n})", plan.master)
+        rows[3] = (f"optimizer state ({moments} moment(s), 1/{n})", plan.optimizer_state)
+        if plan.zero_stage == 2:
+            rows[5] = (f"gradient accumulator (fp32, 1/{n})", plan.accumulator)
     rows += _batch_rows(plan) if plan.device_memory is None else _fitted_rows(plan)
     lines = ["per device (estimate):"]
     for name, value in rows:
@@ -157,12 +173,7 @@ def _verdict(plan: MemoryPlan) -> str:
                 f"DOES NOT FIT: training state and accumulator need {format_bytes(fixed)} "
                 f"per device, more than the {format_bytes(usable)} usable."
             )
-        return (
-            f"{first}\nData parallelism keeps a full copy on every device, so more devices "
-            "do not help. It needs the state sharded across devices (ZeRO/FSDP, not part "
-            "of jaxdp), a leaner policy or optimizer (bf16, sgd), or devices of at least "
-            f"{format_bytes(fixed / (1 - plan.headroom))} (before activations)."
-        )
+        return f"{first}\n{_what_fits(plan)}"
     if plan.activation_bytes_per_sample is None:
         return (
             f"The state fits: {format_bytes(fixed)} of {format_bytes(usable)} usable. "
@@ -186,6 +197,27 @@ def _verdict(plan: MemoryPlan) -> str:
         f"batch: {_identity(plan, plan.accum_steps, chosen)}; "
         f"{format_bytes(plan.total)} of {format_bytes(usable)} usable."
     )
+
+
+def _what_fits(plan: MemoryPlan) -> str:
+    """Where state and accumulator fit: the fewest devices per ZeRO stage, or the device
+    size data parallelism without sharding needs."""
+    fewest = smallest_fit(plan)
+    lines = []
+    if plan.zero_stage == 0:
+        lines.append(
+            "Data parallelism keeps a full copy on every device, so more devices do not help "
+            f"at zero_stage=0: it needs devices of at least "
+            f"{format_bytes(plan.fixed / (1 - plan.headroom))} (before activations), a leaner "
+            "policy or optimizer (bf16, sgd), or the state split over the devices:"
+        )
+    else:
+        lines.append(f"Not on {plan.num_devices} device(s) at zero_stage={plan.zero_stage}:")
+    for stage in (1, 2):
+        n = fewest[stage]
+        where = f"on {n} device(s) or more" if n else "on no device count up to 4096"
+        lines.append(f"  --zero-stage {stage}: state and accumulator fit {where}")
+    return "\n".join(lines)
 
 
 def _identity(plan: MemoryPlan, accum_steps: int, micro_batch_size: int) -> str:
@@ -229,18 +261,39 @@ def _xla(plan: MemoryPlan, xla: XlaFigures) -> str:
 
 def _allreduce(plan: MemoryPlan, xla: XlaFigures | None) -> str:
     n = plan.num_devices
-    line = (
-        f"all-reduce per optimizer step: {format_bytes(plan.allreduce_bytes)} "
-        f"(fp32 gradient sums, {ACCUM_BYTES} bytes/parameter)"
-    )
+    wire = "bf16" if plan.allreduce_bytes < plan.params * ACCUM_BYTES else "fp32"
+    per_param = int(plan.allreduce_bytes // plan.params)
+    sums = f"{wire} gradient sums, {per_param} bytes/parameter"
+    if plan.zero_stage:
+        count = "1 reduce-scatter"
+        if plan.zero_stage == 2:
+            k = plan.accum_steps
+            count = (
+                f"{k} reduce-scatter(s), one per micro-batch,"
+                if k
+                else ("one reduce-scatter per micro-batch (accum_steps not sized: counted once)")
+            )
+        line = (
+            f"per optimizer step: {count} of {format_bytes(plan.allreduce_bytes)} ({sums}) "
+            f"and one all-gather of {format_bytes(plan.gather_bytes)} (the weights)"
+        )
+    else:
+        line = f"all-reduce per optimizer step: {format_bytes(plan.allreduce_bytes)} ({sums})"
     if xla is not None and xla.allreduce_bytes is not None:
         line += f"; XLA's compiled step: {format_bytes(xla.allreduce_bytes)}"
     if n == 1:
         return line + "\n1 device: nothing to send."
-    line += (
-        f"\nring all-reduce over {n} devices: each device sends 2(N-1)/N = "
-        f"{2 * (n - 1) / n:.3f} x that = {format_bytes(plan.ring_bytes)} (and receives as much)"
-    )
+    if plan.zero_stage:
+        line += (
+            f"\nring algorithms over {n} devices: each sends (N-1)/N = {(n - 1) / n:.3f} x "
+            f"each payload = {format_bytes(plan.ring_bytes)} per step (and receives as much)"
+        )
+    else:
+        line += (
+            f"\nring all-reduce over {n} devices: each device sends 2(N-1)/N = "
+            f"{2 * (n - 1) / n:.3f} x that = {format_bytes(plan.ring_bytes)} (and receives as "
+            "much)"
+        )
     if plan.allreduce_seconds is not None:
         line += (
             f"\nat {format_bytes(plan.link_bandwidth)}/s per device: "

@@ -1,0 +1,310 @@
+"""ZeRO stages 1 and 2 on the data axis: the same updates as stage 0, the optimizer state
+split over the devices, and the collectives read from the compiled program."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import ATOL, RTOL, assert_trees_close
+from models import big_batch_reference, mlp_apply, mlp_params, mse_loss, regression_data, train
+
+import jaxdp
+
+GLOBAL_BATCH, STEPS, MICRO = 24, 3, 2
+OPTIMIZERS = {
+    "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
+    "sgd_nesterov_wd": lambda: optax.chain(
+        optax.add_decayed_weights(1e-2), optax.sgd(0.05, momentum=0.9, nesterov=True)
+    ),
+    # max_norm below the MLP's gradient norms (about 1), so the clip acts on every step.
+    "adamw_clip": lambda: optax.chain(
+        optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=1e-2)
+    ),
+}
+
+
+def batches():
+    x, y = regression_data(GLOBAL_BATCH * STEPS)
+    return [(x[i::STEPS], y[i::STEPS]) for i in range(STEPS)]
+
+
+def make(stage, num_devices=4, accum_steps=2, path="fused", optimizer="adamw_clip", **kw):
+    return jaxdp.make_train_step(
+        mse_loss,
+        OPTIMIZERS[optimizer](),
+        mesh=jaxdp.data_mesh(num_devices),
+        accum_steps=accum_steps,
+        path=path,
+        zero_stage=stage,
+        **kw,
+    )
+
+
+# The issue's whole grid (acceptance 1, the jaxdp side): every optimizer at (num_devices,
+# accum_steps) in {(2, 1), (2, 3), (4, 2)}, both paths, stages 1 and 2, 10 steps.
+# CI runs the covering subset above; the grid runs with
+#   JAXDP_ZERO_GRID=1 .venv/bin/python -m pytest -p no:xdist tests/core/test_zero.py -k grid
+FULL_GRID = os.environ.get("JAXDP_ZERO_GRID") == "1"
+OPTIMIZERS_GRID = {
+    **OPTIMIZERS,
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+}
+
+
+@pytest.mark.skipif(not FULL_GRID, reason="the whole grid: set JAXDP_ZERO_GRID=1")
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS_GRID))
+@pytest.mark.parametrize(("num_devices", "accum_steps"), [(2, 1), (2, 3), (4, 2)])
+def test_grid_of_10_steps(num_devices, accum_steps, optimizer, path, stage):
+    """float64, rtol 1e-10 (the issue's bound) against one big batch after 10 steps."""
+    x, y = regression_data(GLOBAL_BATCH * 10)
+    data = [(x[i::10], y[i::10]) for i in range(10)]
+    expected = big_batch_reference(mse_loss, OPTIMIZERS_GRID[optimizer](), mlp_params(), data)
+    step = jaxdp.make_train_step(
+        mse_loss,
+        OPTIMIZERS_GRID[optimizer](),
+        mesh=jaxdp.data_mesh(num_devices),
+        accum_steps=accum_steps,
+        path=path,
+        zero_stage=stage,
+    )
+    state, history = train(step, mlp_params(), data)
+    assert int(state.step) == 10 and all(m["finite"] for m in history)
+    assert_trees_close(state.params, expected, rtol=1e-10, atol=ATOL["float64"])
+
+
+def one_call(step):
+    rows = step.num_devices * MICRO * (step.accum_steps if step.path == "fused" else 1)
+    return regression_data(rows)
+
+
+def per_device_bytes(tree) -> int:
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def padded_bytes(params, num_devices) -> int:
+    return sum(8 * num_devices * -(-np.size(x) // num_devices) for x in jax.tree.leaves(params))
+
+
+def kinds(compiled):
+    found = {}
+    for c in jaxdp.collectives(compiled):
+        assert isinstance(c, jaxdp.Collective)
+        found.setdefault(c.kind, []).append(c)
+    return found
+
+
+# Every optimizer, both paths, 2 and 4 devices, one and several micro-batches.
+CELLS = [
+    (2, 3, "fused", "sgd_nesterov_wd"),
+    (4, 2, "fused", "adamw_clip"),
+    (2, 3, "multisteps", "adamw_clip"),
+    (4, 2, "multisteps", "sgd_momentum"),
+]
+
+
+@pytest.mark.parametrize(("num_devices", "accum_steps", "path", "optimizer"), CELLS)
+def test_stages_1_and_2_train_as_one_big_batch(num_devices, accum_steps, path, optimizer):
+    """float64, RTOL 1e-12 (helpers): only the order of the sums differs from stage 0
+    (reduce-scatter, shard-wise norms), a few ulps; a wrong shard or a local norm in the
+    clip moves the weights by 1e-3 or more."""
+    data = batches()
+    expected = big_batch_reference(mse_loss, OPTIMIZERS[optimizer](), mlp_params(), data)
+    for stage in (1, 2):
+        step = make(stage, num_devices, accum_steps, path, optimizer)
+        state, history = train(step, mlp_params(), data)
+        assert int(state.step) == STEPS
+        assert_trees_close(state.params, expected, rtol=RTOL["float64"], atol=ATOL["float64"])
+        assert all(m["finite"] for m in history)
+
+
+def test_stage_1_optimizer_state_is_a_quarter_per_device():
+    """AdamW's two moments: a quarter of the parameters' bytes each per device on 4
+    devices, plus the padding of leaves whose size 4 does not divide (b1: 3 -> 4)."""
+    params = mlp_params()
+    full = make(0).init(params)
+    sharded = make(1).init(params)
+    assert per_device_bytes(full.opt_state) == 2 * 8 * 195 + 4  # mu, nu; Adam's count
+    assert per_device_bytes(sharded.opt_state) == 2 * padded_bytes(params, 4) // 4 + 4
+    assert padded_bytes(params, 4) == 8 * 196
+    multi = make(2, path="multisteps").init(params)
+    # Stage 2: the gradient sums too, a [1, shard] block per device.
+    assert per_device_bytes(multi.opt_state.acc_grads) == padded_bytes(params, 4) // 4
+    # XLA's memory analysis of the compiled step agrees: its per-device arguments
+    # shrink by the moments' three quarters, nothing else.
+    memory = [
+        jaxdp.plan.compiled_memory(make(s).compile(state, one_call(make(s))))
+        for s, state in ((0, full), (1, sharded))
+    ]
+    saved = per_device_bytes(full.opt_state) - per_device_bytes(sharded.opt_state)
+    assert memory[0].arguments - memory[1].arguments == saved == 2 * 8 * (195 - 49)
+
+
+@pytest.mark.parametrize("accum_steps", [1, 4])
+def test_stage_1_sends_one_reduce_scatter_and_one_all_gather(accum_steps):
+    step = make(1, accum_steps=accum_steps)
+    found = kinds(step.compile(step.init(mlp_params()), one_call(step)))
+    (scatter,), (gather,) = found["reduce-scatter"], found["all-gather"]
+    grads = padded_bytes(mlp_params(), 4)
+    assert scatter.bytes == gather.bytes == grads
+    assert scatter.executions == (1, 1) and not scatter.in_loop
+    assert gather.executions[1] == 1  # in the applied update's branch
+    # Together, what one ring all-reduce of the gradients sends: 2 (n-1)/n of them.
+    assert scatter.ring_bytes + gather.ring_bytes == 2 * 3 / 4 * grads
+    # The rest are scalars: the norm, loss and weight sums, the clip's norm.
+    assert all(r.bytes <= 3 * 8 for r in found["all-reduce"]), jaxdp.format_report(
+        jaxdp.collectives(step.compile(step.init(mlp_params()), one_call(step)))
+    )
+
+
+def test_stage_2_reduce_scatters_every_micro_batch():
+    step = make(2, accum_steps=4)
+    found = kinds(step.compile(step.init(mlp_params()), one_call(step)))
+    (scatter,), (gather,) = found["reduce-scatter"], found["all-gather"]
+    assert scatter.in_loop and scatter.executions == (4, 4)
+    assert gather.executions[1] == 1 and not gather.in_loop
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_multisteps_communicates_as_the_fused_path(stage):
+    """Stage 1: nothing on a call that does not emit; stage 2: a reduce-scatter per call."""
+    step = make(stage, path="multisteps", accum_steps=3)
+    found = kinds(step.compile(step.init(mlp_params()), one_call(step)))
+    (scatter,), (gather,) = found["reduce-scatter"], found["all-gather"]
+    assert gather.in_conditional and gather.executions == (0, 1)
+    assert scatter.in_conditional == (stage == 1)
+    assert scatter.executions == ((0, 1) if stage == 1 else (1, 1))
+    assert all(r.in_conditional and r.bytes <= 3 * 8 for r in found["all-reduce"])
+
+
+def test_bf16_communication_halves_the_bytes_and_stays_close():
+    """float32 parameters; the gradient sums travel in bfloat16 (8 bits of mantissa, a
+    relative rounding of at most 2**-9 per element), so after 3 SGD steps the weights'
+    movement from their start agrees with the exact run's to 2% (measured at most 0.26%)."""
+    params = mlp_params(dtype=np.float32)
+    x, y = regression_data(GLOBAL_BATCH * STEPS, dtype=np.float32)
+    data = [(x[i::STEPS], y[i::STEPS]) for i in range(STEPS)]
+    exact, _ = train(make(0, optimizer="sgd_momentum"), params, data)
+    step = make(1, optimizer="sgd_momentum", comm_dtype="bfloat16")
+    state, _ = train(step, params, data)
+    leaves = (jax.tree.leaves(t) for t in (state.params, exact.params, params))
+    for a, b, p in zip(*leaves, strict=True):
+        moved = np.asarray(b) - p
+        assert np.max(np.abs(np.asarray(a) - b)) <= 0.02 * np.max(np.abs(moved))
+        assert not np.array_equal(np.asarray(a), np.asarray(b))  # bf16 did round
+    # The program jaxdp hands XLA. XLA:CPU then promotes bfloat16 reductions to
+    # float32 in its own passes (no bf16 adds on CPU); NCCL reduces bfloat16 as is.
+    (scatter,) = kinds(step.lower(state, one_call(step)).compiler_ir("hlo").as_hlo_text())[
+        "reduce-scatter"
+    ]
+    assert scatter.shapes[0].startswith("bf16[")
+    assert scatter.bytes == 2 * padded_bytes(params, 4) // 8  # float32 would be 4 bytes
+    step = make(0, optimizer="sgd_momentum", comm_dtype="bfloat16")
+    state = step.init(params)
+    found = kinds(step.lower(state, one_call(step)).compiler_ir("hlo").as_hlo_text())
+    wide = [r for r in found["all-reduce"] if r.shapes != ("f32[]",)]
+    assert {s[:5] for r in wide for s in r.shapes} == {"bf16["}
+    assert sum(r.bytes for r in wide) == 2 * sum(np.size(p) for p in jax.tree.leaves(params))
+
+
+def test_one_device_frozen_leaves_and_nonfinite_skip_at_stage_1():
+    data = batches()
+    expected = big_batch_reference(mse_loss, OPTIMIZERS["adamw_clip"](), mlp_params(), data)
+    state, _ = train(make(1, num_devices=1), mlp_params(), data)  # allowed: one shard
+    assert_trees_close(state.params, expected, rtol=RTOL["float64"], atol=ATOL["float64"])
+    step = make(2, trainable={"b0": True, "b1": False, "w0": True, "w1": False})
+    state = step.init(mlp_params())
+    assert state.opt_state[1][0].mu["w1"] == optax.MaskedNode()
+    x, y = one_call(step)
+    state, metrics = step(state, (x, y))
+    np.testing.assert_array_equal(state.params["w1"], mlp_params()["w1"])
+    assert not np.array_equal(state.params["w0"], mlp_params()["w0"])
+    before = jax.device_get(state.params)
+    state, metrics = step(state, (np.where(np.arange(len(x))[:, None] == 3, np.nan, x), y))
+    assert bool(metrics["skipped"]) and not bool(metrics["finite"])
+    assert_trees_close(state.params, before, rtol=0)
+
+
+class TinyBatchNorm(nnx.Module):
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.inp = nnx.Linear(8, 4, param_dtype=jnp.float64, rngs=rngs)
+        self.norm = jaxdp.models.BatchNorm(4, param_dtype=jnp.float64)
+        self.out = nnx.Linear(4, 3, param_dtype=jnp.float64, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.norm(self.inp(x))))
+
+
+def batch_norm_loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def test_local_batch_statistics_and_weighted_loss_at_stage_1():
+    """Device 0's running statistics ride in the scalar psum; a weighted loss divides by
+    the global count: both as at stage 0 (float64, RTOL 1e-12)."""
+    x, y = regression_data(GLOBAL_BATCH)
+    results = []
+    for stage in (0, 1):
+        step = jaxdp.make_train_step(
+            batch_norm_loss,
+            OPTIMIZERS["adamw_clip"](),
+            mesh=jaxdp.data_mesh(4),
+            accum_steps=3,
+            batch_stats="local",
+            zero_stage=stage,
+        )
+        state, metrics = step(step.init(TinyBatchNorm()), (x, y))
+        stats = nnx.state(step.model(state), nnx.BatchStat)
+        results.append((state.params, stats, float(metrics["loss"])))
+    (p0, s0, l0), (p1, s1, l1) = results
+    assert_trees_close(p1, p0, rtol=RTOL["float64"], atol=ATOL["float64"])
+    assert_trees_close(s1, s0, rtol=RTOL["float64"], atol=ATOL["float64"])
+    fresh = jax.tree.leaves(nnx.state(TinyBatchNorm(), nnx.BatchStat))
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1), fresh, strict=True))
+    assert l1 == pytest.approx(l0, rel=RTOL["float64"])
+
+    def token_loss(params, batch):
+        x, y, mask = batch
+        return jnp.sum((mlp_apply(params, x) - y) ** 2 * mask[:, None]), jnp.sum(mask)
+
+    mask = (np.arange(GLOBAL_BATCH) % 3 != 0).astype(np.float64)
+    weighted = []
+    for stage in (0, 1):
+        step = jaxdp.make_train_step(
+            token_loss,
+            optax.sgd(0.1),
+            mesh=jaxdp.data_mesh(4),
+            accum_steps=3,
+            loss_reduction="weighted",
+            zero_stage=stage,
+        )
+        weighted.append(step(step.init(mlp_params()), (x, y, mask))[0].params)
+    assert_trees_close(weighted[1], weighted[0], rtol=RTOL["float64"], atol=ATOL["float64"])
+
+
+def test_bad_zero_options_are_refused_naming_them():
+    mesh = jaxdp.data_mesh(2)
+    for kw, match in [
+        ({"zero_stage": 3}, "zero_stage=3 must be 0, 1 or 2"),
+        ({"zero_stage": 1, "strategy": "pmap"}, "needs strategy='shard_map'"),
+        ({"zero_stage": 2, "skip_unused": True}, "skip_unused=True"),
+        ({"comm_dtype": "float16"}, "comm_dtype='float16' must be None"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            jaxdp.make_train_step(mse_loss, optax.sgd(0.1), mesh=mesh, **kw)
+    blocky = optax.chain(optax.clip_by_block_rms(0.1), optax.sgd(0.1))
+    step = jaxdp.make_train_step(mse_loss, blocky, mesh=mesh, zero_stage=1)
+    with pytest.raises(ValueError, match="zero_stage=1: the optimizer's clip_by_block_rms"):
+        step.init(mlp_params())
+    # A mask from the leaves' rank: a shard is flat, so it would decay no weight at all.
+    by_rank = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+    step = jaxdp.make_train_step(mse_loss, by_rank, mesh=mesh, zero_stage=2)
+    with pytest.raises(ValueError, match="zero_stage=2: the optimizer's masked transform"):
+        step.init(mlp_params())
