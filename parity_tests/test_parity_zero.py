@@ -8,6 +8,7 @@ torch's ``bf16_compress_hook``), one DDP start per world size for all of them. j
 side: ``run_jaxdp(config, data, initial, zero_stage=...)`` or ``comm_dtype="bfloat16"``.
 """
 
+import dataclasses
 import inspect
 
 import numpy as np
@@ -38,10 +39,15 @@ pytestmark = [
 BF16_PARITY_REL = 2**-12
 
 
+def torch_key(config, option):
+    """One torch run per key: jaxdp's path does not change torch_ref's run."""
+    return cell_id(dataclasses.replace(config, path="fused")) + "-" + option
+
+
 def torch_cells():
     """``(config, torch_ref overrides, key)`` of every torch run this file compares with."""
-    cells = {cell_id(c) + "-zero": (c, {"zero": True}) for c, _ in ZERO}
-    cells |= {cell_id(c) + "-bf16": (c, {"comm_hook": "bf16"}) for c in BF16}
+    cells = {torch_key(c, "zero"): (c, {"zero": True}) for c, _ in ZERO}
+    cells |= {torch_key(c, "bf16"): (c, {"comm_hook": "bf16"}) for c in BF16}
     return [(config, overrides, key) for key, (config, overrides) in cells.items()]
 
 
@@ -63,7 +69,7 @@ def zero_torch_runs():
 
 @pytest.mark.parametrize("config, stage", ZERO, ids=[f"{cell_id(c)}-stage{s}" for c, s in ZERO])
 def test_zero_stage_matches_zero_redundancy_optimizer(config, stage, zero_torch_runs):
-    data, initial, theirs = zero_torch_runs[cell_id(config) + "-zero"]
+    data, initial, theirs = zero_torch_runs[torch_key(config, "zero")]
     assert len(theirs.states) == config.steps
     report = compare(config, run_jaxdp(config, data, initial, zero_stage=stage), theirs)
     assert report.passed, format_parity(report)
@@ -79,7 +85,7 @@ def relative_distance(ours, theirs, initial, step):
 
 @pytest.mark.parametrize("config", BF16, ids=cell_id)
 def test_bf16_communication_matches_the_bf16_hook(config, zero_torch_runs):
-    data, initial, theirs = zero_torch_runs[cell_id(config) + "-bf16"]
+    data, initial, theirs = zero_torch_runs[torch_key(config, "bf16")]
     ours = run_jaxdp(config, data, initial, comm_dtype="bfloat16")
     assert ours.losses[0] == pytest.approx(theirs.losses[0], rel=1.3e-6)  # before any update
     for step in range(config.steps):
