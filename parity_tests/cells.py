@@ -143,6 +143,36 @@ UNUSED = [
 
 ALL = [*FLOAT64, *FLOAT32, *LAST_WINDOW, MULTI_PROCESS, *BATCH_NORM, *UNUSED]
 
+# Issue 14, outside ALL (their torch runs take options ParityConfig has no field for;
+# test_parity_zero.py makes them). jaxdp's zero_stage against torch_ref's
+# ZeroRedundancyOptimizer (zero=True): every optimizer, the issue's layouts, both paths,
+# both stages; shard_map, the strategy jaxdp's stages run on.
+ZERO = [
+    (
+        ParityConfig(
+            model="mlp", optimizer=optimizer, num_devices=n, accum_steps=k, steps=STEPS, path=path
+        ),
+        stage,
+    )
+    for optimizer, (n, k), path, stage in (
+        ("sgd_momentum", (2, 1), "fused", 1),
+        ("sgd_nesterov_wd", (2, 3), "multisteps", 2),
+        ("adamw", (4, 2), "fused", 2),
+        ("adamw_clip", (2, 3), "fused", 1),
+        ("adamw", (4, 2), "multisteps", 1),
+    )
+]
+
+# jaxdp's comm_dtype="bfloat16" against torch_ref's comm_hook="bf16", in float32 on 2
+# devices: W and K powers of two, so dividing before or after the cast rounds alike.
+BF16 = [
+    ParityConfig(
+        model="mlp", optimizer=optimizer, num_devices=2, accum_steps=2, steps=STEPS,
+        dtype="float32", path=path,
+    )
+    for optimizer, path in (("sgd_momentum", "fused"), ("adamw", "multisteps"))
+]  # fmt: skip
+
 
 def cell_id(config: ParityConfig) -> str:
     n, k = config.num_devices, config.accum_steps

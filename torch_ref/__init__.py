@@ -8,6 +8,7 @@ see ``torch_ref.user``).
 
 from ._launch import load_results as load_results
 from ._launch import save_jobs as save_jobs
+from .comm_hooks import COMM_HOOKS as COMM_HOOKS
 from .models import CNN as CNN
 from .models import MLP as MLP
 from .models import MODELS as MODELS
@@ -20,6 +21,7 @@ from .models import numpy_state_dict as numpy_state_dict
 from .models import seed_data as seed_data
 from .optim import OptimConfig as OptimConfig
 from .optim import build_optimizer as build_optimizer
+from .optim import optimizer_state_bytes as optimizer_state_bytes
 from .train import Result as Result
 from .train import TrainConfig as TrainConfig
 from .train import check_job as check_job
@@ -34,6 +36,7 @@ from .user import load_attr as load_attr
 
 __all__ = [
     "CNN",
+    "COMM_HOOKS",
     "LOSSES",
     "MLP",
     "MODELS",
@@ -51,6 +54,7 @@ __all__ = [
     "make_data",
     "micro_batches_per_epoch",
     "numpy_state_dict",
+    "optimizer_state_bytes",
     "save_jobs",
     "seed_data",
     "steps_per_epoch",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -57,22 +57,47 @@ class OptimConfig:
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], cfg: OptimConfig
+    params: Iterable[torch.nn.Parameter], cfg: OptimConfig, *, zero: bool = False
 ) -> torch.optim.Optimizer:
-    """``torch.optim.SGD`` (dampening 0) or ``torch.optim.AdamW`` with ``cfg``'s settings."""
+    """``torch.optim.SGD`` (dampening 0) or ``torch.optim.AdamW`` with ``cfg``'s settings.
+
+    ``zero=True``: the same optimizer inside
+    ``torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class=...)``
+    (needs a process group). Each rank owns whole parameters (largest first, each
+    to the rank holding the fewest elements so far), keeps only their state, steps
+    only them, and broadcasts them to the other ranks after its step.
+    """
+    optimizer_class, settings = _torch_optimizer(cfg)
+    if zero:
+        # Imported here: torch.distributed.optim takes seconds to import (it scripts its
+        # functional optimizers with torch.jit, warning each time) and most runs skip it.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **settings)
+    return optimizer_class(params, **settings)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state ``optimizer`` holds (momentum buffers, Adam's moments and
+    step counts). For a ``ZeroRedundancyOptimizer`` pass its local optimizer,
+    ``.optim``: the state of the parameters this rank owns."""
+    return sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
+def _torch_optimizer(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     if cfg.name == "sgd":
-        return torch.optim.SGD(
-            params,
+        return torch.optim.SGD, dict(
             lr=cfg.learning_rate,
             momentum=cfg.momentum,
             dampening=0.0,
             weight_decay=cfg.weight_decay,
             nesterov=cfg.nesterov,
         )
-    return torch.optim.AdamW(
-        params,
-        lr=cfg.learning_rate,
-        betas=(cfg.b1, cfg.b2),
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
+    return torch.optim.AdamW, dict(
+        lr=cfg.learning_rate, betas=(cfg.b1, cfg.b2), eps=cfg.eps, weight_decay=cfg.weight_decay
     )

@@ -14,6 +14,14 @@ One optimizer step ("window") on each of the ``W = num_devices`` ranks:
 3. Optional ``clip_grad_norm_(max_grad_norm)`` on the synced gradients, then
    ``optimizer.step()`` and ``optimizer.zero_grad(set_to_none=True)``.
 
+Two DDP options change how the step communicates, not what it computes:
+``zero=True`` wraps the optimizer in ``ZeroRedundancyOptimizer`` (each rank
+keeps and steps the state of the parameters it owns, then broadcasts them);
+``comm_hook="bf16"`` registers torch's ``bf16_compress_hook``, so the synced
+backward sends each rank's gradient bucket as bfloat16 (cast, divided by ``W``,
+all-reduced with SUM in bfloat16 by gloo or nccl, cast back into ``.grad``;
+on CPU under another name, see ``torch_ref.comm_hooks``).
+
 The last, incomplete window of an epoch (``r = micro-batches % K > 0``) follows
 ``last_window``: ``"drop"`` (default) skips its ``r`` micro-batches without a
 forward, so every update averages exactly ``W K`` micro-batches (the same
@@ -31,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -41,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ._launch import launch, pin_cuda_precision
+from .comm_hooks import COMM_HOOKS, register_comm_hook
 from .models import (
     build_model,
     check_model_name,
@@ -49,7 +58,7 @@ from .models import (
     numpy_state_dict,
     torch_dtype,
 )
-from .optim import OptimConfig, build_optimizer
+from .optim import OptimConfig, build_optimizer, optimizer_state_bytes
 from .user import build_user_model, check_user_model, is_user_model, loss_function
 
 Data = tuple[np.ndarray, np.ndarray]
@@ -81,6 +90,11 @@ class TrainConfig:
     # loss(output, y) of one micro-batch: "mse", "cross_entropy", a "MODULE:ATTR" spec or
     # a callable; None: the reference model's own loss (compute_loss).
     loss: Any = None
+    # DDP only (train_ddp; num_devices=1 runs one rank): ZeroRedundancyOptimizer around
+    # the optimizer, its state sharded over the ranks (ZeRO stage 1; DDP still
+    # all-reduces whole gradients), and a DDP communication hook (torch_ref.comm_hooks).
+    zero: bool = False
+    comm_hook: Literal["bf16"] | None = None
 
     def __post_init__(self) -> None:
         if is_user_model(self.model):
@@ -106,6 +120,10 @@ class TrainConfig:
         torch_dtype(self.dtype)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda'")
+        if not isinstance(self.zero, bool):
+            raise TypeError(f"zero={self.zero!r} must be True or False")
+        if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
+            raise ValueError(f"comm_hook={self.comm_hook!r} must be None or one of {COMM_HOOKS}")
 
 
 @dataclass
@@ -115,6 +133,8 @@ class Result:
     states: list[dict[str, np.ndarray]]  # state_dict (no "module." prefix) after EVERY step
     losses: list[float]  # per step: mean over ranks of sum_j loss_j / k
     final: dict[str, np.ndarray]  # the state_dict at the end
+    # Per rank, at the end: bytes of optimizer state the rank holds (1/W-ish with zero).
+    optimizer_state_bytes: list[int] = field(default_factory=list)
 
 
 def torch_permutation(n: int, seed: int) -> np.ndarray:
@@ -177,6 +197,13 @@ def train_ga(config: TrainConfig, data: Data, initial_state: State) -> Result:
         raise ValueError(
             f"train_ga runs one process: num_devices={config.num_devices} must be 1 "
             "(use train_ddp for several ranks)"
+        )
+    ddp_only = {"zero": config.zero, "comm_hook": config.comm_hook}
+    if any(ddp_only.values()):
+        given = ", ".join(f"{k}={v!r}" for k, v in ddp_only.items() if v)
+        raise ValueError(
+            f"train_ga runs without DDP or a process group: {given} needs train_ddp "
+            "(with num_devices=1 it runs one DDP rank)"
         )
     check_job(config, data, initial_state)
     if config.device == "cuda":
@@ -254,7 +281,9 @@ def _run(
             device_ids=[device] if config.device == "cuda" else None,
             find_unused_parameters=config.find_unused_parameters,
         )
-    optimizer = build_optimizer(model.parameters(), config.optimizer)
+        if config.comm_hook is not None:
+            register_comm_hook(model, config.comm_hook, config.device)
+    optimizer = build_optimizer(model.parameters(), config.optimizer, zero=config.zero)
     sampler, loader = _loader(config, data, dtype, rank=rank, world_size=world_size)
     result = Result(states=[], losses=[], final={})
     for window in _windows(config, sampler, loader):
@@ -269,6 +298,10 @@ def _run(
             break
     if rank == 0:
         result.final = numpy_state_dict(module)
+    held = optimizer_state_bytes(optimizer.optim if config.zero else optimizer)
+    result.optimizer_state_bytes = [held] * world_size
+    if ddp:  # every rank's own count
+        dist.all_gather_object(result.optimizer_state_bytes, held)
     return result
 
 
