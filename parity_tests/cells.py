@@ -4,6 +4,8 @@ Every model meets every layout, and (with five layouts and four optimizers in
 rotation) every optimizer; both accumulation paths and both strategies appear.
 """
 
+import dataclasses
+
 from jaxdp.parity import ParityConfig
 
 MODELS = ("linear", "mlp", "cnn", "transformer")
@@ -144,9 +146,9 @@ UNUSED = [
 ALL = [*FLOAT64, *FLOAT32, *LAST_WINDOW, MULTI_PROCESS, *BATCH_NORM, *UNUSED]
 
 # Issue 14, outside ALL (their torch runs take options ParityConfig has no field for;
-# test_parity_zero.py makes them). jaxdp's zero_stage against torch_ref's
-# ZeroRedundancyOptimizer (zero=True): every optimizer, the issue's layouts, both paths,
-# both stages; shard_map, the strategy jaxdp's stages run on.
+# TORCH_OPTIONED lists them for conftest's torch_runs). jaxdp's zero_stage against
+# torch_ref's ZeroRedundancyOptimizer (zero=True): every optimizer, the issue's layouts,
+# both paths, both stages; shard_map, the strategy jaxdp's stages run on.
 ZERO = [
     (
         ParityConfig(
@@ -182,3 +184,23 @@ def cell_id(config: ParityConfig) -> str:
         f"{config.model}-{config.optimizer}-n{n}k{k}-{config.path}-{config.strategy}"
         f"-{config.dtype}{extra}"
     )
+
+
+def torch_key(config: ParityConfig, option: str) -> str:
+    """The torch_runs key of ``config``'s run with a torch_ref option ("zero", "bf16"):
+    one run per key, as jaxdp's path does not change torch_ref's run."""
+    return cell_id(dataclasses.replace(config, path="fused")) + "-" + option
+
+
+# (key, config, torch_ref.TrainConfig overrides) of the torch runs with options, one per
+# key (a ZERO cell's two stages share their torch run).
+TORCH_OPTIONED = list(
+    {
+        torch_key(config, option): (torch_key(config, option), config, overrides)
+        for option, configs, overrides in (
+            ("zero", [c for c, _ in ZERO], {"zero": True}),
+            ("bf16", BF16, {"comm_hook": "bf16"}),
+        )
+        for config in configs
+    }.values()
+)

@@ -24,28 +24,29 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def torch_runs():
-    """``{cell_id: (data, initial_state, torch Trajectory)}`` for every cell in cells.ALL.
+    """``{key: (data, initial_state, torch Trajectory)}`` for every cell in cells.ALL
+    (key: ``cell_id``) and every run with a torch_ref option in cells.TORCH_OPTIONED
+    (ZeroRedundancyOptimizer, the bf16 hook; key: ``torch_key``).
 
-    One-device cells train in this process (torch_ref.train_ga); the DDP cells
+    One-device cells train in this process (torch_ref.train_ga); the DDP runs
     of each world size share ONE start of real gloo processes (train_ddp_many).
     """
-    from cells import ALL, cell_id
+    from cells import ALL, TORCH_OPTIONED, cell_id
 
     import torch_ref
     from jaxdp.parity import Trajectory, torch_config, torch_inputs
 
     runs, by_world = {}, {}
-    for config in ALL:
+    for key, config, options in [(cell_id(c), c, {}) for c in ALL] + TORCH_OPTIONED:
         data, initial = torch_inputs(config)
+        job = (torch_config(config, **options), data, initial)
         if config.num_devices == 1:
-            result = torch_ref.train_ga(torch_config(config), data, initial)
-            runs[cell_id(config)] = (data, initial, Trajectory(result.states, result.losses))
+            result = torch_ref.train_ga(*job)
+            runs[key] = (data, initial, Trajectory(result.states, result.losses))
         else:
-            by_world.setdefault(config.num_devices, []).append((config, data, initial))
+            by_world.setdefault(config.num_devices, []).append((key, job))
     for cells in by_world.values():
-        jobs = [(torch_config(c), data, initial) for c, data, initial in cells]
-        for (config, data, initial), result in zip(
-            cells, torch_ref.train_ddp_many(jobs), strict=True
-        ):
-            runs[cell_id(config)] = (data, initial, Trajectory(result.states, result.losses))
+        results = torch_ref.train_ddp_many([job for _, job in cells])
+        for (key, (_, data, initial)), result in zip(cells, results, strict=True):
+            runs[key] = (data, initial, Trajectory(result.states, result.losses))
     return runs

@@ -5,9 +5,10 @@
 IN (.npz, written by the test): the data ``x``, ``y``, the initial torch
 state_dict under ``init/<name>`` and torch's sampler orders under
 ``perm/<seed>``, so no process imports torch. Each process trains the
-``cells.MULTI_PROCESS`` configuration on both accumulation paths, reading
-the data through counters, and writes OUT/process<p>.npz: the dataset rows
-it read, and (every process) the weights after every step of each path.
+``cells.MULTI_PROCESS`` configuration on both accumulation paths, and at
+ZeRO stages 1 and 2 (``RUNS``), reading the data through counters, and writes
+OUT/process<p>.npz: the dataset rows it read, and (every process) the weights
+after every step of each run.
 """
 
 import pathlib
@@ -28,6 +29,14 @@ import numpy as np  # noqa: E402
 from cells import MULTI_PROCESS  # noqa: E402
 
 from jaxdp.parity import run_jaxdp  # noqa: E402
+
+# (label, path, zero_stage): stage 0 on both paths, and each ZeRO stage on one path.
+RUNS = (
+    ("fused", "fused", 0),
+    ("multisteps", "multisteps", 0),
+    ("fused-zero2", "fused", 2),
+    ("multisteps-zero1", "multisteps", 1),
+)
 
 
 class Counting:
@@ -50,15 +59,18 @@ def main(inputs: str, out: str) -> None:
         "local_devices": len(jax.local_devices()),
         "devices": jax.device_count(),
     }
-    for path in ("fused", "multisteps"):
+    for label, path, stage in RUNS:
         x, y = Counting(given["x"]), Counting(given["y"])
         config = dataclasses.replace(MULTI_PROCESS, path=path)
-        run = run_jaxdp(config, (x, y), initial, permutation=lambda n, seed: orders[seed])
-        record[f"{path}/rows"] = np.concatenate(x.read)
-        assert np.array_equal(record[f"{path}/rows"], np.concatenate(y.read))
+        options = {"zero_stage": stage} if stage else {}
+        run = run_jaxdp(
+            config, (x, y), initial, permutation=lambda n, seed: orders[seed], **options
+        )
+        record[f"{label}/rows"] = np.concatenate(x.read)
+        assert np.array_equal(record[f"{label}/rows"], np.concatenate(y.read))
         for i, state in enumerate(run.states):
-            record.update({f"{path}/{i}/{k}": v for k, v in state.items()})
-        record[f"{path}/losses"] = np.array(run.losses)
+            record.update({f"{label}/{i}/{k}": v for k, v in state.items()})
+        record[f"{label}/losses"] = np.array(run.losses)
     np.savez(pathlib.Path(out) / f"process{jax.process_index()}.npz", **record)
 
 

@@ -1,6 +1,7 @@
 """Acceptance: jaxdp on 2 processes x 2 CPU devices (real gloo collectives, started by
 ``jaxdp launch``) == jaxdp on 1 process x 4 devices == torch_ref DDP on 4 ranks, and each
-process reads only its own rows."""
+process reads only its own rows; at ZeRO stages 1 and 2 (issue 14) the 2-process runs
+equal torch_ref's DDP + ZeroRedundancyOptimizer on 4 ranks."""
 
 import dataclasses
 import pathlib
@@ -9,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from cells import MULTI_PROCESS, cell_id
+from cells import MULTI_PROCESS, ZERO, cell_id, torch_key
 
 import jaxdp
 import torch_ref
@@ -41,12 +42,12 @@ def two_processes(tmp_path_factory, torch_runs):
     return {p: np.load(tmp / f"process{p}.npz") for p in (0, 1)}
 
 
-def trajectory(out, path):
+def trajectory(out, label):
     states = [
-        {k.split("/", 2)[2]: out[k] for k in out.files if k.startswith(f"{path}/{i}/")}
+        {k.split("/", 2)[2]: out[k] for k in out.files if k.startswith(f"{label}/{i}/")}
         for i in range(MULTI_PROCESS.steps)
     ]
-    return Trajectory(states, list(out[f"{path}/losses"]))
+    return Trajectory(states, list(out[f"{label}/losses"]))
 
 
 def test_the_run_had_two_processes_of_two_devices(two_processes):
@@ -96,3 +97,28 @@ def test_each_process_reads_only_the_rows_of_its_devices(two_processes, path):
         np.testing.assert_array_equal(read, steps[:, p * 16 : (p + 1) * 16].ravel())
     for step, (a, b) in enumerate(zip(*(r.reshape(5, 16) for r in reads), strict=True)):
         assert not set(a) & set(b), f"step {step + 1}: a row read by both processes"
+
+
+# MULTI_PROCESS is the ZERO cell (adamw, 4 devices, 2 micro-batches) cut to its first steps:
+# the same data, initial weights and orders, so torch's ZeroRedundancyOptimizer run of that
+# cell, cut to MULTI_PROCESS.steps, is this run's reference.
+ZERO_REFERENCE = next(
+    c
+    for c, _ in ZERO
+    if dataclasses.replace(c, steps=MULTI_PROCESS.steps, path="fused")
+    == dataclasses.replace(MULTI_PROCESS, path="fused")
+)
+
+
+@pytest.mark.parametrize(
+    ("label", "path"), [("fused-zero2", "fused"), ("multisteps-zero1", "multisteps")]
+)
+def test_two_processes_at_a_zero_stage_equal_torch_zero_redundancy_optimizer(
+    two_processes, torch_runs, label, path
+):
+    _, _, theirs = torch_runs[torch_key(ZERO_REFERENCE, "zero")]  # DDP + ZeRO, 4 gloo ranks
+    theirs = Trajectory(theirs.states[: MULTI_PROCESS.steps], theirs.losses[: MULTI_PROCESS.steps])
+    config = dataclasses.replace(MULTI_PROCESS, path=path)
+    for out in two_processes.values():  # every process gathers the same weights
+        report = compare(config, trajectory(out, label), theirs)
+        assert report.passed, format_parity(report)

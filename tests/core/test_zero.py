@@ -55,27 +55,29 @@ OPTIMIZERS_GRID = {
 }
 
 
-@pytest.mark.skipif(not FULL_GRID, reason="the whole grid: set JAXDP_ZERO_GRID=1")
-@pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("path", ["fused", "multisteps"])
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS_GRID))
-@pytest.mark.parametrize(("num_devices", "accum_steps"), [(2, 1), (2, 3), (4, 2)])
-def test_grid_of_10_steps(num_devices, accum_steps, optimizer, path, stage):
-    """float64, rtol 1e-10 (the issue's bound) against one big batch after 10 steps."""
-    x, y = regression_data(GLOBAL_BATCH * 10)
-    data = [(x[i::10], y[i::10]) for i in range(10)]
-    expected = big_batch_reference(mse_loss, OPTIMIZERS_GRID[optimizer](), mlp_params(), data)
-    step = jaxdp.make_train_step(
-        mse_loss,
-        OPTIMIZERS_GRID[optimizer](),
-        mesh=jaxdp.data_mesh(num_devices),
-        accum_steps=accum_steps,
-        path=path,
-        zero_stage=stage,
-    )
-    state, history = train(step, mlp_params(), data)
-    assert int(state.step) == 10 and all(m["finite"] for m in history)
-    assert_trees_close(state.params, expected, rtol=1e-10, atol=ATOL["float64"])
+# Collected only with JAXDP_ZERO_GRID=1 (not a skip in every other run).
+if FULL_GRID:
+
+    @pytest.mark.parametrize("stage", [1, 2])
+    @pytest.mark.parametrize("path", ["fused", "multisteps"])
+    @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS_GRID))
+    @pytest.mark.parametrize(("num_devices", "accum_steps"), [(2, 1), (2, 3), (4, 2)])
+    def test_grid_of_10_steps(num_devices, accum_steps, optimizer, path, stage):
+        """float64, rtol 1e-10 (the issue's bound) against one big batch after 10 steps."""
+        x, y = regression_data(GLOBAL_BATCH * 10)
+        data = [(x[i::10], y[i::10]) for i in range(10)]
+        expected = big_batch_reference(mse_loss, OPTIMIZERS_GRID[optimizer](), mlp_params(), data)
+        step = jaxdp.make_train_step(
+            mse_loss,
+            OPTIMIZERS_GRID[optimizer](),
+            mesh=jaxdp.data_mesh(num_devices),
+            accum_steps=accum_steps,
+            path=path,
+            zero_stage=stage,
+        )
+        state, history = train(step, mlp_params(), data)
+        assert int(state.step) == 10 and all(m["finite"] for m in history)
+        assert_trees_close(state.params, expected, rtol=1e-10, atol=ATOL["float64"])
 
 
 def one_call(step):
