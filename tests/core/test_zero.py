@@ -147,7 +147,7 @@ def test_stage_1_optimizer_state_is_a_quarter_per_device():
     assert memory[0].arguments - memory[1].arguments == saved == 2 * 8 * (195 - 49)
 
 
-@pytest.mark.parametrize("accum_steps", [1, 4])
+@pytest.mark.parametrize("accum_steps", [1, 2, 4])
 def test_stage_1_sends_one_reduce_scatter_and_one_all_gather(accum_steps):
     step = make(1, accum_steps=accum_steps)
     found = kinds(step.compile(step.init(mlp_params()), one_call(step)))
@@ -164,11 +164,13 @@ def test_stage_1_sends_one_reduce_scatter_and_one_all_gather(accum_steps):
     )
 
 
-def test_stage_2_reduce_scatters_every_micro_batch():
-    step = make(2, accum_steps=4)
+@pytest.mark.parametrize("accum_steps", [1, 2, 4])
+def test_stage_2_reduce_scatters_every_micro_batch(accum_steps):
+    step = make(2, accum_steps=accum_steps)
     found = kinds(step.compile(step.init(mlp_params()), one_call(step)))
     (scatter,), (gather,) = found["reduce-scatter"], found["all-gather"]
-    assert scatter.in_loop and scatter.executions == (4, 4)
+    assert scatter.executions == (accum_steps, accum_steps)
+    assert scatter.bytes == gather.bytes == padded_bytes(mlp_params(), 4)
     assert gather.executions[1] == 1 and not gather.in_loop
 
 
