@@ -1,7 +1,7 @@
 """What the loader reads: a random-access source, checked once, read a call's rows at a time.
 
-A source is a numpy array or ``np.memmap`` (rows on the leading axis), a dict,
-tuple or list of them (one field each, the same number of rows), or anything
+A source is a numpy array or ``np.memmap`` (rows on the leading axis), a dict or
+tuple of them (one field each, the same number of rows), or anything
 with ``__len__`` and ``__getitem__(index) -> record`` (a Hugging Face
 ``datasets.Dataset``, a torch map-style ``Dataset``, a grain data source). An
 array field is read with one fancy index per call (a memmap reads only those
@@ -22,14 +22,15 @@ Transform = Callable[[Any], Any]
 
 
 def _is_array(x: Any) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "__getitem__") and len(getattr(x, "shape", ())) > 0
+    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def _fields(source: Any) -> Any | None:
     """The tree of array fields of ``source``, or None for a record-by-record source."""
     if _is_array(source):
         return source
-    if isinstance(source, (Mapping, tuple, list)) and source:
+    # A list is records (one each), a dict or tuple fields (the rows of each).
+    if isinstance(source, (Mapping, tuple)) and source:
         leaves = jax.tree.leaves(source, is_leaf=_is_array)
         if leaves and all(_is_array(x) for x in leaves):
             return source
