@@ -92,7 +92,13 @@ def test_batches_are_placed_on_the_mesh_split_by_rows():
 
 def test_record_sources_and_transforms_stack_the_same_rows():
     counting = Counting(N)
-    got = next(iter(loader(counting, transform=lambda r: {**r, "x": r["x"] * 10})))
+
+    def times_ten(record):
+        return {**record, "x": record["x"] * 10}
+
+    transform: jaxdp.data.Transform = times_ten
+    got = next(iter(loader(counting, transform=transform)))
+    assert isinstance(got, jaxdp.data.Batch) and got.emits
     rows = jaxdp.epoch_schedule(N, SIZES).rows[0]
     np.testing.assert_array_equal(np.asarray(got.data["x"])[:, 0], rows * 10.0)
     np.testing.assert_array_equal(np.asarray(got.data["y"]), rows)
