@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import jaxdp
@@ -551,3 +552,48 @@ def test_a_full_disk_while_checkpointing_is_one_line_naming_the_newest_checkpoin
         run["stderr"],
     ), run["stderr"][-3000:]
     assert f"checkpoint {ckpt}/{newest}: step {newest}" in run["stdout"]
+
+
+def write_blobs(path, n=400, features=6, classes=3):
+    """Three well-separated Gaussian blobs: a user's own classification data."""
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, classes, size=n)
+    centers = rng.normal(scale=4.0, size=(classes, features))
+    x = centers[y] + rng.normal(size=(n, features))
+    np.savez(path, x=x.astype(np.float32), y=y)
+    return x, y
+
+
+def test_train_on_a_users_npz_sizes_the_model_from_it(tmp_path, capsys):
+    data = tmp_path / "blobs.npz"
+    write_blobs(data)
+    summary = tmp_path / "summary.json"
+    flags = ["--data", str(data), "--num-devices", "2", "--epochs", "5", "--lr", "3e-2"]
+    assert main([*TRAIN, *flags, "--summary-out", str(summary)]) == 0
+    out = capsys.readouterr().out
+    assert f"jaxdp train: {data} MLP (float32) on 2 cpu device(s), 320 train / 80 held-out" in out
+    assert json.loads(summary.read_text())["test_accuracy"] > 0.95  # separable: near 1
+
+
+@pytest.mark.parametrize(
+    "arrays,message",
+    [
+        (None, "data='{path}' does not exist"),
+        ({"x": np.zeros((10, 2))}, "data='{path}' has arrays ['x']; it needs x (features or "),
+        (
+            {"x": np.zeros((10, 2)), "y": np.zeros(9, int)},
+            "data='{path}': x has shape (10, 2) and y (9,)",
+        ),
+        ({"x": np.zeros((10, 2)), "y": np.zeros(10)}, "data='{path}': y must hold class indices"),
+    ],
+)
+def test_bad_data_files_are_usage_errors_before_training(tmp_path, capsys, arrays, message):
+    path = tmp_path / "mine.npz"
+    if arrays is not None:
+        np.savez(path, **arrays)
+    with pytest.raises(SystemExit) as exit_:
+        main([*TRAIN, "--data", str(path), "--steps", "1"])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"jaxdp train: error: {message.format(path=path)}")
+    assert "held-out accuracy" not in out

@@ -58,6 +58,12 @@ def _options(p: argparse.ArgumentParser, title: str) -> Callable[..., Any]:
 
 def _model_options(option: Callable[..., Any], d: TrainConfig) -> None:
     option("--model", choices=["mlp", "cnn"], help=f"reference model (default: {d.model})")
+    option(
+        "--data",
+        metavar="PATH",
+        help="a .npz with x (features, or images [n, h, w(, c)] for the cnn) and integer "
+        "labels y; the model is sized from it (default: scikit-learn's digits)",
+    )
     option("--hidden", metavar="WIDTH", type=int, help=f"MLP hidden width (default: {d.hidden})")
     option(
         "--precision",

@@ -30,7 +30,7 @@ from .._step import TrainStep, make_train_step
 from ..checkpoint._checkpoints import Checkpoints
 from ..models._reference import CNN, MLP
 from ._config import Precision, TrainConfig
-from ._data import Split, load_digits
+from ._data import Split, load_digits, load_npz
 from ._metrics import MetricsLog, plot_loss, sum_over_processes
 from ._outputs import claimed
 from ._run import _Run, say
@@ -38,13 +38,26 @@ from ._run import _Run, say
 # ---- model, loss and precision --------------------------------------------------------
 
 
-def build(config: TrainConfig) -> nnx.Module:
-    """The reference model of ``config`` with float64 or float32 parameters."""
+def build(config: TrainConfig, data: Split | None = None) -> nnx.Module:
+    """The reference model of ``config`` with float64 or float32 parameters, sized
+    from ``data`` (features or channels, classes; default: the digits)."""
     param_dtype = jnp.float64 if config.precision == "float64" else jnp.float32
     rngs = nnx.Rngs(config.seed)
+    features, classes = 64, 10
+    if data is not None:
+        features = data.x_train.shape[-1]
+        classes = int(max(data.y_train.max(), data.y_test.max())) + 1
     if config.model == "cnn":
-        return CNN(in_channels=1, num_classes=10, rngs=rngs, param_dtype=param_dtype)
-    return MLP(64, config.hidden, 10, rngs=rngs, param_dtype=param_dtype)
+        channels = features if data is not None else 1
+        return CNN(in_channels=channels, num_classes=classes, rngs=rngs, param_dtype=param_dtype)
+    return MLP(features, config.hidden, classes, rngs=rngs, param_dtype=param_dtype)
+
+
+def load(config: TrainConfig) -> Split:
+    """The run's data: ``config.data`` (a .npz) or the digits."""
+    if config.data is None:
+        return load_digits(seed=config.seed)
+    return load_npz(config.data, model=config.model, seed=config.seed)
 
 
 def forward(model: nnx.Module, x: jax.Array, precision: Precision) -> jax.Array:
@@ -54,7 +67,7 @@ def forward(model: nnx.Module, x: jax.Array, precision: Precision) -> jax.Array:
     parameters in float32 (mixed precision without loss scaling: bfloat16
     has float32's exponent range).
     """
-    if isinstance(model, CNN):
+    if isinstance(model, CNN) and x.ndim == 2:  # the digits' rows of 64 pixels
         x = x.reshape(-1, 8, 8, 1)
     if precision != "bfloat16":
         return model(x)
@@ -169,12 +182,13 @@ def prepare(
     locked by a live run, a checkpoint a resume cannot continue. Holds the
     checkpoint directory's lock until the block ends.
     """
-    data = load_digits(seed=config.seed)
+    data = load(config)
     step, sizes = make_step(config)
     mesh, share = step.mesh, process_share(step.mesh, sizes)
     lead = share.process_index == 0
     say(
-        f"jaxdp train: digits {config.model.upper()} ({config.precision}) on {sizes.num_devices} "
+        f"jaxdp train: {config.data or 'digits'} {config.model.upper()} ({config.precision}) "
+        f"on {sizes.num_devices} "
         f"{mesh.devices.flat[0].platform} device(s), {len(data.x_train)} train / "
         f"{len(data.x_test)} held-out images"
     )
@@ -198,7 +212,7 @@ def prepare(
         if config.checkpoint_dir is not None:
             checkpoints = Checkpoints(config.checkpoint_dir, keep=config.keep)
         run = _Run(config, step, sizes, share, steps_per_epoch, checkpoints)
-        run.start(step.init(build(config)))
+        run.start(step.init(build(config, data)))
         metrics_out = config.metrics_out if lead else None
         with MetricsLog(metrics_out, resume_step=run.resumed_step) as log:
             yield Prepared(config, run, data, log, lead)
