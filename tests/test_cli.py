@@ -597,3 +597,40 @@ def test_bad_data_files_are_usage_errors_before_training(tmp_path, capsys, array
     out, err = capsys.readouterr()
     assert err.startswith(f"jaxdp train: error: {message.format(path=path)}")
     assert "held-out accuracy" not in out
+
+
+def test_kill_9_mid_run_then_resume_trains_the_same_rows_as_an_uninterrupted_run(tmp_path):
+    """kill -9 at a random step of a run on a directory of .npy (x read as a memmap),
+    then --resume: the loader continues at the checkpoint's rows, no position given."""
+    data = tmp_path / "blobs"
+    data.mkdir()
+    x, y = write_blobs(tmp_path / "blobs.npz")
+    np.save(data / "x.npy", x.astype(np.float32))
+    np.save(data / "y.npy", y)
+    # 320 train rows, global batch 2 x 2 x 8 = 32: 10 steps per epoch.
+    flags = ["--data", str(data), "--num-devices", "2", "--micro-batch-size", "8", "--hidden", "8"]
+    flags += ["--epochs", "1000", "--checkpoint-every", "2"]
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    out = ["--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics)]
+    killed_at = np.random.default_rng().integers(3, 15)  # after this many updates
+    child = subprocess.Popen(
+        [sys.executable, "-m", "jaxdp", "train", "--cpu-devices", "2", *flags, *out],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while child.poll() is None and not (
+        metrics.exists() and len(metrics.read_text().splitlines()) >= killed_at
+    ):
+        time.sleep(0.01)
+    child.kill()  # SIGKILL: no handler runs, no checkpoint at the stop
+    assert child.wait(timeout=60) == -signal.SIGKILL, child.stderr.read()[-2000:]
+    newest = jaxdp.checkpoint.Checkpoints(ckpt).steps[-1]
+    assert newest < 30, f"killed after {killed_at} updates, too late: checkpoint {newest}"
+    assert main([*TRAIN, "--checkpoint-dir", str(ckpt), "--resume", "--steps", "30"]) == 0
+    whole = ["--checkpoint-dir", str(tmp_path / "whole"), "--metrics-out", str(tmp_path / "w")]
+    assert main([*TRAIN, *flags, *whole, "--steps", "30"]) == 0
+    # Every step's loss and gradient norm, bitwise, and the final weights.
+    assert records(metrics) == records(tmp_path / "w"), f"killed after {killed_at} updates"
+    assert len(records(metrics)) == 30
+    assert saved_leaves(ckpt) == saved_leaves(tmp_path / "whole")

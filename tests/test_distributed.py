@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import types
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from helpers import RTOL, assert_trees_close
 import jaxdp
 from jaxdp.cli import main
 from jaxdp.cli._launch import child_argv
-from jaxdp.cli._train import TrainConfig, _Run, build, make_step, train
+from jaxdp.cli._train import TrainConfig, build, make_step, train
 
 ROOT = pathlib.Path(__file__).parent.parent
 LAUNCH = [sys.executable, "-m", "jaxdp", "launch"]
@@ -40,47 +39,6 @@ def run_script(tmp_path, code, args, **kwargs):
 
 
 # ---- jaxdp.initialize ----------------------------------------------------------------
-
-
-class Counting:
-    """An array that records which rows are read from it."""
-
-    def __init__(self, x):
-        self.x, self.read = x, []
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, rows):
-        self.read.append(np.asarray(rows))
-        return self.x[rows]
-
-
-@pytest.mark.parametrize("path", ["fused", "multisteps"])
-def test_train_loader_reads_only_its_process_rows(path):
-    """`jaxdp train`'s loader, fed as process 0 or 1 of a mesh whose devices belong
-    to two processes (two each): each reads its ranks' rows of every step, once."""
-    config = TrainConfig(path=path, num_devices=4, accum_steps=2, micro_batch_size=8, epochs=2)
-    sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=8)
-    devices = np.array([types.SimpleNamespace(process_index=p) for p in (0, 0, 1, 1)])
-    mesh = types.SimpleNamespace(devices=devices)
-    x, y = np.arange(300.0)[:, None], np.arange(300)
-    reads = []
-    for process in (0, 1):
-        share = jaxdp.process_share(mesh, sizes, process_index=process)
-        run = _Run(config, None, sizes, share, steps_per_epoch=4, checkpoints=None)
-        counting = Counting(x)
-        calls = list(run._calls(counting, y))
-        assert sum(emitted for *_, emitted in calls) == 2 * 4  # every step of 2 epochs
-        reads.append(np.concatenate(counting.read))
-    expected = [
-        jaxdp.epoch_schedule(300, sizes, epoch=e, seed=config.seed).rows[:, rows].ravel()
-        for rows in (slice(0, 32), slice(32, 64))
-        for e in (0, 1)
-    ]
-    np.testing.assert_array_equal(reads[0], np.concatenate(expected[:2]))
-    np.testing.assert_array_equal(reads[1], np.concatenate(expected[2:]))
-    assert len(reads[0]) == len(reads[1]) == 2 * 4 * 32  # half of each 64-row step
 
 
 def test_launch_resolves_scripts_modules_and_subcommands():

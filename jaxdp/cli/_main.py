@@ -62,7 +62,8 @@ def _model_options(option: Callable[..., Any], d: TrainConfig) -> None:
         "--data",
         metavar="PATH",
         help="a .npz with x (features, or images [n, h, w(, c)] for the cnn) and integer "
-        "labels y; the model is sized from it (default: scikit-learn's digits)",
+        "labels y, or a directory with x.npy and y.npy (read as memmaps); the model is "
+        "sized from it (default: scikit-learn's digits)",
     )
     option("--hidden", metavar="WIDTH", type=int, help=f"MLP hidden width (default: {d.hidden})")
     option(
@@ -192,7 +193,7 @@ def _output_options(option: Callable[..., Any]) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     # Before anything imports them: one line, not a traceback.
-    require_extra("train", ["sklearn", "tqdm", "matplotlib"])
+    require_extra("train", ["sklearn", "tqdm", "matplotlib", "grain"])
     import jax
 
     from .._train_state import NonFiniteError

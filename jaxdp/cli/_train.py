@@ -1,8 +1,11 @@
-"""The main job: data-parallel training on the digits images, with checkpoints.
+"""The main job: data-parallel training on the digits images (or ``--data``), with
+checkpoints.
 
 Read top to bottom: the config, the model and its loss at a precision, then
-``train``: mesh and batch identity, state (fresh or resumed), the loop over
-micro-batch calls in sampler order, checkpoints, held-out evaluation.
+``train``: mesh and batch identity, the loader (each process's rows of every
+call in sampler order, read ahead: :class:`jaxdp.data.Loader`), state (fresh or
+resumed, the loader's position with it), the loop, checkpoints, held-out
+evaluation.
 
 With several processes (after :func:`jaxdp.initialize`) the same code runs on
 each: a process reads only its rows of every batch, all of them write the
@@ -28,9 +31,10 @@ from .._mesh import data_mesh
 from .._position import SamplerPosition
 from .._step import TrainStep, make_train_step
 from ..checkpoint._checkpoints import Checkpoints
+from ..data._loader import Loader
 from ..models._reference import CNN, MLP
 from ._config import Precision, TrainConfig
-from ._data import Split, load_digits, load_npz
+from ._data import Split, load_digits, load_file
 from ._metrics import MetricsLog, plot_loss, sum_over_processes
 from ._outputs import claimed
 from ._run import _Run, say
@@ -54,10 +58,12 @@ def build(config: TrainConfig, data: Split | None = None) -> nnx.Module:
 
 
 def load(config: TrainConfig) -> Split:
-    """The run's data: ``config.data`` (a .npz) or the digits."""
+    """The run's data: ``config.data`` (a .npz or a directory of .npy) or the digits,
+    read as the parameters' dtype (float32 for bfloat16: the forward casts)."""
+    dtype = np.float64 if config.precision == "float64" else np.float32
     if config.data is None:
-        return load_digits(seed=config.seed)
-    return load_npz(config.data, model=config.model, seed=config.seed)
+        return load_digits(seed=config.seed, dtype=dtype)
+    return load_file(config.data, model=config.model, seed=config.seed, dtype=dtype)
 
 
 def forward(model: nnx.Module, x: jax.Array, precision: Precision) -> jax.Array:
@@ -205,13 +211,22 @@ def prepare(
             f"rows per step to its {share.sizes.num_devices} device(s)"
         )
     # Raises if one epoch of the data cannot fill an optimizer step.
-    steps_per_epoch = len(epoch_schedule(len(data.x_train), sizes, seed=config.seed).rows)
+    epoch_schedule(len(data.x_train), sizes, seed=config.seed)
+    # Each process reads its rows of every call ahead of the step, in sampler order.
+    loader = Loader(
+        (data.x_train, data.y_train),
+        sizes,
+        mesh=mesh,
+        path=config.path,
+        seed=config.seed,
+        epochs=config.last_epoch,
+    )
     outputs = {"metrics_out": config.metrics_out, "plot": config.plot, **(files or {})}
     with claimed(outputs, config.checkpoint_dir):
         checkpoints = None
         if config.checkpoint_dir is not None:
             checkpoints = Checkpoints(config.checkpoint_dir, keep=config.keep)
-        run = _Run(config, step, sizes, share, steps_per_epoch, checkpoints)
+        run = _Run(config, step, share, loader, checkpoints)
         run.start(step.init(build(config, data)))
         metrics_out = config.metrics_out if lead else None
         with MetricsLog(metrics_out, resume_step=run.resumed_step) as log:
@@ -222,8 +237,7 @@ def finish(prepared: Prepared, *, stop: Callable[[SamplerPosition], bool] | None
     """Trains a prepared run to its end, checkpoints, evaluates; returns the summary."""
     config, run, data, log, lead = prepared
     start = time.perf_counter()
-    x = data.x_train.astype(np.float64 if config.precision == "float64" else np.float32)
-    stopped = run.loop(x, data.y_train, log, stop)
+    stopped = run.loop(log, stop)
     run.save_final()
     # Each process scores its own copy of the (replicated) model.
     params, rest = jax.tree.map(
