@@ -599,6 +599,17 @@ def test_bad_data_files_are_usage_errors_before_training(tmp_path, capsys, array
     assert "held-out accuracy" not in out
 
 
+def test_a_data_directory_without_y_npy_is_a_usage_error(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.zeros((10, 2), np.float32))
+    with pytest.raises(SystemExit) as exit_:
+        main([*TRAIN, "--data", str(tmp_path), "--steps", "1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        f"jaxdp train: error: data='{tmp_path}' is a directory without ['y.npy']; it needs "
+        "x.npy (features or images) and y.npy (integer labels)\n"
+    )
+
+
 def test_kill_9_mid_run_then_resume_trains_the_same_rows_as_an_uninterrupted_run(tmp_path):
     """kill -9 at a random step of a run on a directory of .npy (x read as a memmap),
     then --resume: the loader continues at the checkpoint's rows, no position given."""
