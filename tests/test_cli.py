@@ -567,12 +567,20 @@ def write_blobs(path, n=400, features=6, classes=3):
 def test_train_on_a_users_npz_sizes_the_model_from_it(tmp_path, capsys):
     data = tmp_path / "blobs.npz"
     write_blobs(data)
-    summary = tmp_path / "summary.json"
+    summary, metrics = tmp_path / "summary.json", tmp_path / "m.jsonl"
     flags = ["--data", str(data), "--num-devices", "2", "--epochs", "5", "--lr", "3e-2"]
-    assert main([*TRAIN, *flags, "--summary-out", str(summary)]) == 0
+    assert main([*TRAIN, *flags, "--summary-out", str(summary), "--metrics-out", str(metrics)]) == 0
     out = capsys.readouterr().out
     assert f"jaxdp train: {data} MLP (float32) on 2 cpu device(s), 320 train / 80 held-out" in out
-    assert json.loads(summary.read_text())["test_accuracy"] > 0.95  # separable: near 1
+    accuracy = json.loads(summary.read_text())["test_accuracy"]
+    assert accuracy > 0.95  # separable: near 1
+    # Held-out accuracy (over the mesh) and the learning rate at every epoch's end.
+    # 320 rows, global batch 2 x 2 x 16 = 64: 5 steps per epoch.
+    scored = [(r["step"], r["test_accuracy"]) for r in records(metrics) if "test_accuracy" in r]
+    assert [step for step, _ in scored] == [5, 10, 15, 20, 25]
+    assert scored[-1][1] == accuracy and all(a in np.arange(81) / 80 for _, a in scored)
+    assert "epoch 4 done: step 25 loss " in out
+    assert f", held-out accuracy {accuracy:.2%}, learning rate 0.03\n" in out
 
 
 @pytest.mark.parametrize(

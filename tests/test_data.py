@@ -292,3 +292,26 @@ def test_checkpoints_refuse_a_loader_over_another_data_set(tmp_path):
         match="saved with dataset_size=103; this loader has dataset_size=102",
     ):
         checkpoints.restore(step.init(np.zeros(3)), data=shorter)
+
+
+def test_evaluate_means_every_row_once_on_any_device_count_without_recompiling():
+    """10 rows in batches of 4 devices x 2 rows: 6 padding rows add nothing."""
+    traced = []
+
+    def metrics(scale, batch):
+        traced.append(1)  # once per trace
+        return {"x": batch["x"][:, 0] * scale, "even": batch["y"] % 2 == 0}
+
+    source = {"x": np.arange(10.0, dtype=np.float32)[:, None], "y": np.arange(10)}
+    expected = {"x": 2 * 4.5, "even": 0.5}
+    for devices in (4, 1, 4):  # the second 4-device call reuses the first's program
+        mesh = jaxdp.data_mesh(devices)
+        got = jaxdp.data.evaluate(metrics, np.float32(2.0), source, mesh=mesh, batch_size=2)
+        assert got == expected
+    assert len(traced) == 2
+    with pytest.raises(ValueError, match=r"batch_size=0 must be a positive integer"):
+        jaxdp.data.evaluate(metrics, 1.0, source, mesh=mesh, batch_size=0)
+    with pytest.raises(ValueError, match=r"metrics_fn's 'sum' has shape \(\); a metric needs"):
+        jaxdp.data.evaluate(
+            lambda p, b: {"sum": b["y"].sum()}, 1.0, source, mesh=mesh, batch_size=2
+        )

@@ -93,8 +93,16 @@ class _Run:
                     f"{name}={getattr(self.config, name)!r} ({reason})"
                 )
 
-    def loop(self, log: MetricsLog, stop: Callable[[SamplerPosition], bool] | None) -> bool:
+    def loop(
+        self,
+        log: MetricsLog,
+        stop: Callable[[SamplerPosition], bool] | None,
+        score: Callable[[Any], float] | None = None,
+    ) -> bool:
         """Trains from the loader's position; True if ``stop`` ended the run.
+
+        At the end of every epoch ``score(state)`` (held-out accuracy, a collective
+        over the processes) goes into that step's record as ``test_accuracy``.
 
         With several processes, ``stop`` is asked on each and the run ends on
         all of them after the first call where any says True.
@@ -108,6 +116,7 @@ class _Run:
         if self.share.process_index != 0:
             disable = True
         done = int(self.state.step)  # updates applied; then read once per update, not per call
+        accuracy = None  # held-out, at the last epoch's end
         if config.steps is not None and done >= config.steps:
             return False
         with tqdm(total=total, initial=done, unit="step", disable=disable) as bar:
@@ -125,17 +134,20 @@ class _Run:
                     if clock is None:
                         clock = (now, self.samples)
                     else:
-                        rate = (self.samples - clock[1]) / (now - clock[0])
-                        record["samples_per_s"] = rate
-                        bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{rate:.0f}")
+                        record["samples_per_s"] = (self.samples - clock[1]) / (now - clock[0])
+                    epoch_end = batch.position.step_in_epoch == 0
+                    if epoch_end and score is not None:
+                        record["test_accuracy"] = score(self.state)
+                        accuracy = record["test_accuracy"]
+                    bar.set_postfix(_postfix(record, accuracy), refresh=False)
                     log.write(record)
                     bar.update()
                     if not _finite(record):  # already on the host: no sync of its own
                         self._nonfinite(record)
                     if every and advanced and done % every == 0:
                         self.save()
-                    if bar.disable and batch.position.step_in_epoch == 0:
-                        say(f"epoch {batch.epoch} done: step {done} loss {record['loss']:.4f}")
+                    if bar.disable and epoch_end:
+                        say(_epoch_line(record))
                 if stop is not None and agree(stop(batch.position)):
                     return True
                 if config.steps is not None and done >= config.steps:
@@ -216,6 +228,28 @@ class _Run:
 def _where(position: SamplerPosition) -> str:
     text = f"next: epoch {position.epoch} batch {position.step_in_epoch}"
     return text + (f" micro-batch {position.micro_batch}" if position.micro_batch else "")
+
+
+def _postfix(record: dict[str, Any], accuracy: float | None) -> dict[str, str]:
+    """The progress bar's numbers: loss, held-out accuracy (last epoch's), lr, samples/s."""
+    shown = {"loss": f"{record['loss']:.4f}"}
+    if accuracy is not None:
+        shown["acc"] = f"{accuracy:.2%}"
+    if "learning_rate" in record:
+        shown["lr"] = f"{record['learning_rate']:.3g}"
+    if record["samples_per_s"] is not None:
+        shown["samples_s"] = f"{record['samples_per_s']:.0f}"
+    return shown
+
+
+def _epoch_line(record: dict[str, Any]) -> str:
+    """The plain output's line at an epoch's end (no progress bar)."""
+    line = f"epoch {record['epoch']} done: step {record['step']} loss {record['loss']:.4f}"
+    if "test_accuracy" in record:
+        line += f", held-out accuracy {record['test_accuracy']:.2%}"
+    if "learning_rate" in record:
+        line += f", learning rate {record['learning_rate']:.3g}"
+    return line
 
 
 def _finite(record: dict[str, Any]) -> bool:

@@ -25,17 +25,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
+from .._forward import merge_model
 from .._layout import BatchSizes, batch_sizes, epoch_schedule, process_share
 from .._mesh import data_mesh
 from .._position import SamplerPosition
 from .._step import TrainStep, make_train_step
+from .._train_state import TrainState
 from ..checkpoint._checkpoints import Checkpoints
+from ..data._evaluate import evaluate
 from ..data._loader import Loader
 from ..models._reference import CNN, MLP
 from ._config import Precision, TrainConfig
 from ._data import Split, load_digits, load_file
-from ._metrics import MetricsLog, plot_loss, sum_over_processes
+from ._metrics import MetricsLog, plot_loss
 from ._outputs import claimed
 from ._run import _Run, say
 
@@ -99,18 +103,26 @@ def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.sgd)(learning_rate=config.learning_rate, momentum=0.9)
 
 
-def evaluate(model: nnx.Module, x: np.ndarray, y: np.ndarray, precision: Precision) -> float:
-    """Top-1 accuracy of ``model`` on ``x``.
+def held_out_accuracy(
+    config: TrainConfig, data: Split, fresh: TrainState, mesh: Mesh
+) -> Callable[[TrainState], float]:
+    """``score(state)``: top-1 accuracy on the held-out rows, data-parallel over the
+    state's mesh (:func:`jaxdp.data.evaluate`: each process reads its devices' rows,
+    the counts are summed over devices and processes). Compiled once per run."""
+    graphdef = fresh.graphdef
 
-    With several processes each scores rows ``p::process_count`` on its own
-    copy of the model, and the counts are summed across processes.
-    """
-    p, count = jax.process_index(), jax.process_count()
-    x, y = x[p::count], y[p::count]
-    logits = nnx.jit(lambda m, x: forward(m, x, precision))(model, jnp.asarray(x))
-    correct = int(np.sum(np.argmax(np.asarray(logits), -1) == y))
-    correct, total = sum_over_processes(np.array([correct, len(y)]))
-    return float(correct / total)
+    def correct(params: Any, batch: tuple[jax.Array, jax.Array]) -> dict[str, jax.Array]:
+        x, y = batch
+        logits = forward(merge_model(graphdef, *params), x, config.precision)
+        return {"accuracy": jnp.argmax(logits, -1) == y}
+
+    rows = config.accum_steps * config.micro_batch_size  # per device, as in training
+
+    def score(state: TrainState) -> float:
+        params, source = (state.params, state.model_state), (data.x_test, data.y_test)
+        return evaluate(correct, params, source, mesh=mesh, batch_size=rows)["accuracy"]
+
+    return score
 
 
 # ---- the run ---------------------------------------------------------------------------
@@ -237,14 +249,13 @@ def finish(prepared: Prepared, *, stop: Callable[[SamplerPosition], bool] | None
     """Trains a prepared run to its end, checkpoints, evaluates; returns the summary."""
     config, run, data, log, lead = prepared
     start = time.perf_counter()
-    stopped = run.loop(log, stop)
+    score = held_out_accuracy(config, data, run.state, run.step.mesh)
+    stopped = run.loop(log, stop, score)
     run.save_final()
-    # Each process scores its own copy of the (replicated) model.
-    params, rest = jax.tree.map(
-        lambda a: np.asarray(a.addressable_data(0)), (run.state.params, run.state.model_state)
-    )
-    model = run.step.model(run.state._replace(params=params, model_state=rest))
-    accuracy = evaluate(model, data.x_test, data.y_test, config.precision)
+    last = log.records[-1] if log.records else {}
+    accuracy = last.get("test_accuracy")
+    if accuracy is None or last["step"] != int(run.state.step):
+        accuracy = score(run.state)  # the run did not end at an epoch's end
     if config.plot and lead:
         plot_loss(log.records, config.plot, title=f"jaxdp train: {run.sizes.describe()}")
     summary = {
