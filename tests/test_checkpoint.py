@@ -407,7 +407,7 @@ def test_loss_plot_is_a_png(three):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 
-    assert matplotlib.image.imread(png).shape == (400, 600, 4)
+    assert matplotlib.image.imread(png).shape == (600, 700, 4)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ import pytest
 
 import jaxdp
 from jaxdp.cli import main
-from jaxdp.cli._metrics import MetricsLog
+from jaxdp.cli._metrics import MetricsLog, plot_training
 from jaxdp.cli._train import TrainConfig, train
 
 
@@ -567,9 +568,12 @@ def write_blobs(path, n=400, features=6, classes=3):
 def test_train_on_a_users_npz_sizes_the_model_from_it(tmp_path, capsys):
     data = tmp_path / "blobs.npz"
     write_blobs(data)
-    summary, metrics = tmp_path / "summary.json", tmp_path / "m.jsonl"
+    summary, metrics, board = tmp_path / "summary.json", tmp_path / "m.jsonl", tmp_path / "tb"
     flags = ["--data", str(data), "--num-devices", "2", "--epochs", "5", "--lr", "3e-2"]
-    assert main([*TRAIN, *flags, "--summary-out", str(summary), "--metrics-out", str(metrics)]) == 0
+    flags += ["--summary-out", str(summary), "--metrics-out", str(metrics)]
+    assert (
+        main([*TRAIN, *flags, "--tensorboard", str(board), "--plot", str(tmp_path / "p.png")]) == 0
+    )
     out = capsys.readouterr().out
     assert f"jaxdp train: {data} MLP (float32) on 2 cpu device(s), 320 train / 80 held-out" in out
     accuracy = json.loads(summary.read_text())["test_accuracy"]
@@ -581,6 +585,47 @@ def test_train_on_a_users_npz_sizes_the_model_from_it(tmp_path, capsys):
     assert scored[-1][1] == accuracy and all(a in np.arange(81) / 80 for _, a in scored)
     assert "epoch 4 done: step 25 loss " in out
     assert f", held-out accuracy {accuracy:.2%}, learning rate 0.03\n" in out
+    # The event files read back: every step's loss, every epoch's held-out accuracy.
+    scalars = tensorboard_scalars(board)
+    f32 = np.float32
+    assert scalars["held_out/accuracy"] == [(step, f32(a)) for step, a in scored]
+    assert scalars["train/loss"] == [(r["step"], f32(r["loss"])) for r in records(metrics)]
+    assert {s for s, _ in scalars["train/learning_rate"]} == set(range(1, 26))
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def tensorboard_scalars(directory):
+    """``{tag: [(step, value)]}`` of the event files in ``directory`` (TFRecord framing:
+    length, its CRC, the serialized Event, its CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    found = {}
+    for file in sorted(directory.glob("events.out.tfevents.*")):
+        data, at = file.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                found.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return found
+
+
+def test_the_plot_shows_loss_raw_and_smoothed_accuracy_and_rate_under_a_whole_title(tmp_path):
+    rows = [{"step": s, "loss": 2.0 / s, "learning_rate": 1e-3} for s in range(1, 31)]
+    for r in rows[9::10]:
+        r["test_accuracy"] = r["step"] / 40
+    sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=16)
+    title = "jaxdp train: " + sizes.describe()
+    fig = plot_training(rows, str(tmp_path / "p.png"), title=title)
+    top, bottom, rate = fig.axes
+    assert [line.get_label() for line in top.get_lines()] == ["raw", "smoothed (EMA 0.9)"]
+    assert list(bottom.get_lines()[0].get_xdata()) == [10, 20, 30]
+    assert list(rate.get_lines()[0].get_ydata()) == [1e-3] * 30
+    shown = fig._suptitle
+    assert shown.get_text().replace("\n", " ") == title
+    box, page = shown.get_window_extent(), fig.bbox  # as drawn by savefig
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and box.y1 <= page.y1, (box, page)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent
 CORE = {"jax", "flax", "optax", "numpy", "orbax-checkpoint"}
-COMMAND_LINE = {"scikit-learn", "tqdm", "matplotlib", "grain"}
+COMMAND_LINE = {
+    "scikit-learn",
+    "tqdm",
+    "matplotlib",
+    "grain",
+    "tensorboardx",
+}  # as the wheel spells it
 DATA = {"grain"}  # jaxdp.data's extra
 
 

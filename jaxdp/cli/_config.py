@@ -41,7 +41,8 @@ class TrainConfig:
     resume: bool = False  # continue from the newest readable checkpoint in checkpoint_dir
     force_resume: bool = False  # resume even with another global_batch_size
     metrics_out: str | None = None  # JSON lines file, one record per optimizer step
-    plot: str | None = None  # PNG of the loss curve
+    plot: str | None = None  # PNG of loss, held-out accuracy and learning rate
+    tensorboard: str | None = None  # a TensorBoard log directory for the metrics
     progress: bool | None = None  # progress bar; None: only on a terminal
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ CLI_EXTRA = {
     "tqdm": "tqdm",
     "matplotlib": "matplotlib",
     "grain": "grain",
+    "tensorboardX": "tensorboardX",
 }
 
 

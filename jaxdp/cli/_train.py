@@ -39,7 +39,7 @@ from ..data._loader import Loader
 from ..models._reference import CNN, MLP
 from ._config import Precision, TrainConfig
 from ._data import Split, load_digits, load_file
-from ._metrics import MetricsLog, plot_loss
+from ._metrics import MetricsLog, plot_training
 from ._outputs import claimed
 from ._run import _Run, say
 
@@ -241,7 +241,8 @@ def prepare(
         run = _Run(config, step, share, loader, checkpoints)
         run.start(step.init(build(config, data)))
         metrics_out = config.metrics_out if lead else None
-        with MetricsLog(metrics_out, resume_step=run.resumed_step) as log:
+        board = config.tensorboard if lead else None
+        with MetricsLog(metrics_out, resume_step=run.resumed_step, tensorboard=board) as log:
             yield Prepared(config, run, data, log, lead)
 
 
@@ -257,7 +258,7 @@ def finish(prepared: Prepared, *, stop: Callable[[SamplerPosition], bool] | None
     if accuracy is None or last["step"] != int(run.state.step):
         accuracy = score(run.state)  # the run did not end at an epoch's end
     if config.plot and lead:
-        plot_loss(log.records, config.plot, title=f"jaxdp train: {run.sizes.describe()}")
+        plot_training(log.records, config.plot, title=f"jaxdp train: {run.sizes.describe()}")
     summary = {
         "steps": int(run.state.step),
         "samples": run.samples,
