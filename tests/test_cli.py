@@ -398,6 +398,7 @@ def run_without(blocked, argv):
     [
         (["train"], {"sklearn", "tqdm", "matplotlib"}, "scikit-learn, tqdm, matplotlib"),
         (["train", "--steps", "5"], {"tqdm"}, "tqdm"),
+        (["train", "--tensorboard", "tb"], {"tensorboardX"}, "tensorboardX"),
         (["bench", "--quick"], {"sklearn", "tqdm", "matplotlib"}, "matplotlib"),
     ],
 )
