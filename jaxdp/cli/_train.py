@@ -106,9 +106,11 @@ def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
 def held_out_accuracy(
     config: TrainConfig, data: Split, fresh: TrainState, mesh: Mesh
 ) -> Callable[[TrainState], float]:
-    """``score(state)``: top-1 accuracy on the held-out rows, data-parallel over the
-    state's mesh (:func:`jaxdp.data.evaluate`: each process reads its devices' rows,
-    the counts are summed over devices and processes). Compiled once per run."""
+    """``score(state)``: top-1 accuracy on the held-out rows, data-parallel over
+    ``mesh`` (:func:`jaxdp.data.evaluate`: each process reads its devices' rows, the
+    counts are summed over devices and processes), ``accum_steps x micro_batch_size``
+    rows per device at a time. Compiled once per run (``fresh`` gives the model's
+    structure)."""
     graphdef = fresh.graphdef
 
     def correct(params: Any, batch: tuple[jax.Array, jax.Array]) -> dict[str, jax.Array]:
