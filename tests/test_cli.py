@@ -200,12 +200,17 @@ def test_usage_errors_exit_2_with_one_line_before_training(flags, message, capsy
         ("file", "checkpoint_dir='{file}' is a file, not a directory"),
         ("file/ckpt", "checkpoint_dir='{file}/ckpt' is inside {file}, which is a file, not a "),
         ("file/m.jsonl", "metrics_out='{file}/m.jsonl' is inside {file}, which is a file"),
+        ("file/tb", "tensorboard='{file}/tb' cannot be created: [Errno 20] Not a directory"),
     ],
 )
 def test_an_output_path_inside_a_file_is_a_usage_error(tmp_path, capsys, where, message):
     file = tmp_path / "file"
     file.write_text("")
-    flag = "--metrics-out" if where.endswith(".jsonl") else "--checkpoint-dir"
+    flag = "--checkpoint-dir"
+    if where.endswith(".jsonl"):
+        flag = "--metrics-out"
+    elif where.endswith("/tb"):
+        flag = "--tensorboard"
     with pytest.raises(SystemExit) as exit_:
         main([*TRAIN, flag, str(tmp_path / where)])
     assert exit_.value.code == 2

@@ -34,14 +34,15 @@ class MetricsLog:
         self._file = None
         self._board = None
         if tensorboard is not None:
+            try:  # before the import below: a bad directory costs nothing
+                pathlib.Path(tensorboard).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"tensorboard={tensorboard!r} cannot be created: {e}") from None
             # tensorboardX imports torch where it is installed: only when asked for.
             from tensorboardX import SummaryWriter
 
             purge = None if resume_step is None else resume_step + 1
-            try:
-                self._board = SummaryWriter(tensorboard, purge_step=purge, flush_secs=10)
-            except OSError as e:
-                raise ValueError(f"tensorboard={tensorboard!r} cannot be written: {e}") from None
+            self._board = SummaryWriter(tensorboard, purge_step=purge, flush_secs=10)
         if path is None:
             return
         file = pathlib.Path(path)
