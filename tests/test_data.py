@@ -298,9 +298,11 @@ def test_evaluate_means_every_row_once_on_any_device_count_without_recompiling()
     """10 rows in batches of 4 devices x 2 rows: 6 padding rows add nothing."""
     traced = []
 
-    def metrics(scale, batch):
+    def per_row(scale, batch):
         traced.append(1)  # once per trace
         return {"x": batch["x"][:, 0] * scale, "even": batch["y"] % 2 == 0}
+
+    metrics: jaxdp.data.MetricsFn = per_row
 
     source = {"x": np.arange(10.0, dtype=np.float32)[:, None], "y": np.arange(10)}
     expected = {"x": 2 * 4.5, "even": 0.5}
