@@ -25,9 +25,9 @@ Expected output (``--quick``; the numbers vary a little with the CPU)::
     step    6/12: loss 3.358639
     checkpoint at step 6: next epoch 0 batch 6
     ...
-    step   12/12: loss 3.080874
+    step   12/12: loss 3.109145
     checkpoint at step 12: next epoch 0 batch 12
-    held-out loss after 12 steps: 3.07
+    held-out loss after 12 steps: 3.02
 
 After ``--resume`` from the checkpoint of step 6 (``resumed at step 6: next
 SamplerPosition(epoch=0, step_in_epoch=6, micro_batch=0)``) steps 7 to 12 print
