@@ -101,6 +101,7 @@ def test_char_gpt_from_a_token_memmap_resumes_at_the_same_windows(tmp_path):
     resumed = dict(re.findall(r"step +(\d+)/12: loss (\S+)", again))
     assert resumed == {s: loss for s, loss in losses.items() if int(s) > 6}  # the same windows
     held_out = r"held-out loss after 12 steps: ([\d.]+)"
+    # Observed 3.02 after 12 steps (uniform over 103 characters: ln 103 = 4.63).
     assert number(held_out, again) == number(held_out, out) < 3.5
 
 
