@@ -23,13 +23,11 @@ from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from .._layout import BatchSizes
 from .._position import SamplerPosition
 from .._train_state import TrainState, check_live
-from ._data import DataPosition, from_data, restore_data
+from ._data import DataPosition, from_data, restore_data, sizes_of
 from ._meta import FORMAT, array_sha256, check_sealed, sealed
 from ._quiet import quiet_failed_read_noise
 from ._rules import (
@@ -41,10 +39,9 @@ from ._rules import (
     is_accumulator,
     is_per_device,
     is_shard,
-    leaf_name,
     named,
 )
-from ._tree import abstract, join, relaid, saved_tree, split, state_from_tree, zeros
+from ._tree import abstract, as_saved, join, relaid, saved_tree, split, state_from_tree, zeros
 from ._write_failure import no_room, quiet_writer_thread_logs
 
 
@@ -228,10 +225,7 @@ class Checkpoints:
         stood (:meth:`jaxdp.data.Loader.restore`: another data set length or
         order refused with both values), before any array is read.
         """
-        if sizes is None:
-            if data is None:
-                raise ValueError("give sizes= (this run's batch identity) or data= (a loader)")
-            sizes = data.sizes
+        sizes = sizes_of(data, sizes)
         failures: list[tuple[int, Exception]] = []
         for number, meta in self._newest_first(failures):
             path = self.directory / str(number)
@@ -348,7 +342,7 @@ class Checkpoints:
         if read_devices:
             items["per_device"] = ocp.args.StandardRestore(abstract(devices))
         if jax.tree.leaves(shards):
-            items["shards"] = ocp.args.StandardRestore(_as_saved(shards, meta, same_devices))
+            items["shards"] = ocp.args.StandardRestore(as_saved(shards, meta, same_devices))
         out = self._manager.restore(number, args=ocp.args.Composite(**items))
         # Not read: at an optimizer-step boundary the accumulators are zero.
         devices = out["per_device"] if read_devices else jax.tree.map(zeros, devices)
@@ -393,21 +387,6 @@ class Checkpoints:
             if number < newest_verified:
                 self._manager.delete(number)
                 self._verified.discard(number)
-
-
-def _as_saved(shards: Any, meta: dict[str, Any], same_devices: bool) -> Any:
-    """What to read the ZeRO shards into: this run's layout on the same device count;
-    else the saved shapes, replicated on this mesh, to be re-laid out (:func:`relaid`)."""
-    if same_devices:
-        return abstract(shards)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.ShapeDtypeStruct(
-            tuple(meta["leaves"][leaf_name(path)]["shape"]),
-            x.dtype,
-            sharding=NamedSharding(x.sharding.mesh, P()),
-        ),
-        shards,
-    )
 
 
 def _short(error: Exception) -> str:

@@ -50,6 +50,15 @@ def from_data(
     return position, BatchSizes(**loader["batch"]), samples, seed, loader
 
 
+def sizes_of(data: DataPosition | None, sizes: BatchSizes | None) -> BatchSizes:
+    """``restore``'s batch identity: ``sizes``, else the loader's."""
+    if sizes is not None:
+        return sizes
+    if data is None:
+        raise ValueError("give sizes= (this run's batch identity) or data= (a loader)")
+    return data.sizes
+
+
 def restore_data(
     data: DataPosition, meta: dict[str, Any], *, force: bool, path: pathlib.Path
 ) -> None:

@@ -46,7 +46,8 @@ def evaluate(
     ``metrics_fn(params, batch)`` gets a device's block of ``batch_size`` rows
     (the source's fields, stacked as :class:`Loader` stacks them, each record
     through ``transform`` if given) and returns a mapping of per-row values, each
-    of shape ``[batch_size]`` (bool, integer or float). The rows ``[0, len(source))`` are cut into evaluation batches of
+    of shape ``[batch_size]`` (bool, integer or float). The rows
+    ``[0, len(source))`` are cut into evaluation batches of
     ``num_devices * batch_size``, device-major; the last batch is padded with
     row 0 at weight 0 (padding adds nothing). Each device sums its rows' values
     (integers exactly, floats in their dtype), one ``psum`` per batch adds the
