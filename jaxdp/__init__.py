@@ -4,7 +4,7 @@ The batch is split over a one-axis device mesh; every optimizer step averages
 gradients with ONE all-reduce issued after the last micro-batch, exactly like
 PyTorch DDP with ``no_sync()``. This module is the core a training script
 needs; the tools are subpackages, imported on first use:
-``jaxdp.checkpoint``, ``jaxdp.models``, ``jaxdp.parity``, ``jaxdp.plan`` and
+``jaxdp.checkpoint``, ``jaxdp.data``, ``jaxdp.models``, ``jaxdp.parity``, ``jaxdp.plan`` and
 ``jaxdp.cli``. Everything not re-exported is private.
 
 ``import jaxdp`` imports JAX but does not start its backend, so
@@ -97,7 +97,7 @@ __all__ = [
 ]
 
 # The tools, imported on first use (``jaxdp.checkpoint.Checkpoints`` after ``import jaxdp``).
-_SUBPACKAGES = frozenset({"checkpoint", "cli", "models", "parity", "plan"})
+_SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "models", "parity", "plan"})
 
 
 def __getattr__(name: str) -> _Any:

@@ -164,3 +164,47 @@ def test_gpu_script_imports_without_a_gpu_and_counts_gpt2_small(tmp_path):
     assert sum(int(np.prod(p.shape)) for p in params) == gpu.param_count(gpu.TINY)
     assert gpu.main(["--out", str(tmp_path)]) == 2  # no GPU here: it says so and stops
     assert not list(tmp_path.iterdir())
+
+
+def test_loader_targets_and_section_from_a_result():
+    """`jaxdp bench --only loader`'s verdicts and tables (the timings here are made up)."""
+    from jaxdp.cli.bench._render_loader import loader_section, loader_targets
+
+    ratios = {"fused": 1.03, "multisteps": 1.08}
+    rows = [
+        {"path": p, "pre_placed_seconds": 0.01, "step_seconds": 0.01 * r, "ratio": r}
+        for p, r in ratios.items()
+    ]
+    curve = [
+        {"workers": n, "step_seconds": 0.01, "ratio": r, "ratios": [r]}
+        for n, r in ((1, 1.9), (4, 1.07))
+    ]
+    result = {
+        "num_devices": 4,
+        "accum_steps": 2,
+        "repeats": 9,
+        "models": [{"model": "mlp", "rows": rows}],
+        "slow_source": {
+            "model": "mlp",
+            "delay_per_record_seconds": 2e-5,
+            "single_thread_read_seconds": 0.01,
+            "pre_placed_seconds": 0.01,
+            "rows": curve,
+        },
+        "memory": [
+            {
+                "prefetch": 2,
+                "workers": 2,
+                "placed_batches_alive": 4,
+                "placed_bytes": 400,
+                "batch_bytes": 100,
+                "calls_read": 6,
+            }
+        ],
+    }
+    targets = loader_targets(result)
+    assert targets[0][1:] == ["worst 1.080 (multisteps)", "**missed** by 3% of the target"]
+    assert targets[1][1:] == ["1.070 (workers=4)", "met"]
+    section = loader_section(result)
+    assert "| mlp | multisteps | 10.00 ms | 10.80 ms | **1.080** |" in section
+    assert "| 2 | 2 | 4 | 400 B (4.0 batches) | 6 |" in section

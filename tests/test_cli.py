@@ -8,16 +8,18 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import jaxdp
 from jaxdp.cli import main
-from jaxdp.cli._metrics import MetricsLog
+from jaxdp.cli._metrics import MetricsLog, plot_training
 from jaxdp.cli._train import TrainConfig, train
 
 
@@ -198,12 +200,17 @@ def test_usage_errors_exit_2_with_one_line_before_training(flags, message, capsy
         ("file", "checkpoint_dir='{file}' is a file, not a directory"),
         ("file/ckpt", "checkpoint_dir='{file}/ckpt' is inside {file}, which is a file, not a "),
         ("file/m.jsonl", "metrics_out='{file}/m.jsonl' is inside {file}, which is a file"),
+        ("file/tb", "tensorboard='{file}/tb' cannot be created: [Errno 20] Not a directory"),
     ],
 )
 def test_an_output_path_inside_a_file_is_a_usage_error(tmp_path, capsys, where, message):
     file = tmp_path / "file"
     file.write_text("")
-    flag = "--metrics-out" if where.endswith(".jsonl") else "--checkpoint-dir"
+    flag = "--checkpoint-dir"
+    if where.endswith(".jsonl"):
+        flag = "--metrics-out"
+    elif where.endswith("/tb"):
+        flag = "--tensorboard"
     with pytest.raises(SystemExit) as exit_:
         main([*TRAIN, flag, str(tmp_path / where)])
     assert exit_.value.code == 2
@@ -396,6 +403,7 @@ def run_without(blocked, argv):
     [
         (["train"], {"sklearn", "tqdm", "matplotlib"}, "scikit-learn, tqdm, matplotlib"),
         (["train", "--steps", "5"], {"tqdm"}, "tqdm"),
+        (["train", "--tensorboard", "tb"], {"tensorboardX"}, "tensorboardX"),
         (["bench", "--quick"], {"sklearn", "tqdm", "matplotlib"}, "matplotlib"),
     ],
 )
@@ -551,3 +559,148 @@ def test_a_full_disk_while_checkpointing_is_one_line_naming_the_newest_checkpoin
         run["stderr"],
     ), run["stderr"][-3000:]
     assert f"checkpoint {ckpt}/{newest}: step {newest}" in run["stdout"]
+
+
+def write_blobs(path, n=400, features=6, classes=3):
+    """Three well-separated Gaussian blobs: a user's own classification data."""
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, classes, size=n)
+    centers = rng.normal(scale=4.0, size=(classes, features))
+    x = centers[y] + rng.normal(size=(n, features))
+    np.savez(path, x=x.astype(np.float32), y=y)
+    return x, y
+
+
+def test_train_on_a_users_npz_sizes_the_model_from_it(tmp_path, capsys):
+    data = tmp_path / "blobs.npz"
+    write_blobs(data)
+    summary, metrics, board = tmp_path / "summary.json", tmp_path / "m.jsonl", tmp_path / "tb"
+    flags = ["--data", str(data), "--num-devices", "2", "--epochs", "5", "--lr", "3e-2"]
+    flags += ["--summary-out", str(summary), "--metrics-out", str(metrics)]
+    assert (
+        main([*TRAIN, *flags, "--tensorboard", str(board), "--plot", str(tmp_path / "p.png")]) == 0
+    )
+    out = capsys.readouterr().out
+    assert f"jaxdp train: {data} MLP (float32) on 2 cpu device(s), 320 train / 80 held-out" in out
+    accuracy = json.loads(summary.read_text())["test_accuracy"]
+    assert accuracy > 0.95  # separable: near 1
+    # Held-out accuracy (over the mesh) and the learning rate at every epoch's end.
+    # 320 rows, global batch 2 x 2 x 16 = 64: 5 steps per epoch.
+    scored = [(r["step"], r["test_accuracy"]) for r in records(metrics) if "test_accuracy" in r]
+    assert [step for step, _ in scored] == [5, 10, 15, 20, 25]
+    assert scored[-1][1] == accuracy and all(a in np.arange(81) / 80 for _, a in scored)
+    assert "epoch 4 done: step 25 loss " in out
+    assert f", held-out accuracy {accuracy:.2%}, learning rate 0.03\n" in out
+    # The event files read back: every step's loss, every epoch's held-out accuracy.
+    scalars = tensorboard_scalars(board)
+    f32 = np.float32
+    assert scalars["held_out/accuracy"] == [(step, f32(a)) for step, a in scored]
+    assert scalars["train/loss"] == [(r["step"], f32(r["loss"])) for r in records(metrics)]
+    assert {s for s, _ in scalars["train/learning_rate"]} == set(range(1, 26))
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def tensorboard_scalars(directory):
+    """``{tag: [(step, value)]}`` of the event files in ``directory`` (TFRecord framing:
+    length, its CRC, the serialized Event, its CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    found = {}
+    for file in sorted(directory.glob("events.out.tfevents.*")):
+        data, at = file.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                found.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return found
+
+
+def test_the_plot_shows_loss_raw_and_smoothed_accuracy_and_rate_under_a_whole_title(tmp_path):
+    rows = [{"step": s, "loss": 2.0 / s, "learning_rate": 1e-3} for s in range(1, 31)]
+    for r in rows[9::10]:
+        r["test_accuracy"] = r["step"] / 40
+    sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=16)
+    title = "jaxdp train: " + sizes.describe()
+    fig = plot_training(rows, str(tmp_path / "p.png"), title=title)
+    top, bottom, rate = fig.axes
+    assert [line.get_label() for line in top.get_lines()] == ["raw", "smoothed (EMA 0.9)"]
+    assert list(bottom.get_lines()[0].get_xdata()) == [10, 20, 30]
+    assert list(rate.get_lines()[0].get_ydata()) == [1e-3] * 30
+    shown = fig._suptitle
+    assert shown.get_text().replace("\n", " ") == title
+    box, page = shown.get_window_extent(), fig.bbox  # as drawn by savefig
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and box.y1 <= page.y1, (box, page)
+
+
+@pytest.mark.parametrize(
+    "arrays,message",
+    [
+        (None, "data='{path}' does not exist"),
+        ({"x": np.zeros((10, 2))}, "data='{path}' has arrays ['x']; it needs x (features or "),
+        (
+            {"x": np.zeros((10, 2)), "y": np.zeros(9, int)},
+            "data='{path}': x has shape (10, 2) and y (9,)",
+        ),
+        ({"x": np.zeros((10, 2)), "y": np.zeros(10)}, "data='{path}': y must hold class indices"),
+    ],
+)
+def test_bad_data_files_are_usage_errors_before_training(tmp_path, capsys, arrays, message):
+    path = tmp_path / "mine.npz"
+    if arrays is not None:
+        np.savez(path, **arrays)
+    with pytest.raises(SystemExit) as exit_:
+        main([*TRAIN, "--data", str(path), "--steps", "1"])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"jaxdp train: error: {message.format(path=path)}")
+    assert "held-out accuracy" not in out
+
+
+def test_a_data_directory_without_y_npy_is_a_usage_error(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.zeros((10, 2), np.float32))
+    with pytest.raises(SystemExit) as exit_:
+        main([*TRAIN, "--data", str(tmp_path), "--steps", "1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        f"jaxdp train: error: data='{tmp_path}' is a directory without ['y.npy']; it needs "
+        "x.npy (features or images) and y.npy (integer labels)\n"
+    )
+
+
+def test_kill_9_mid_run_then_resume_trains_the_same_rows_as_an_uninterrupted_run(tmp_path):
+    """kill -9 at a random step of a run on a directory of .npy (x read as a memmap),
+    then --resume: the loader continues at the checkpoint's rows, no position given."""
+    data = tmp_path / "blobs"
+    data.mkdir()
+    x, y = write_blobs(tmp_path / "blobs.npz")
+    np.save(data / "x.npy", x.astype(np.float32))
+    np.save(data / "y.npy", y)
+    # 320 train rows, global batch 2 x 2 x 8 = 32: 10 steps per epoch.
+    flags = ["--data", str(data), "--num-devices", "2", "--micro-batch-size", "8", "--hidden", "8"]
+    flags += ["--epochs", "1000", "--checkpoint-every", "2"]
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    out = ["--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics)]
+    killed_at = np.random.default_rng().integers(3, 15)  # after this many updates
+    child = subprocess.Popen(
+        [sys.executable, "-m", "jaxdp", "train", "--cpu-devices", "2", *flags, *out],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while child.poll() is None and not (
+        metrics.exists() and len(metrics.read_text().splitlines()) >= killed_at
+    ):
+        time.sleep(0.01)
+    child.kill()  # SIGKILL: no handler runs, no checkpoint at the stop
+    assert child.wait(timeout=60) == -signal.SIGKILL, child.stderr.read()[-2000:]
+    newest = jaxdp.checkpoint.Checkpoints(ckpt).steps[-1]
+    assert newest < 30, f"killed after {killed_at} updates, too late: checkpoint {newest}"
+    assert main([*TRAIN, "--checkpoint-dir", str(ckpt), "--resume", "--steps", "30"]) == 0
+    whole = ["--checkpoint-dir", str(tmp_path / "whole"), "--metrics-out", str(tmp_path / "w")]
+    assert main([*TRAIN, *flags, *whole, "--steps", "30"]) == 0
+    # Every step's loss and gradient norm, bitwise, and the final weights.
+    assert records(metrics) == records(tmp_path / "w"), f"killed after {killed_at} updates"
+    assert len(records(metrics)) == 30
+    assert saved_leaves(ckpt) == saved_leaves(tmp_path / "whole")

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import types
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from helpers import RTOL, assert_trees_close
 import jaxdp
 from jaxdp.cli import main
 from jaxdp.cli._launch import child_argv
-from jaxdp.cli._train import TrainConfig, _Run, build, make_step, train
+from jaxdp.cli._train import TrainConfig, build, make_step, train
 
 ROOT = pathlib.Path(__file__).parent.parent
 LAUNCH = [sys.executable, "-m", "jaxdp", "launch"]
@@ -40,47 +39,6 @@ def run_script(tmp_path, code, args, **kwargs):
 
 
 # ---- jaxdp.initialize ----------------------------------------------------------------
-
-
-class Counting:
-    """An array that records which rows are read from it."""
-
-    def __init__(self, x):
-        self.x, self.read = x, []
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, rows):
-        self.read.append(np.asarray(rows))
-        return self.x[rows]
-
-
-@pytest.mark.parametrize("path", ["fused", "multisteps"])
-def test_train_loader_reads_only_its_process_rows(path):
-    """`jaxdp train`'s loader, fed as process 0 or 1 of a mesh whose devices belong
-    to two processes (two each): each reads its ranks' rows of every step, once."""
-    config = TrainConfig(path=path, num_devices=4, accum_steps=2, micro_batch_size=8, epochs=2)
-    sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=8)
-    devices = np.array([types.SimpleNamespace(process_index=p) for p in (0, 0, 1, 1)])
-    mesh = types.SimpleNamespace(devices=devices)
-    x, y = np.arange(300.0)[:, None], np.arange(300)
-    reads = []
-    for process in (0, 1):
-        share = jaxdp.process_share(mesh, sizes, process_index=process)
-        run = _Run(config, None, sizes, share, steps_per_epoch=4, checkpoints=None)
-        counting = Counting(x)
-        calls = list(run._calls(counting, y))
-        assert sum(emitted for *_, emitted in calls) == 2 * 4  # every step of 2 epochs
-        reads.append(np.concatenate(counting.read))
-    expected = [
-        jaxdp.epoch_schedule(300, sizes, epoch=e, seed=config.seed).rows[:, rows].ravel()
-        for rows in (slice(0, 32), slice(32, 64))
-        for e in (0, 1)
-    ]
-    np.testing.assert_array_equal(reads[0], np.concatenate(expected[:2]))
-    np.testing.assert_array_equal(reads[1], np.concatenate(expected[2:]))
-    assert len(reads[0]) == len(reads[1]) == 2 * 4 * 32  # half of each 64-row step
 
 
 def test_launch_resolves_scripts_modules_and_subcommands():
@@ -306,7 +264,8 @@ def test_train_on_two_processes_equals_one_process_with_four_devices(tmp_path):
     # Only process 0 prints; gloo's connection note stays out of the ranks' stdout.
     assert not [x for x in out if x.startswith("[rank 1]")]
     assert not [x for x in out if "Gloo" in x or "peer ranks" in x]
-    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 5
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 5
     there = [json.loads(line) for line in (tmp_path / "m").read_text().splitlines()]
 
     config = TrainConfig(
@@ -316,7 +275,8 @@ def test_train_on_two_processes_equals_one_process_with_four_devices(tmp_path):
         checkpoint_dir=str(tmp_path / "here"),
         metrics_out=str(tmp_path / "m_here"),
     )
-    train(config)
+    # Held-out accuracy over 2 processes' devices (jaxdp.data.evaluate): the same count.
+    assert train(config)["test_accuracy"] == summary["test_accuracy"]
     here = [json.loads(line) for line in (tmp_path / "m_here").read_text().splitlines()]
     assert [r["step"] for r in there] == [r["step"] for r in here] == [1, 2, 3, 4, 5]
     assert [r["samples"] for r in there] == [r["samples"] for r in here]  # all processes'
@@ -402,3 +362,69 @@ def test_the_multi_process_example_runs_unchanged_on_one_process_and_on_two(tmp_
     # float32: the batch, losses and weights as printed (4 and 1 decimals) are the same.
     assert launched[1] == alone[1] and launched[3:] == alone[3:] and len(alone) == 5
     assert len(launched) == 5  # nothing else on stdout: gloo's note is filtered out
+
+
+def test_the_loader_on_two_processes_reads_only_each_process_rows(tmp_path):
+    """jaxdp.data.Loader under ``jaxdp launch`` (2 processes x 2 devices): each process
+    reads exactly its devices' rows of every call, once, and training through it gives
+    the loss one process computes from epoch_schedule's global batches."""
+    done = run_script(
+        tmp_path,
+        """
+        import json, threading
+        import jax.numpy as jnp, numpy as np, optax
+        import jaxdp, jaxdp.data
+
+        class Counting:
+            def __init__(self, x):
+                self.x, self.read, self.lock = x, [], threading.Lock()
+            def __len__(self):
+                return len(self.x)
+            def __getitem__(self, i):
+                with self.lock:
+                    self.read.append(i)
+                return self.x[i]
+
+        mesh = jaxdp.initialize()
+        sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=3)
+        x = np.arange(50.0)[:, None]
+        out = {}
+        for path in ("fused", "multisteps"):
+            source = Counting(x)
+            loader = jaxdp.data.Loader(source, sizes, mesh=mesh, path=path, epochs=2)
+            step = jaxdp.make_train_step(lambda p, b: jnp.mean(b @ p), optax.sgd(0.1),
+                                         mesh=mesh, accum_steps=2, path=path)
+            state, losses = step.init(np.ones(1)), []
+            for batch in loader:
+                state, metrics = step(state, batch.data, batch.micro_weights)
+                if batch.emits:
+                    losses.append(float(metrics["loss"]))
+            out[path] = {"read": sorted(source.read), "losses": losses}
+        print("RESULT", json.dumps(out))
+        """,
+        ["--nprocs", "2", "--devices-per-process", "2", "--timeout-s", "60"],
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = {}
+    for line in done.stdout.splitlines():
+        rank, _, payload = line.partition(" RESULT ")
+        if payload:
+            results[rank] = json.loads(payload)
+    assert set(results) == {"[rank 0]", "[rank 1]"}
+    sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=3)
+    schedules = [jaxdp.epoch_schedule(50, sizes, epoch=e).rows for e in (0, 1)]
+    for process, rows in ((0, slice(0, 12)), (1, slice(12, 24))):
+        mine = np.concatenate([s[:, rows].ravel() for s in schedules])
+        for path in ("fused", "multisteps"):
+            # Each of its rows once per call that holds it, and nothing of the other's.
+            assert results[f"[rank {process}]"][path]["read"] == sorted(mine.tolist())
+    # Loss of each step before its update: mean(x @ w) of the global batch; w moves by
+    # -0.1 each step (the gradient of mean(x @ w) is mean(x) = the batch's mean row).
+    w, expected = 1.0, []
+    for rows in np.concatenate(schedules):
+        expected.append(float(np.mean(rows * w)))
+        w -= 0.1 * float(np.mean(rows))
+    for rank in results.values():
+        for path in ("fused", "multisteps"):
+            np.testing.assert_allclose(rank[path]["losses"], expected, rtol=1e-6)

@@ -28,6 +28,7 @@ BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 SUBPACKAGES = (
     "jaxdp",
     "jaxdp.checkpoint",
+    "jaxdp.data",
     "jaxdp.models",
     "jaxdp.parity",
     "jaxdp.plan",
@@ -96,6 +97,13 @@ assert isinstance(restored, jaxdp.checkpoint.Restored)
 assert int(restored.state.step) == 2
 assert restored.position == jaxdp.SamplerPosition(0, 2, 0)
 np.testing.assert_array_equal(restored.state.params["w"], state.params["w"])
+""",
+    },
+    "data.md": {
+        -1: """
+assert again.position == restored.position == jaxdp.SamplerPosition(1, 2, 0)
+np.testing.assert_array_equal(restored.state.params, state.params)
+assert again.samples == loader.samples == 7 * sizes.global_batch_size  # 5 + 2 steps
 """,
     },
     "scaling-out.md": {-1: "assert (share.process_count, share.rows) == (1, slice(0, 128))"},

@@ -11,7 +11,14 @@ import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent
 CORE = {"jax", "flax", "optax", "numpy", "orbax-checkpoint"}
-COMMAND_LINE = {"scikit-learn", "tqdm", "matplotlib"}
+COMMAND_LINE = {
+    "scikit-learn",
+    "tqdm",
+    "matplotlib",
+    "grain",
+    "tensorboardx",
+}  # as the wheel spells it
+DATA = {"grain"}  # jaxdp.data's extra
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +51,7 @@ def test_the_wheel_declares_the_core_plain_and_the_command_line_as_an_extra(whee
     found, text = requirements(wheel)
     assert {name for name, extra in found if extra is None} == CORE
     assert {name for name, extra in found if extra == "cli"} == COMMAND_LINE
+    assert {name for name, extra in found if extra == "data"} == DATA
     assert not any(name == "torch" for name, _ in found)  # PyTorch comes from its own index
     assert "Typing :: Typed" in text and "Project-URL: Source," in text
     with zipfile.ZipFile(wheel) as z:

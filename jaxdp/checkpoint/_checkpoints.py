@@ -23,12 +23,11 @@ from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from .._layout import BatchSizes
 from .._position import SamplerPosition
 from .._train_state import TrainState, check_live
+from ._data import DataPosition, from_data, restore_data, sizes_of
 from ._meta import FORMAT, array_sha256, check_sealed, sealed
 from ._quiet import quiet_failed_read_noise
 from ._rules import (
@@ -40,10 +39,9 @@ from ._rules import (
     is_accumulator,
     is_per_device,
     is_shard,
-    leaf_name,
     named,
 )
-from ._tree import abstract, join, relaid, saved_tree, split, state_from_tree, zeros
+from ._tree import abstract, as_saved, join, relaid, saved_tree, split, state_from_tree, zeros
 from ._write_failure import no_room, quiet_writer_thread_logs
 
 
@@ -117,17 +115,22 @@ class Checkpoints:
         self,
         state: TrainState,
         *,
-        position: SamplerPosition,
-        sizes: BatchSizes,
-        samples: int,
-        seed: int = 0,
+        position: SamplerPosition | None = None,
+        sizes: BatchSizes | None = None,
+        samples: int | None = None,
+        seed: int | None = None,
         extra: dict[str, Any] | None = None,
+        data: DataPosition | None = None,
     ) -> pathlib.Path:
         """Writes ``state`` as checkpoint number ``int(state.step)``; returns its path.
 
         ``position`` is the next data to train on, ``sizes`` the batch identity,
         ``samples`` the training samples consumed and ``extra`` any
-        JSON-serializable record (``jaxdp train`` stores its config). Raises
+        JSON-serializable record (``jaxdp train`` stores its config). With
+        ``data=`` a :class:`jaxdp.data.Loader`, its :meth:`~jaxdp.data.Loader.state`
+        gives all four (the loader's position is what the loop was given last)
+        and is saved whole, so :meth:`restore` can set the loader back; giving
+        ``position`` or ``sizes`` too is refused. Raises
         :class:`CheckpointError` if the step is not newer than every checkpoint
         there (one of that number exists already: checkpoints are never
         overwritten), if it cannot be written (a full disk is named as such,
@@ -136,6 +139,7 @@ class Checkpoints:
         buffers were donated to a step's call (save the state that call returned).
         """
         check_live(state)
+        position, sizes, samples, seed, loader = from_data(data, position, sizes, samples, seed)
         number, steps = int(state.step), self.steps
         if number in steps:
             raise CheckpointError(
@@ -159,6 +163,8 @@ class Checkpoints:
             "leaves": {name: {**describe(x), "sha256": array_sha256(x)} for name, x in named(tree)},
             "extra": extra or {},
         }
+        if loader is not None:
+            meta["data"] = loader
         meta = sealed(meta)
         replicated, per_device, shards = split(tree)
         items = {"replicated": ocp.args.StandardSave(replicated), "meta": ocp.args.JsonSave(meta)}
@@ -186,9 +192,10 @@ class Checkpoints:
         self,
         like: TrainState,
         *,
-        sizes: BatchSizes,
+        sizes: BatchSizes | None = None,
         force: bool = False,
         validate: Callable[[dict[str, Any]], None] | None = None,
+        data: DataPosition | None = None,
     ) -> Restored:
         """Reads the newest usable checkpoint into a state shaped like ``like``.
 
@@ -212,12 +219,20 @@ class Checkpoints:
         :class:`CorruptCheckpointWarning`, the next older one is tried, and once
         one restores the skipped ones are renamed ``<n>.corrupt`` (kept, never
         deleted) so new checkpoints can take their numbers.
+
+        With ``data=`` a :class:`jaxdp.data.Loader`, ``sizes`` defaults to the
+        loader's and the loader is set to continue where the checkpoint's data
+        stood (:meth:`jaxdp.data.Loader.restore`: another data set length or
+        order refused with both values), before any array is read.
         """
+        sizes = sizes_of(data, sizes)
         failures: list[tuple[int, Exception]] = []
         for number, meta in self._newest_first(failures):
             path = self.directory / str(number)
             here = {name: describe(x) for name, x in named(saved_tree(like))}
             saved = check_compatible(meta, here, sizes, force=force, path=path, validate=validate)
+            if data is not None:
+                restore_data(data, meta, force=force, path=path)
             same_devices = saved.num_devices == sizes.num_devices
             # Accumulators are read where they fit; at a step boundary they are zero.
             fits = all(
@@ -327,7 +342,7 @@ class Checkpoints:
         if read_devices:
             items["per_device"] = ocp.args.StandardRestore(abstract(devices))
         if jax.tree.leaves(shards):
-            items["shards"] = ocp.args.StandardRestore(_as_saved(shards, meta, same_devices))
+            items["shards"] = ocp.args.StandardRestore(as_saved(shards, meta, same_devices))
         out = self._manager.restore(number, args=ocp.args.Composite(**items))
         # Not read: at an optimizer-step boundary the accumulators are zero.
         devices = out["per_device"] if read_devices else jax.tree.map(zeros, devices)
@@ -372,21 +387,6 @@ class Checkpoints:
             if number < newest_verified:
                 self._manager.delete(number)
                 self._verified.discard(number)
-
-
-def _as_saved(shards: Any, meta: dict[str, Any], same_devices: bool) -> Any:
-    """What to read the ZeRO shards into: this run's layout on the same device count;
-    else the saved shapes, replicated on this mesh, to be re-laid out (:func:`relaid`)."""
-    if same_devices:
-        return abstract(shards)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.ShapeDtypeStruct(
-            tuple(meta["leaves"][leaf_name(path)]["shape"]),
-            x.dtype,
-            sharding=NamedSharding(x.sharding.mesh, P()),
-        ),
-        shards,
-    )
 
 
 def _short(error: Exception) -> str:

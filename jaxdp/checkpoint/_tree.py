@@ -7,6 +7,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .._train_state import TrainState
 from ._rules import is_per_device, is_shard, leaf_name
@@ -93,3 +95,18 @@ def abstract(tree: Any) -> Any:
 
 def zeros(x: Any) -> jax.Array:
     return jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
+
+
+def as_saved(shards: Any, meta: dict[str, Any], same_devices: bool) -> Any:
+    """What to read the ZeRO shards into: this run's layout on the same device count;
+    else the saved shapes, replicated on this mesh, to be re-laid out (:func:`relaid`)."""
+    if same_devices:
+        return abstract(shards)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(
+            tuple(meta["leaves"][leaf_name(path)]["shape"]),
+            x.dtype,
+            sharding=NamedSharding(x.sharding.mesh, P()),
+        ),
+        shards,
+    )

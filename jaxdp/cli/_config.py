@@ -19,6 +19,7 @@ DEFAULT_EPOCHS = 15  # when neither epochs nor steps is given
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: str = "mlp"  # "mlp" (64-hidden-hidden-10) or "cnn" (on the 8x8x1 images)
+    data: str | None = None  # a .npz with x (features or images) and y (labels); None: digits
     num_devices: int | None = None  # data-parallel devices; None: all there are
     accum_steps: int = 2  # micro-batches per device per optimizer step
     micro_batch_size: int = 16  # rows per micro-batch per device
@@ -40,7 +41,8 @@ class TrainConfig:
     resume: bool = False  # continue from the newest readable checkpoint in checkpoint_dir
     force_resume: bool = False  # resume even with another global_batch_size
     metrics_out: str | None = None  # JSON lines file, one record per optimizer step
-    plot: str | None = None  # PNG of the loss curve
+    plot: str | None = None  # PNG of loss, held-out accuracy and learning rate
+    tensorboard: str | None = None  # a TensorBoard log directory for the metrics
     progress: bool | None = None  # progress bar; None: only on a terminal
 
     def __post_init__(self) -> None:
@@ -109,6 +111,7 @@ RESUME_FIXED = {
     "path": "the accumulation path decides the optimizer state's layout",
     "zero_stage": "the stage decides how the optimizer state is split over the devices",
     "seed": "the seed fixes the held-out split and every epoch's data order",
+    "data": "the data set sizes the model and is what the position indexes",
 }
 
 # Fields a resume never takes from the checkpoint: they say how to resume.

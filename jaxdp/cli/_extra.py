@@ -6,7 +6,13 @@ import importlib.util
 from collections.abc import Sequence
 
 # Module -> the distribution that installs it (pyproject.toml's `cli` extra).
-CLI_EXTRA = {"sklearn": "scikit-learn", "tqdm": "tqdm", "matplotlib": "matplotlib"}
+CLI_EXTRA = {
+    "sklearn": "scikit-learn",
+    "tqdm": "tqdm",
+    "matplotlib": "matplotlib",
+    "grain": "grain",
+    "tensorboardX": "tensorboardX",
+}
 
 
 def require_extra(command: str, modules: Sequence[str]) -> None:

@@ -58,6 +58,13 @@ def _options(p: argparse.ArgumentParser, title: str) -> Callable[..., Any]:
 
 def _model_options(option: Callable[..., Any], d: TrainConfig) -> None:
     option("--model", choices=["mlp", "cnn"], help=f"reference model (default: {d.model})")
+    option(
+        "--data",
+        metavar="PATH",
+        help="a .npz with x (features, or images [n, h, w(, c)] for the cnn) and integer "
+        "labels y, or a directory with x.npy and y.npy (read as memmaps); the model is "
+        "sized from it (default: scikit-learn's digits)",
+    )
     option("--hidden", metavar="WIDTH", type=int, help=f"MLP hidden width (default: {d.hidden})")
     option(
         "--precision",
@@ -176,7 +183,17 @@ def _checkpoint_options(option: Callable[..., Any], d: TrainConfig) -> None:
 def _output_options(option: Callable[..., Any]) -> None:
     option("--metrics-out", metavar="FILE", help="per-step metrics as JSON lines (default: none)")
     option("--summary-out", metavar="FILE", help="the final summary as JSON (default: none)")
-    option("--plot", metavar="FILE", help="the loss curve as a PNG file (default: none)")
+    option(
+        "--plot",
+        metavar="FILE",
+        help="loss (raw and smoothed), held-out accuracy and learning rate as a PNG file "
+        "(default: none)",
+    )
+    option(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write the metrics as TensorBoard event files in DIR (default: none)",
+    )
     option(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -186,7 +203,10 @@ def _output_options(option: Callable[..., Any]) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     # Before anything imports them: one line, not a traceback.
-    require_extra("train", ["sklearn", "tqdm", "matplotlib"])
+    require_extra(
+        "train",
+        ["sklearn", "tqdm", "matplotlib", "grain"] + (["tensorboardX"] if args.tensorboard else []),
+    )
     import jax
 
     from .._train_state import NonFiniteError

@@ -6,15 +6,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
-from .._layout import BatchSizes, ProcessShare, epoch_schedule, micro_batches
-from .._position import SamplerPosition, resume_position
+from .._layout import ProcessShare
+from .._position import SamplerPosition
 from .._step import TrainStep
 from ..checkpoint._checkpoints import Checkpoints
 from ..checkpoint._rules import CheckpointError
@@ -22,6 +21,7 @@ from ._config import RESUME_FIXED
 from ._metrics import MetricsLog, agree
 
 if TYPE_CHECKING:
+    from ..data._loader import Loader
     from ._config import TrainConfig
 
 
@@ -43,13 +43,12 @@ class _Run:
         self,
         config: TrainConfig,
         step: TrainStep,
-        sizes: BatchSizes,
         share: ProcessShare,
-        steps_per_epoch: int,
+        loader: Loader,
         checkpoints: Checkpoints | None,
     ):
-        self.config, self.step, self.sizes, self.share = config, step, sizes, share
-        self.steps_per_epoch = steps_per_epoch
+        self.config, self.step, self.share, self.loader = config, step, share, loader
+        self.sizes, self.steps_per_epoch = loader.sizes, loader.steps_per_epoch
         self.checkpoints = checkpoints
         self.position = SamplerPosition(0, 0, 0)
         self.samples = 0  # training samples consumed
@@ -60,7 +59,8 @@ class _Run:
         self.state: Any = None
 
     def start(self, fresh: Any) -> None:
-        """Takes the fresh state, or the newest readable checkpoint with ``resume``."""
+        """Takes the fresh state, or the newest readable checkpoint with ``resume``
+        (which sets the loader to continue at the checkpoint's rows)."""
         self.state = fresh
         if self.checkpoints is None:
             return
@@ -73,16 +73,11 @@ class _Run:
                 )
             return
         restored = self.checkpoints.restore(
-            fresh, sizes=self.sizes, force=self.config.force_resume, validate=self._validate
+            fresh, data=self.loader, force=self.config.force_resume, validate=self._validate
         )
-        self.state, self.samples = restored.state, restored.samples
+        self.state, self.samples = restored.state, self.loader.samples
         self.resumed_step = int(restored.state.step)
-        self.position = resume_position(
-            restored.position,
-            saved=restored.sizes,
-            sizes=self.sizes,
-            steps_per_epoch=self.steps_per_epoch,
-        )
+        self.position = self.loader.position
         self.last_checkpoint = str(restored.path)
         self.checkpointed = (self.position, self.samples)
         say(f"resumed from {restored.path}: step {self.resumed_step}, {_where(self.position)}")
@@ -100,12 +95,14 @@ class _Run:
 
     def loop(
         self,
-        x: np.ndarray,
-        y: np.ndarray,
         log: MetricsLog,
         stop: Callable[[SamplerPosition], bool] | None,
+        score: Callable[[Any], float] | None = None,
     ) -> bool:
-        """Trains from ``self.position``; True if ``stop`` ended the run.
+        """Trains from the loader's position; True if ``stop`` ended the run.
+
+        At the end of every epoch ``score(state)`` (held-out accuracy, a collective
+        over the processes) goes into that step's record as ``test_accuracy``.
 
         With several processes, ``stop`` is asked on each and the run ends on
         all of them after the first call where any says True.
@@ -119,15 +116,17 @@ class _Run:
         if self.share.process_index != 0:
             disable = True
         done = int(self.state.step)  # updates applied; then read once per update, not per call
+        accuracy = None  # held-out, at the last epoch's end
+        if config.steps is not None and done >= config.steps:
+            return False
         with tqdm(total=total, initial=done, unit="step", disable=disable) as bar:
-            for call, epoch, position, emitted in self._calls(x, y):
-                if config.steps is not None and done >= config.steps:
-                    break
-                self.state, metrics = self.step(self.state, call)
-                self.samples += len(call[1]) * self.share.process_count
-                self.position = position
-                if emitted:
-                    record = _record(self.state, metrics, epoch, self.samples)  # waits for it
+            # The loader's position moves as it hands out a batch: the loop ends after
+            # a step, never holding a batch it will not train on (the checkpoint's rows).
+            for batch in self.loader:
+                self.state, metrics = self.step(self.state, batch.data, batch.micro_weights)
+                self.position, self.samples = batch.position, self.loader.samples
+                if batch.emits:
+                    record = _record(self.state, metrics, batch.epoch, self.samples)  # waits
                     # A skipped (non-finite) update leaves the step count as it was.
                     advanced, done = record["step"] > done, record["step"]
                     now = time.perf_counter()
@@ -135,19 +134,24 @@ class _Run:
                     if clock is None:
                         clock = (now, self.samples)
                     else:
-                        rate = (self.samples - clock[1]) / (now - clock[0])
-                        record["samples_per_s"] = rate
-                        bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{rate:.0f}")
+                        record["samples_per_s"] = (self.samples - clock[1]) / (now - clock[0])
+                    epoch_end = batch.position.step_in_epoch == 0
+                    if epoch_end and score is not None:
+                        record["test_accuracy"] = score(self.state)
+                        accuracy = record["test_accuracy"]
+                    bar.set_postfix(_postfix(record, accuracy), refresh=False)
                     log.write(record)
                     bar.update()
                     if not _finite(record):  # already on the host: no sync of its own
                         self._nonfinite(record)
                     if every and advanced and done % every == 0:
                         self.save()
-                    if bar.disable and position.step_in_epoch == 0:
-                        say(f"epoch {epoch} done: step {record['step']} loss {record['loss']:.4f}")
-                if stop is not None and agree(stop(position)):
+                    if bar.disable and epoch_end:
+                        say(_epoch_line(record))
+                if stop is not None and agree(stop(batch.position)):
                     return True
+                if config.steps is not None and done >= config.steps:
+                    break
         self.step.check(self.state)  # a skip limit reached by the last call
         return False
 
@@ -172,32 +176,6 @@ class _Run:
             "Resume with skipping on, or a lower learning rate"
         )
 
-    def _calls(
-        self, x: np.ndarray, y: np.ndarray
-    ) -> Iterator[tuple[Any, int, SamplerPosition, bool]]:
-        """``(call, epoch, position after it, emits an update)`` in sampler order, from here.
-
-        A call holds this process's rows only (all rows with one process).
-        """
-        at, last_epoch = self.position, self.config.last_epoch
-        epoch = at.epoch
-        while last_epoch is None or epoch < last_epoch:
-            order = epoch_schedule(len(x), self.sizes, epoch=epoch, seed=self.config.seed).rows
-            for i in range(at.step_in_epoch if epoch == at.epoch else 0, len(order)):
-                mine = order[i][self.share.rows]
-                batch = (x[mine], y[mine])
-                fused = self.config.path == "fused"
-                calls = [batch] if fused else micro_batches(batch, self.share.sizes)
-                for j in range(at.micro_batch if (epoch, i) == at[:2] else 0, len(calls)):
-                    if j + 1 < len(calls):
-                        after = SamplerPosition(epoch, i, j + 1)
-                    elif i + 1 < len(order):
-                        after = SamplerPosition(epoch, i + 1, 0)
-                    else:
-                        after = SamplerPosition(epoch + 1, 0, 0)
-                    yield calls[j], epoch, after, j + 1 == len(calls)
-            epoch += 1
-
     def save(self) -> None:
         """A checkpoint at the current position, unless its step number is taken.
 
@@ -215,8 +193,7 @@ class _Run:
             return  # else it is this very position's, just saved or resumed from
         path = self.checkpoints.save(
             self.state,
-            position=self.position,
-            sizes=self.sizes,
+            data=self.loader,  # its position, batch identity and data set's order
             samples=self.samples,
             seed=self.config.seed,
             extra={"config": dataclasses.asdict(self.config)},
@@ -251,6 +228,28 @@ class _Run:
 def _where(position: SamplerPosition) -> str:
     text = f"next: epoch {position.epoch} batch {position.step_in_epoch}"
     return text + (f" micro-batch {position.micro_batch}" if position.micro_batch else "")
+
+
+def _postfix(record: dict[str, Any], accuracy: float | None) -> dict[str, str]:
+    """The progress bar's numbers: loss, held-out accuracy (last epoch's), lr, samples/s."""
+    shown = {"loss": f"{record['loss']:.4f}"}
+    if accuracy is not None:
+        shown["acc"] = f"{accuracy:.2%}"
+    if "learning_rate" in record:
+        shown["lr"] = f"{record['learning_rate']:.3g}"
+    if record["samples_per_s"] is not None:
+        shown["samples_s"] = f"{record['samples_per_s']:.0f}"
+    return shown
+
+
+def _epoch_line(record: dict[str, Any]) -> str:
+    """The plain output's line at an epoch's end (no progress bar)."""
+    line = f"epoch {record['epoch']} done: step {record['step']} loss {record['loss']:.4f}"
+    if "test_accuracy" in record:
+        line += f", held-out accuracy {record['test_accuracy']:.2%}"
+    if "learning_rate" in record:
+        line += f", learning rate {record['learning_rate']:.3g}"
+    return line
 
 
 def _finite(record: dict[str, Any]) -> bool:

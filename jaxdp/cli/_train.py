@@ -1,8 +1,11 @@
-"""The main job: data-parallel training on the digits images, with checkpoints.
+"""The main job: data-parallel training on the digits images (or ``--data``), with
+checkpoints.
 
 Read top to bottom: the config, the model and its loss at a precision, then
-``train``: mesh and batch identity, state (fresh or resumed), the loop over
-micro-batch calls in sampler order, checkpoints, held-out evaluation.
+``train``: mesh and batch identity, the loader (each process's rows of every
+call in sampler order, read ahead: :class:`jaxdp.data.Loader`), state (fresh or
+resumed, the loader's position with it), the loop, checkpoints, held-out
+evaluation.
 
 With several processes (after :func:`jaxdp.initialize`) the same code runs on
 each: a process reads only its rows of every batch, all of them write the
@@ -22,29 +25,49 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
+from .._forward import merge_model
 from .._layout import BatchSizes, batch_sizes, epoch_schedule, process_share
 from .._mesh import data_mesh
 from .._position import SamplerPosition
 from .._step import TrainStep, make_train_step
+from .._train_state import TrainState
 from ..checkpoint._checkpoints import Checkpoints
+from ..data._evaluate import evaluate
+from ..data._loader import Loader
 from ..models._reference import CNN, MLP
 from ._config import Precision, TrainConfig
-from ._data import Split, load_digits
-from ._metrics import MetricsLog, plot_loss, sum_over_processes
+from ._data import Split, load_digits, load_file
+from ._metrics import MetricsLog, plot_training
 from ._outputs import claimed
 from ._run import _Run, say
 
 # ---- model, loss and precision --------------------------------------------------------
 
 
-def build(config: TrainConfig) -> nnx.Module:
-    """The reference model of ``config`` with float64 or float32 parameters."""
+def build(config: TrainConfig, data: Split | None = None) -> nnx.Module:
+    """The reference model of ``config`` with float64 or float32 parameters, sized
+    from ``data`` (features or channels, classes; default: the digits)."""
     param_dtype = jnp.float64 if config.precision == "float64" else jnp.float32
     rngs = nnx.Rngs(config.seed)
+    features, classes = 64, 10
+    if data is not None:
+        features = data.x_train.shape[-1]
+        classes = int(max(data.y_train.max(), data.y_test.max())) + 1
     if config.model == "cnn":
-        return CNN(in_channels=1, num_classes=10, rngs=rngs, param_dtype=param_dtype)
-    return MLP(64, config.hidden, 10, rngs=rngs, param_dtype=param_dtype)
+        channels = features if data is not None else 1
+        return CNN(in_channels=channels, num_classes=classes, rngs=rngs, param_dtype=param_dtype)
+    return MLP(features, config.hidden, classes, rngs=rngs, param_dtype=param_dtype)
+
+
+def load(config: TrainConfig) -> Split:
+    """The run's data: ``config.data`` (a .npz or a directory of .npy) or the digits,
+    read as the parameters' dtype (float32 for bfloat16: the forward casts)."""
+    dtype = np.float64 if config.precision == "float64" else np.float32
+    if config.data is None:
+        return load_digits(seed=config.seed, dtype=dtype)
+    return load_file(config.data, model=config.model, seed=config.seed, dtype=dtype)
 
 
 def forward(model: nnx.Module, x: jax.Array, precision: Precision) -> jax.Array:
@@ -54,7 +77,7 @@ def forward(model: nnx.Module, x: jax.Array, precision: Precision) -> jax.Array:
     parameters in float32 (mixed precision without loss scaling: bfloat16
     has float32's exponent range).
     """
-    if isinstance(model, CNN):
+    if isinstance(model, CNN) and x.ndim == 2:  # the digits' rows of 64 pixels
         x = x.reshape(-1, 8, 8, 1)
     if precision != "bfloat16":
         return model(x)
@@ -80,18 +103,28 @@ def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.sgd)(learning_rate=config.learning_rate, momentum=0.9)
 
 
-def evaluate(model: nnx.Module, x: np.ndarray, y: np.ndarray, precision: Precision) -> float:
-    """Top-1 accuracy of ``model`` on ``x``.
+def held_out_accuracy(
+    config: TrainConfig, data: Split, fresh: TrainState, mesh: Mesh
+) -> Callable[[TrainState], float]:
+    """``score(state)``: top-1 accuracy on the held-out rows, data-parallel over
+    ``mesh`` (:func:`jaxdp.data.evaluate`: each process reads its devices' rows, the
+    counts are summed over devices and processes), ``accum_steps x micro_batch_size``
+    rows per device at a time. Compiled once per run (``fresh`` gives the model's
+    structure)."""
+    graphdef = fresh.graphdef
 
-    With several processes each scores rows ``p::process_count`` on its own
-    copy of the model, and the counts are summed across processes.
-    """
-    p, count = jax.process_index(), jax.process_count()
-    x, y = x[p::count], y[p::count]
-    logits = nnx.jit(lambda m, x: forward(m, x, precision))(model, jnp.asarray(x))
-    correct = int(np.sum(np.argmax(np.asarray(logits), -1) == y))
-    correct, total = sum_over_processes(np.array([correct, len(y)]))
-    return float(correct / total)
+    def correct(params: Any, batch: tuple[jax.Array, jax.Array]) -> dict[str, jax.Array]:
+        x, y = batch
+        logits = forward(merge_model(graphdef, *params), x, config.precision)
+        return {"accuracy": jnp.argmax(logits, -1) == y}
+
+    rows = config.accum_steps * config.micro_batch_size  # per device, as in training
+
+    def score(state: TrainState) -> float:
+        params, source = (state.params, state.model_state), (data.x_test, data.y_test)
+        return evaluate(correct, params, source, mesh=mesh, batch_size=rows)["accuracy"]
+
+    return score
 
 
 # ---- the run ---------------------------------------------------------------------------
@@ -169,12 +202,13 @@ def prepare(
     locked by a live run, a checkpoint a resume cannot continue. Holds the
     checkpoint directory's lock until the block ends.
     """
-    data = load_digits(seed=config.seed)
+    data = load(config)
     step, sizes = make_step(config)
     mesh, share = step.mesh, process_share(step.mesh, sizes)
     lead = share.process_index == 0
     say(
-        f"jaxdp train: digits {config.model.upper()} ({config.precision}) on {sizes.num_devices} "
+        f"jaxdp train: {config.data or 'digits'} {config.model.upper()} ({config.precision}) "
+        f"on {sizes.num_devices} "
         f"{mesh.devices.flat[0].platform} device(s), {len(data.x_train)} train / "
         f"{len(data.x_test)} held-out images"
     )
@@ -191,16 +225,26 @@ def prepare(
             f"rows per step to its {share.sizes.num_devices} device(s)"
         )
     # Raises if one epoch of the data cannot fill an optimizer step.
-    steps_per_epoch = len(epoch_schedule(len(data.x_train), sizes, seed=config.seed).rows)
+    epoch_schedule(len(data.x_train), sizes, seed=config.seed)
+    # Each process reads its rows of every call ahead of the step, in sampler order.
+    loader = Loader(
+        (data.x_train, data.y_train),
+        sizes,
+        mesh=mesh,
+        path=config.path,
+        seed=config.seed,
+        epochs=config.last_epoch,
+    )
     outputs = {"metrics_out": config.metrics_out, "plot": config.plot, **(files or {})}
     with claimed(outputs, config.checkpoint_dir):
         checkpoints = None
         if config.checkpoint_dir is not None:
             checkpoints = Checkpoints(config.checkpoint_dir, keep=config.keep)
-        run = _Run(config, step, sizes, share, steps_per_epoch, checkpoints)
-        run.start(step.init(build(config)))
+        run = _Run(config, step, share, loader, checkpoints)
+        run.start(step.init(build(config, data)))
         metrics_out = config.metrics_out if lead else None
-        with MetricsLog(metrics_out, resume_step=run.resumed_step) as log:
+        board = config.tensorboard if lead else None
+        with MetricsLog(metrics_out, resume_step=run.resumed_step, tensorboard=board) as log:
             yield Prepared(config, run, data, log, lead)
 
 
@@ -208,17 +252,15 @@ def finish(prepared: Prepared, *, stop: Callable[[SamplerPosition], bool] | None
     """Trains a prepared run to its end, checkpoints, evaluates; returns the summary."""
     config, run, data, log, lead = prepared
     start = time.perf_counter()
-    x = data.x_train.astype(np.float64 if config.precision == "float64" else np.float32)
-    stopped = run.loop(x, data.y_train, log, stop)
+    score = held_out_accuracy(config, data, run.state, run.step.mesh)
+    stopped = run.loop(log, stop, score)
     run.save_final()
-    # Each process scores its own copy of the (replicated) model.
-    params, rest = jax.tree.map(
-        lambda a: np.asarray(a.addressable_data(0)), (run.state.params, run.state.model_state)
-    )
-    model = run.step.model(run.state._replace(params=params, model_state=rest))
-    accuracy = evaluate(model, data.x_test, data.y_test, config.precision)
+    last = log.records[-1] if log.records else {}
+    accuracy = last.get("test_accuracy")
+    if accuracy is None or last["step"] != int(run.state.step):
+        accuracy = score(run.state)  # the run did not end at an epoch's end
     if config.plot and lead:
-        plot_loss(log.records, config.plot, title=f"jaxdp train: {run.sizes.describe()}")
+        plot_training(log.records, config.plot, title=f"jaxdp train: {run.sizes.describe()}")
     summary = {
         "steps": int(run.state.step),
         "samples": run.samples,

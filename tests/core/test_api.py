@@ -11,7 +11,7 @@ import textwrap
 import jaxdp
 
 ROOT = pathlib.Path(__file__).parents[2]
-SUBPACKAGES = ["checkpoint", "models", "parity", "plan", "cli"]
+SUBPACKAGES = ["checkpoint", "data", "models", "parity", "plan", "cli"]
 
 
 def public(module_name):
@@ -49,7 +49,8 @@ def test_the_tools_are_subpackages_loaded_on_first_use():
     code = textwrap.dedent("""
         import sys
         import jaxdp
-        heavy = ("orbax", "sklearn", "matplotlib", "tqdm", "torch", "jaxdp.checkpoint")
+        heavy = ("orbax", "sklearn", "matplotlib", "tqdm", "torch", "grain", "jaxdp.checkpoint",
+                 "jaxdp.data")
         print(sorted(m for m in sys.modules if m.split(".")[0] in heavy or m in heavy))
         jaxdp.emulate_cpu_devices(4)  # JAX's backend has not started yet
         import jax

@@ -160,4 +160,16 @@ def memory(result: dict[str, Any], path: Path) -> None:
     _save(plt, fig, path)
 
 
-FIGURES = {"overhead": overhead, "vs_torch": vs_torch, "comms": comms, "memory": memory}
+def loader(result: dict[str, Any], path: Path) -> None:
+    from ._render_loader import loader_figure
+
+    loader_figure(result, path)
+
+
+FIGURES = {
+    "overhead": overhead,
+    "vs_torch": vs_torch,
+    "comms": comms,
+    "memory": memory,
+    "loader": loader,
+}

@@ -15,10 +15,11 @@ from typing import Any
 
 from . import _plots
 from ._common import markdown_table
+from ._render_loader import loader_section
 from ._targets import targets_section
 
-SECTIONS = ("run", "targets", "overhead", "vs_torch", "comms", "ring", "memory", "gpu")
-RESULTS = ("run", "overhead", "vs_torch", "comms", "memory", "gpu")
+SECTIONS = ("run", "targets", "overhead", "vs_torch", "comms", "ring", "memory", "loader", "gpu")
+RESULTS = ("run", "overhead", "vs_torch", "comms", "memory", "loader", "gpu")
 
 
 def load(out: Path) -> dict[str, dict[str, Any]]:
@@ -317,12 +318,16 @@ def sections(r: dict[str, dict[str, Any]], out: Path, markdown: Path) -> dict[st
         "vs_torch": vs_torch_section,
         "comms": comms_section,
         "memory": memory_section,
+        "loader": loader_section,
     }
     for name, build in builders.items():
         if name in r:
             s[name] = build(r[name]) + "\n\n" + _figure(name, out, markdown)
     if "comms" in r:
         s["ring"] = ring_section(r["comms"])
+    s.setdefault(
+        "loader", "Not measured yet: it runs only when named, `bin/jaxdp bench --only loader`."
+    )
     return s
 
 

@@ -19,7 +19,8 @@ from typing import Any
 from .._extra import require_extra
 
 CPU_MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory")
-ALL_MEASUREMENTS = (*CPU_MEASUREMENTS, "gpu")  # gpu only when named: it needs a GPU
+# Only when named: gpu needs a GPU; loader (the input pipeline, issue 13) is its own run.
+ALL_MEASUREMENTS = (*CPU_MEASUREMENTS, "loader", "gpu")
 
 
 def add_bench_command(sub: argparse._SubParsersAction) -> None:

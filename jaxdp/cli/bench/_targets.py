@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._common import markdown_table
+from ._render_loader import loader_targets
 
 
 def _verdict(value: float, bound: float, *, at_most: bool) -> str:
@@ -32,6 +33,8 @@ def targets_section(r: dict[str, dict[str, Any]]) -> str:
                 )
     if "comms" in r:
         rows.append(_comms_target(r["comms"]))
+    if "loader" in r:
+        rows += loader_targets(r["loader"])
     if "memory" in r:
         for m in r["memory"]["models"]:
             x = max(m["rows"], key=lambda x: x["temp_ratio"])

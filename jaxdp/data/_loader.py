@@ -1,0 +1,235 @@
+"""The data-parallel loader: each process's rows of every call, in DistributedSampler order.
+
+Call ``c`` of a run (a global batch on the ``fused`` path, a global micro-batch on
+``multisteps``) is a pure function of ``c``: epoch, optimizer step in the epoch
+and micro-batch follow from it, and its rows from :func:`jaxdp.epoch_schedule`.
+So reading runs ahead on worker threads in any order of completion, a resume
+needs only the position, and every process reads its own rows without talking
+to the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._guards import is_integer
+from .._layout import BatchSizes, EpochSchedule, LastWindow, epoch_schedule, process_share
+from .._mesh import DATA_AXIS, place
+from .._position import SamplerPosition, resume_position
+from .._sampler import Permutation, numpy_permutation
+from ._prefetch import Placed, read_ahead
+from ._source import Source, Transform
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+
+class Batch(NamedTuple):
+    """One call of the step, as :class:`Loader` yields it: ``step(state, *batch[:2])``."""
+
+    data: Any  # the call's rows of every process, on the mesh (jax.Arrays split by rows)
+    micro_weights: np.ndarray  # fused: [accum_steps]; multisteps: a scalar; 0 marks padding
+    epoch: int
+    position: SamplerPosition  # the next data after this call
+    emits: bool  # the call ends an optimizer step (every call on the fused path)
+
+
+# What a restore must find equal: another value changes which rows a position names.
+_ORDER = ("dataset_size", "shuffle", "seed", "drop_last", "last_window")
+
+
+class Loader:
+    """This process's rows of every call of a data-parallel step, placed on the mesh.
+
+    Yields :class:`Batch` es: on the ``fused`` path one per optimizer step (the
+    process's rows of the global batch, device-major), on ``multisteps`` one per
+    global micro-batch (``accum_steps`` per step). The rows are exactly
+    :func:`jaxdp.epoch_schedule`'s (DistributedSampler's order, one rank per
+    mesh device) for the same ``shuffle``, ``seed``, ``drop_last``,
+    ``permutation`` and ``last_window``; a process reads only the rows of its
+    own devices (:func:`jaxdp.process_share`). ``workers`` threads read and
+    collate calls ahead (grain), and a further thread places them on the mesh
+    (``jax.make_array_from_process_local_data``), at most ``prefetch`` placed
+    calls ahead of the loop.
+
+    Iteration starts at :attr:`position` and runs ``epochs`` epochs from the
+    start of training (None: endlessly); :attr:`position` and :attr:`samples`
+    follow what the loop has been given, so breaking out and iterating again
+    continues with the next call. :meth:`state` and :meth:`restore` save and
+    set them; ``jaxdp.checkpoint.Checkpoints.save(state, data=loader)`` and
+    ``restore(like, data=loader)`` do it with the checkpoint.
+
+    Raises ``ValueError`` or ``TypeError`` at construction for a bad source
+    (empty, fields of different lengths, no random access), one epoch that
+    cannot fill an optimizer step, and an option out of its range; a read or
+    a ``transform`` that raises is raised by the loop at that call (a
+    transform's error names the record), a worker that dies as
+    :class:`LoaderWorkerError`.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        sizes: BatchSizes,
+        *,
+        mesh: Mesh,
+        path: Literal["fused", "multisteps"] = "fused",
+        transform: Transform | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        permutation: Permutation = numpy_permutation,
+        last_window: LastWindow = "drop",
+        epochs: int | None = None,
+        workers: int = 4,
+        prefetch: int = 2,
+    ) -> None:
+        if path not in ("fused", "multisteps"):
+            raise ValueError(f"path={path!r} must be 'fused' or 'multisteps'")
+        for name, value in (("workers", workers), ("prefetch", prefetch)):
+            if not is_integer(value) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if epochs is not None and (not is_integer(epochs) or epochs < 1):
+            raise ValueError(f"epochs={epochs!r} must be a positive integer or None (endless)")
+        self.source = Source(source, transform)
+        self.sizes, self.mesh, self.path = sizes, mesh, path
+        self.share = process_share(mesh, sizes)
+        self.order = {
+            "dataset_size": len(self.source),
+            "shuffle": bool(shuffle),
+            "seed": seed,
+            "drop_last": bool(drop_last),
+            "last_window": last_window,
+        }
+        self.permutation = permutation
+        self.epochs, self.workers, self.prefetch = epochs, workers, prefetch
+        # The workers read calls of at most two epochs at a time.
+        self._schedule = functools.lru_cache(maxsize=2)(self._build_schedule)
+        try:
+            self.steps_per_epoch = len(self._schedule(0).rows)
+        except ValueError as e:
+            raise ValueError(
+                f"source has {len(self.source)} rows, too few for one optimizer step of "
+                f"{sizes.describe()}: {e}"
+            ) from None
+        self.calls_per_step = 1 if path == "fused" else sizes.accum_steps
+        self.position = SamplerPosition(0, 0, 0)
+        self.samples = 0  # rows of weight > 0 given to the loop, all processes
+        self._sharding = NamedSharding(mesh, P(DATA_AXIS))
+
+    # ---- the order ------------------------------------------------------------------
+
+    def _build_schedule(self, epoch: int) -> EpochSchedule:
+        order = {k: v for k, v in self.order.items() if k != "dataset_size"}
+        return epoch_schedule(
+            len(self.source), self.sizes, epoch=epoch, permutation=self.permutation, **order
+        )
+
+    def _call_index(self, position: SamplerPosition) -> int:
+        epoch, step, micro = position
+        return (epoch * self.steps_per_epoch + step) * self.calls_per_step + micro
+
+    def _position(self, call: int) -> SamplerPosition:
+        epoch, rest = divmod(call, self.steps_per_epoch * self.calls_per_step)
+        return SamplerPosition(epoch, *divmod(rest, self.calls_per_step))
+
+    def rows(self, position: SamplerPosition) -> tuple[np.ndarray, np.ndarray]:
+        """This process's dataset indices of the call at ``position``, and its micro-weights."""
+        epoch, step, micro = position
+        schedule = self._schedule(epoch)
+        mine = schedule.rows[step][self.share.rows]
+        if self.path == "fused":
+            return mine, schedule.micro_weights[step]
+        local = self.share.sizes
+        per_device = mine.reshape(local.num_devices, local.accum_steps, local.micro_batch_size)
+        return per_device[:, micro].reshape(-1), schedule.micro_weights[step, micro]
+
+    def _read(self, call: int) -> tuple[Any, np.ndarray, SamplerPosition]:
+        position = self._position(call)
+        rows, weights = self.rows(position)
+        return self.source.read(rows), weights, position
+
+    # ---- iteration ------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        start = self._call_index(self.position)
+        per_epoch = self.steps_per_epoch * self.calls_per_step
+        stop = sys.maxsize if self.epochs is None else self.epochs * per_epoch
+        if start >= stop:
+            return
+        calls = read_ahead(self._read, start, stop, workers=self.workers)
+        placed = Placed(calls, self._place, depth=self.prefetch)
+        rows_per_micro = self.sizes.num_devices * self.sizes.micro_batch_size
+        try:
+            for data, weights, at in placed:
+                after = self._position(self._call_index(at) + 1)
+                self.position, self.samples = (
+                    after,
+                    self.samples + int(np.count_nonzero(weights) * rows_per_micro),
+                )
+                emits = at.micro_batch + 1 == self.calls_per_step
+                yield Batch(data, weights, at.epoch, after, emits)
+        finally:
+            placed.close()
+
+    def _place(self, item: tuple[Any, np.ndarray, SamplerPosition]) -> Any:
+        data, weights, position = item
+        return place(data, self._sharding), weights, position
+
+    # ---- position -------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The position and what it means, as JSON: restore it with :meth:`restore`."""
+        return {
+            **self.position._asdict(),
+            "samples": self.samples,
+            "batch": self.sizes._asdict(),
+            **self.order,
+        }
+
+    def restore(self, state: dict[str, Any], *, force: bool = False) -> SamplerPosition:
+        """Continues where ``state`` (from :meth:`state`) stood; returns the new position.
+
+        The same global batch continues at the same rows on any split of it over
+        devices and micro-batches (at an optimizer-step boundary; mid-window
+        only with the same split). Refused with ``ValueError`` naming both
+        values: another data set length, shuffle, seed, ``drop_last`` or
+        ``last_window`` (a position indexes one order); another
+        ``global_batch_size`` unless ``force`` (then the epoch continues at the
+        step holding its first unseen row, :func:`jaxdp.resume_position`).
+        Keys absent from ``state`` (a checkpoint saved with a bare position)
+        are not checked.
+        """
+        for key in _ORDER:
+            if key in state and state[key] != self.order[key]:
+                raise ValueError(
+                    f"the restored position was saved with {key}={state[key]!r}; this loader "
+                    f"has {key}={self.order[key]!r}: a position indexes one data set's order"
+                )
+        saved = BatchSizes(**state["batch"])
+        position = SamplerPosition(state["epoch"], state["step_in_epoch"], state["micro_batch"])
+        if saved.global_batch_size != self.sizes.global_batch_size and not force:
+            raise ValueError(
+                f"the restored position was saved with {saved.describe()}; this loader has "
+                f"{self.sizes.describe()}: another global batch changes the data order "
+                "(pass force=True to continue at the step holding the first unseen row)"
+            )
+        if position.micro_batch and (saved != self.sizes or self.path == "fused"):
+            raise ValueError(
+                f"the restored position is micro-batch {position.micro_batch} of an open "
+                f"window of {saved.describe()}; this loader ({self.path}, "
+                f"{self.sizes.describe()}) can only continue it with the same split on the "
+                "multisteps path"
+            )
+        self.position = resume_position(
+            position, saved=saved, sizes=self.sizes, steps_per_epoch=self.steps_per_epoch
+        )
+        self.samples = int(state.get("samples", 0))
+        return self.position

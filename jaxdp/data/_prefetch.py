@@ -1,0 +1,102 @@
+"""The loader's background stages: grain reads calls ahead on worker threads, one more
+thread places them on the mesh, at most ``depth`` placed calls ahead of the step."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# How often a blocked stage looks whether the other side is gone: bounds how long a
+# dead placement thread or a closed loop can go unnoticed, costs nothing while busy.
+_POLL_S = 0.1
+
+
+class LoaderWorkerError(RuntimeError):
+    """A loader worker ended without a batch or an ordinary exception (e.g. ``SystemExit``
+    in a read): raised in the training loop instead of waiting for a batch forever."""
+
+
+def read_ahead(read: Callable[[int], Any], start: int, stop: int, *, workers: int) -> Iterator[Any]:
+    """``read(i)`` for ``i`` in ``[start, stop)``, in order, ``workers`` threads reading ahead.
+
+    grain's ``MapDataset`` over the call indices, read through its thread pool: it keeps
+    the order, reads at most ``workers`` calls ahead, and raises a read's exception at
+    that call.
+    """
+    import grain
+
+    dataset = grain.MapDataset.range(start, stop).map(read)
+    options = grain.ReadOptions(num_threads=workers, prefetch_buffer_size=workers)
+    return iter(dataset.to_iter_dataset(options))
+
+
+class Placed:
+    """Iterates ``place(item)`` for the items of ``items``, placed on a background thread.
+
+    At most ``depth`` placed items wait for the consumer (double-buffered with
+    ``depth=2``: the next call's arrays are on the devices while the step runs).
+    An exception on the thread (a read's, a placement's) is raised by the
+    consumer's next ``__next__``, as it was raised; a ``BaseException`` that is
+    not an ``Exception`` (a worker's ``SystemExit``) as :class:`LoaderWorkerError`.
+    ``close`` stops the thread at its next item.
+    """
+
+    def __init__(self, items: Iterator[Any], place: Callable[[Any], Any], *, depth: int):
+        self._items, self._place = items, place
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxdp-data-place", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for item in self._items:
+                if not self._put(("item", self._place(item))):
+                    return
+            self._put(("end", None))
+        except BaseException as e:  # forwarded to the consumer, whatever it is
+            self._put(("error", e))
+        finally:
+            close = getattr(self._items, "close", None)
+            if close is not None:
+                close()
+
+    def _put(self, entry: tuple[str, Any]) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(entry, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            try:
+                kind, value = self._queue.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise LoaderWorkerError(
+                        "the loader's placement thread ended without a batch or an error"
+                    ) from None
+        if kind == "item":
+            return value
+        self._stop.set()
+        if kind == "end":
+            raise StopIteration
+        if isinstance(value, Exception):
+            raise value
+        raise LoaderWorkerError(
+            f"a loader worker died: {type(value).__name__}: {value} (the loop stops here "
+            "rather than wait for a batch that will not come)"
+        ) from value
+
+    def close(self) -> None:
+        """Stops the background thread at its next item (it is a daemon: never waited for)."""
+        self._stop.set()

@@ -1,0 +1,119 @@
+"""What the loader reads: a random-access source, checked once, read a call's rows at a time.
+
+A source is a numpy array or ``np.memmap`` (rows on the leading axis), a dict or
+tuple of them (one field each, the same number of rows), or anything
+with ``__len__`` and ``__getitem__(index) -> record`` (a Hugging Face
+``datasets.Dataset``, a torch map-style ``Dataset``, a grain data source). An
+array field is read with one fancy index per call (a memmap reads only those
+rows); any other source, or any source with a ``transform``, one record at a
+time, and the records are stacked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+Transform = Callable[[Any], Any]
+"""``transform(record) -> record``, applied to every record read, in a loader worker."""
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _fields(source: Any) -> Any | None:
+    """The tree of array fields of ``source``, or None for a record-by-record source."""
+    if _is_array(source):
+        return source
+    # A list is records (one each), a dict or tuple fields (the rows of each).
+    if isinstance(source, (Mapping, tuple)) and source:
+        leaves = jax.tree.leaves(source, is_leaf=_is_array)
+        if leaves and all(_is_array(x) for x in leaves):
+            return source
+    return None
+
+
+class Source:
+    """A checked random-access source: ``len(source)`` rows, ``read(rows)`` a stacked batch.
+
+    Raises ``ValueError`` at construction for an empty source, array fields of
+    different lengths (naming each), a field without rows (a 0-d array), and
+    ``TypeError`` for an object without ``__len__`` and ``__getitem__``.
+    """
+
+    def __init__(self, source: Any, transform: Transform | None = None):
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform={transform!r} must be callable (record -> record) or None")
+        self.transform = transform
+        self.fields = _fields(source)
+        if self.fields is not None:
+            self.length = _common_length(self.fields)
+        elif hasattr(source, "__len__") and hasattr(source, "__getitem__"):
+            self.length = len(source)
+        else:
+            raise TypeError(
+                f"source is a {type(source).__name__}: it must be an array, a dict/tuple of "
+                "arrays, or have __len__ and __getitem__ (random access by record index)"
+            )
+        if self.length == 0:
+            raise ValueError("source is empty (0 rows): there is nothing to train on")
+        self.source = source
+
+    def __len__(self) -> int:
+        return self.length
+
+    def read(self, rows: np.ndarray) -> Any:
+        """The records ``rows`` (in that order, repeats included) as one batch per field."""
+        if self.fields is not None and self.transform is None:
+            return jax.tree.map(lambda x: np.asarray(x[rows]), self.fields, is_leaf=_is_array)
+        records = [self._record(int(i)) for i in rows]
+        return _stack(records, rows)
+
+    def _record(self, index: int) -> Any:
+        if self.fields is not None:
+            record = jax.tree.map(lambda x: x[index], self.fields, is_leaf=_is_array)
+        else:
+            record = self.source[index]
+        if self.transform is None:
+            return record
+        try:
+            return self.transform(record)
+        except Exception as e:
+            raise ValueError(
+                f"transform raised on record {index} of the source: {type(e).__name__}: {e}"
+            ) from e
+
+
+def _common_length(fields: Any) -> int:
+    named = jax.tree_util.tree_leaves_with_path(fields, is_leaf=_is_array)
+    lengths = {}
+    for path, leaf in named:
+        name = "source" + jax.tree_util.keystr(path)
+        if not leaf.shape:
+            raise ValueError(f"{name} has shape (); every field needs a leading axis of rows")
+        lengths[name] = leaf.shape[0]
+    if len(set(lengths.values())) > 1:
+        listed = ", ".join(f"{name} has {n}" for name, n in lengths.items())
+        raise ValueError(
+            f"the source's fields must have the same number of rows (one record each): {listed}"
+        )
+    return next(iter(lengths.values()))
+
+
+def _stack(records: list[Any], rows: np.ndarray) -> Any:
+    """One array per field with the records on the leading axis; names a record that differs."""
+    first = jax.tree.map(np.shape, records[0])
+    structure = jax.tree.structure(records[0])
+    for index, record in zip(rows, records, strict=True):
+        if jax.tree.structure(record) != structure or jax.tree.map(np.shape, record) != first:
+            shapes = jax.tree.map(np.shape, record)
+            raise ValueError(
+                f"source record {int(index)} has fields and shapes {shapes}, record "
+                f"{int(rows[0])} has {first}: every record needs the same fields and shapes "
+                "to stack into a batch"
+            )
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *records)
