@@ -21,14 +21,29 @@ def _placed(bm: BenchModel, rows: int, mesh: Any) -> Any:
     return jax.device_put(bm.data(rows), NamedSharding(mesh, P(mesh.axis_names[0])))
 
 
-def jaxdp_stepper(bm: BenchModel, *, num_devices: int, accum_steps: int) -> Callable[[], float]:
-    """jaxdp's fused step on a pre-placed global batch."""
+def jaxdp_stepper(
+    bm: BenchModel,
+    *,
+    num_devices: int,
+    accum_steps: int,
+    zero_stage: int = 0,
+    comm_dtype: str | None = None,
+) -> Callable[[], float]:
+    """jaxdp's fused step on a pre-placed global batch (at a ZeRO stage, with a
+    communication dtype: the ``zero`` measurement)."""
     from ..._mesh import data_mesh
     from ..._step import make_train_step
 
     mesh = data_mesh(num_devices)
     spec = bm.spec()
-    step = make_train_step(spec.loss, optimizer(), mesh=mesh, accum_steps=accum_steps)
+    step = make_train_step(
+        spec.loss,
+        optimizer(),
+        mesh=mesh,
+        accum_steps=accum_steps,
+        zero_stage=zero_stage,
+        comm_dtype=comm_dtype,
+    )
     batch = _placed(bm, num_devices * accum_steps * bm.micro_batch_size, mesh)
     box = [step.init(spec.make())]
 
