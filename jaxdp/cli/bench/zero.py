@@ -42,8 +42,11 @@ def _key(bm: BenchModel, variant: str) -> str:
     return f"zero/{bm.name}/{variant}"
 
 
-def _jobs(models: Sequence[BenchModel], num_devices: int, k: int) -> dict[str, list[dict]]:
-    """One worker per variant, each timing that variant for every model."""
+def _jobs(
+    models: Sequence[BenchModel], num_devices: int, k: int, *, one_worker: bool
+) -> dict[str, list[dict]]:
+    """One worker per variant, each timing that variant for every model (``one_worker``:
+    a single worker for all, --quick's smoke run)."""
     jobs: dict[str, list[dict]] = {}
     for variant, (stage, comm_dtype) in VARIANTS.items():
         jobs[variant] = [
@@ -55,9 +58,12 @@ def _jobs(models: Sequence[BenchModel], num_devices: int, k: int) -> dict[str, l
                 "accum_steps": k,
                 "zero_stage": stage,
                 "comm_dtype": comm_dtype,
+                "memory": True,
             }
             for bm in models
         ]
+    if one_worker:
+        return {"all": [job for js in jobs.values() for job in js]}
     return jobs
 
 
@@ -69,13 +75,16 @@ def time_variants(
     rounds: int,
     samples: int,
     sample_seconds: float,
-) -> dict[str, list[float]]:
-    """Per key, one figure per round (the median of its samples in that round)."""
-    jobs = _jobs(models, num_devices, k)
-    workers = {variant: Worker("jaxdp", js) for variant, js in jobs.items()}
+    one_worker: bool,
+) -> tuple[dict[str, list[float]], dict[str, dict[str, Any]]]:
+    """Per key, one figure per round (the median of its samples in that round), and
+    the workers' memory figures."""
+    jobs = _jobs(models, num_devices, k, one_worker=one_worker)
+    workers = {name: Worker("jaxdp", js) for name, js in jobs.items()}
+    facts: dict[str, dict[str, Any]] = {}
     try:
         for worker in workers.values():
-            worker.ready()
+            facts |= worker.ready()
         per_round: dict[str, list[float]] = {j["key"]: [] for js in jobs.values() for j in js}
         for r in range(rounds):
             order = list(workers) if r % 2 == 0 else list(workers)[::-1]
@@ -88,7 +97,7 @@ def time_variants(
     finally:
         for worker in workers.values():
             worker.close()
-    return per_round
+    return per_round, facts
 
 
 def _xla_bytes(tree: Any) -> int:
@@ -101,42 +110,35 @@ def _xla_bytes(tree: Any) -> int:
     return compiled_memory(program).arguments
 
 
-def measure_memory(bm: BenchModel, mesh: Any, k: int) -> dict[str, dict[str, Any]]:
-    """Per variant: XLA's figures for the compiled fused step, and the state's parts."""
+def memory_facts(
+    bm: BenchModel, step: Any, state: Any, batch: Any, mesh: Any, k: int, opts: dict[str, Any]
+) -> dict[str, Any]:
+    """XLA's per-device figures for a timing worker's fused ``step`` (compiled here: the
+    calls that follow reuse the program), and its state's parts."""
+    import jax
+    import numpy as np
+
     from ..._step import make_train_step
     from ...plan._xla import compiled_memory
     from ._common import optimizer
 
-    n = mesh.devices.size
-    spec = bm.spec()
-    out = {}
-    for variant, (stage, comm_dtype) in VARIANTS.items():
-        steps = {
-            path: make_train_step(
-                spec.loss,
-                optimizer(),
-                mesh=mesh,
-                accum_steps=k,
-                path=path,
-                zero_stage=stage,
-                comm_dtype=comm_dtype,
-            )
-            for path in ("fused", "multisteps")
-        }
-        fused = steps["fused"].init(spec.make())
-        multi = steps["multisteps"].init(spec.make())
-        step = compiled_memory(steps["fused"].compile(fused, bm.data(n * k * bm.micro_batch_size)))
-        out[variant] = {
-            "params_bytes": _xla_bytes(fused.params),
-            "opt_state_bytes": _xla_bytes(fused.opt_state),
-            "accumulator_bytes": _xla_bytes(multi) - _xla_bytes(fused),
-            "step": dataclasses.asdict(step) | {"total": step.total},
-        }
-    return out
+    compiled = compiled_memory(step.compile(state, batch))
+    multi = make_train_step(
+        bm.spec().loss, optimizer(), mesh=mesh, accum_steps=k, path="multisteps", **opts
+    ).init(bm.spec().make())
+    return {
+        "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params)),
+        "params_bytes": _xla_bytes(state.params),
+        "opt_state_bytes": _xla_bytes(state.opt_state),
+        # The multisteps state carries the float32 gradient sums between calls (and a
+        # few scalars); the fused step's live inside it, as temporaries.
+        "accumulator_bytes": _xla_bytes(multi) - _xla_bytes(state),
+        "step": dataclasses.asdict(compiled) | {"total": compiled.total},
+    }
 
 
 def model_rows(
-    bm: BenchModel, per_round: dict[str, list[float]], memory: dict[str, dict[str, Any]]
+    bm: BenchModel, per_round: dict[str, list[float]], facts: dict[str, dict[str, Any]]
 ) -> list[dict[str, Any]]:
     base = per_round[_key(bm, BASELINE)]
     rows = []
@@ -150,7 +152,7 @@ def model_rows(
             "step_seconds": median(seconds),
             "seconds": seconds,
             "compared": {"to": BASELINE, "ratio": median(ratios), "ratios": ratios},
-            **memory[variant],
+            **{k: v for k, v in facts[_key(bm, variant)].items() if k != "params"},
         }
         if variant == TARGET[0]:
             row["target"] = {"at_most": TARGET[1], "met": row["compared"]["ratio"] <= TARGET[1]}
@@ -160,20 +162,20 @@ def model_rows(
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = standard_args(__doc__.split("\n")[0], argv)
-    from ..._mesh import data_mesh, emulate_cpu_devices
-
     n, k = (QUICK_NUM_DEVICES, QUICK_ACCUM_STEPS) if args.quick else (NUM_DEVICES, ACCUM_STEPS)
-    emulate_cpu_devices(n)
     started = time.perf_counter()
     load_start = load_average()
     rounds, samples, sample_seconds = (2, 1, 0.01) if args.quick else (7, 3, 0.2)
     models = bench_models(args.quick)
-    mesh = data_mesh(n)
-    memory = {bm.name: measure_memory(bm, mesh, k) for bm in models}
-    per_round = time_variants(
-        models, n, k, rounds=rounds, samples=samples, sample_seconds=sample_seconds
+    per_round, facts = time_variants(
+        models,
+        n,
+        k,
+        rounds=rounds,
+        samples=samples,
+        sample_seconds=sample_seconds,
+        one_worker=args.quick,
     )
-    from ...plan._xla import param_count
     from ._common import write_result
 
     result = {
@@ -183,15 +185,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         "rounds": rounds,
         "samples_per_round": samples,
         "sample_seconds": sample_seconds,
+        "workers": 1 if args.quick else len(VARIANTS),
         "target": {"variant": TARGET[0], "at_most": TARGET[1], "of": BASELINE},
         "load_average_start": load_start,
         "models": [
             {
                 "model": bm.name,
                 "describe": bm.describe(),
-                "params": param_count(bm.spec()),
+                "params": facts[_key(bm, BASELINE)]["params"],
                 "micro_batch_size": bm.micro_batch_size,
-                "rows": model_rows(bm, per_round, memory[bm.name]),
+                "rows": model_rows(bm, per_round, facts),
             }
             for bm in models
         ],
