@@ -18,7 +18,7 @@ from typing import Any
 
 from .._extra import require_extra
 
-CPU_MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory")
+CPU_MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory", "zero")
 ALL_MEASUREMENTS = (*CPU_MEASUREMENTS, "gpu")  # gpu only when named: it needs a GPU
 
 
@@ -26,7 +26,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     """``jaxdp bench``: registered in ``jaxdp.cli._main.SUBCOMMANDS``."""
     p = sub.add_parser(
         "bench",
-        help="measure accumulation overhead, speed against torch_ref, communication, memory",
+        help="measure accumulation overhead, speed against torch_ref, communication, memory, ZeRO",
         description="Runs jaxdp's benchmarks (each in a fresh process), writes "
         "<out>/<name>.json and PNG figures, and fills the generated tables of the "
         "markdown file (BENCHMARKS.md). The CPU measurements run by default, about "
