@@ -296,8 +296,8 @@ def zero_section(z: dict[str, Any]) -> str:
         )
     t = z["target"]
     return "\n\n".join(parts) + (
-        f"\n\nTarget: stage {t['variant']} at most {t['at_most']:.2f}x stage {t['of']}. Each "
-        f"variant in its own worker process ({z['workers']}), timed in turns over "
+        f"\n\nTarget: stage {t['variant']} at most {t['at_most']:.2f}x stage {t['of']}. "
+        f"{z['workers']} worker process(es) (one per variant but in --quick), timed in turns over "
         f"{z['rounds']} rounds in alternating order, {z['samples_per_round']} samples a turn; "
         "ratios are medians of per-round ratios (in parentheses their range). Bytes from XLA's "
         "memory analysis: the parts as arguments of a compiled program, the accumulator the "
