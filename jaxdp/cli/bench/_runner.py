@@ -30,7 +30,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         description="Runs jaxdp's benchmarks (each in a fresh process), writes "
         "<out>/<name>.json and PNG figures, and fills the generated tables of the "
         "markdown file (BENCHMARKS.md). The CPU measurements run by default, about "
-        "5 minutes on 2 cores; the GPU one only when named (--only gpu).",
+        "8 minutes on 2 cores; the GPU one only when named (--only gpu).",
     )
     p.add_argument(
         "--quick", action="store_true", help="smoke sizes, for the tests (no figures to trust)"
