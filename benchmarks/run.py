@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/run.py            # the CPU measurements, about 5 minutes on 2 cores
+    python benchmarks/run.py            # the CPU measurements, about 8 minutes on 2 cores
     python benchmarks/run.py --quick    # smoke sizes (what tests/test_bench.py runs)
     python benchmarks/run.py --only gpu # the GPT-2-small GPU figures, on a GPU machine
 

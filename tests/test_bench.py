@@ -14,9 +14,10 @@ import pytest
 
 from jaxdp.cli.bench import _render, gpu
 from jaxdp.cli.bench import overhead as overhead_module
+from jaxdp.cli.bench import zero as zero_module
 
 ROOT = pathlib.Path(__file__).parent.parent
-MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory")
+MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory", "zero")
 # Hand-written text around a generated part, which rendering must keep.
 HAND_WRITTEN = (
     "# Benchmarks\n\nkept before\n\n<!-- bench:targets -->\nstale\n<!-- /bench:targets -->\n"
@@ -132,6 +133,38 @@ def test_fused_step_memory_against_one_micro_batch(quick):
     )
 
 
+def test_zero_rows_are_well_formed_and_shard_the_state(quick):
+    """Every stage's timing and XLA's per-device bytes: stage 1 holds 1/N of stage 0's
+    optimizer state, stage 2 also 1/N of the accumulator, each plus padding."""
+    z = quick[2]["zero"]
+    n = z["num_devices"]
+    (model,) = z["models"]
+    rows = {r["variant"]: r for r in model["rows"]}
+    assert list(rows) == list(zero_module.VARIANTS)
+    for r in rows.values():
+        assert (r["zero_stage"], r["comm_dtype"]) == (
+            zero_module.VARIANTS[r["variant"]][0],
+            zero_module.VARIANTS[r["variant"]][1] or "float32",
+        )
+        assert len(r["seconds"]) == z["rounds"] and r["step_seconds"] > 0
+        c = r["compared"]
+        assert c["to"] == "0" and len(c["ratios"]) == z["rounds"]
+        assert min(c["ratios"]) <= c["ratio"] <= max(c["ratios"])
+        assert r["params_bytes"] == 4 * model["params"]  # float32, whole on every device
+        assert r["step"]["total"] >= r["params_bytes"] + r["opt_state_bytes"]
+    assert rows["0"]["compared"]["ratios"] == [1.0] * z["rounds"]
+    assert set(rows["1"]["target"]) == {"at_most", "met"} and "target" not in rows["2"]
+    # Padding: each leaf padded to a multiple of n, in float32 (the MLP has 6 leaves);
+    # the scalars (Adam's count; the accumulator's loss and weight sums) a few bytes.
+    padding, scalars = 6 * (n - 1) * 4, 64
+    full_opt, full_acc = rows["0"]["opt_state_bytes"], rows["0"]["accumulator_bytes"]
+    assert full_opt >= 2 * 4 * model["params"] and full_acc >= 4 * model["params"]
+    for variant in ("1", "2", "1+bf16"):
+        assert rows[variant]["opt_state_bytes"] <= full_opt / n + 2 * padding + scalars
+    assert rows["2"]["accumulator_bytes"] <= full_acc / n + padding + scalars
+    assert rows["1"]["accumulator_bytes"] == full_acc  # stage 1 keeps the whole sums
+
+
 def test_markdown_gets_every_table_and_keeps_the_hand_written_text(quick):
     out, markdown, _ = quick
     text = markdown.read_text()
@@ -140,7 +173,7 @@ def test_markdown_gets_every_table_and_keeps_the_hand_written_text(quick):
     for name in _render.SECTIONS:
         assert text.count(f"<!-- bench:{name} -->") == 1
         assert text.count(f"<!-- /bench:{name} -->") == 1
-    assert "(overhead.png)" in text and "Pending a lent GPU" in text
+    assert "(overhead.png)" in text and "(zero.png)" in text and "Pending a lent GPU" in text
     # Rendering again from the same results changes nothing.
     _render.render(out, markdown)
     assert markdown.read_text() == text

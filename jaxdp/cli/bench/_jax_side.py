@@ -21,16 +21,40 @@ def _placed(bm: BenchModel, rows: int, mesh: Any) -> Any:
     return jax.device_put(bm.data(rows), NamedSharding(mesh, P(mesh.axis_names[0])))
 
 
-def jaxdp_stepper(bm: BenchModel, *, num_devices: int, accum_steps: int) -> Callable[[], float]:
-    """jaxdp's fused step on a pre-placed global batch."""
+def jaxdp_stepper(
+    bm: BenchModel,
+    *,
+    num_devices: int,
+    accum_steps: int,
+    zero_stage: int = 0,
+    comm_dtype: str | None = None,
+    memory: bool = False,
+) -> Callable[[], float]:
+    """jaxdp's fused step on a pre-placed global batch (at a ZeRO stage, with a
+    communication dtype: the ``zero`` measurement). ``memory``: the stepper's
+    ``facts`` are XLA's per-device figures (:func:`.zero.memory_facts`); the
+    step compiled for them is the one the stepper calls."""
     from ..._mesh import data_mesh
     from ..._step import make_train_step
 
     mesh = data_mesh(num_devices)
     spec = bm.spec()
-    step = make_train_step(spec.loss, optimizer(), mesh=mesh, accum_steps=accum_steps)
+    step = make_train_step(
+        spec.loss,
+        optimizer(),
+        mesh=mesh,
+        accum_steps=accum_steps,
+        zero_stage=zero_stage,
+        comm_dtype=comm_dtype,
+    )
     batch = _placed(bm, num_devices * accum_steps * bm.micro_batch_size, mesh)
     box = [step.init(spec.make())]
+    facts = None
+    if memory:
+        from .zero import memory_facts
+
+        opts = {"zero_stage": zero_stage, "comm_dtype": comm_dtype}
+        facts = memory_facts(bm, step, box[0], batch, mesh, accum_steps, opts)
 
     def run() -> float:
         box[0], metrics = step(box[0], batch)
@@ -38,6 +62,7 @@ def jaxdp_stepper(bm: BenchModel, *, num_devices: int, accum_steps: int) -> Call
         # XLA's in-process CPU all-reduce from stalling under queued steps.
         return float(metrics["loss"])
 
+    run.facts = facts  # type: ignore[attr-defined]
     return run
 
 

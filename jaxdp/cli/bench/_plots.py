@@ -166,10 +166,40 @@ def loader(result: dict[str, Any], path: Path) -> None:
     loader_figure(result, path)
 
 
+def zero(result: dict[str, Any], path: Path) -> None:
+    """Per model: step time / stage 0 (median and range of the rounds) and the state's
+    per-device bytes by part, per variant."""
+    plt = _pyplot()
+    models = result["models"]
+    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 6.4), squeeze=False)
+    parts = (("params_bytes", "parameters"), ("opt_state_bytes", "optimizer state"))
+    parts += (("accumulator_bytes", "float32 accumulator"),)
+    for i, model in enumerate(models):
+        rows, top, bottom = model["rows"], axes[0][i], axes[1][i]
+        names = [r["variant"] for r in rows]
+        ratios = [r["compared"]["ratio"] for r in rows]
+        low = [q - min(r["compared"]["ratios"]) for q, r in zip(ratios, rows, strict=True)]
+        high = [max(r["compared"]["ratios"]) - q for q, r in zip(ratios, rows, strict=True)]
+        top.bar(names, ratios, yerr=[low, high], capsize=3)
+        top.axhline(result["target"]["at_most"], color="r", ls="--", lw=1, label="target")
+        top.set_title(f"{model['model']}: step time / stage 0 (K={result['accum_steps']})")
+        top.legend(fontsize=8)
+        base = [0.0] * len(rows)
+        for key, label in parts:
+            values = [r[key] / 1e6 for r in rows]
+            bottom.bar(names, values, bottom=base, label=label)
+            base = [a + b for a, b in zip(base, values, strict=True)]
+        bottom.set_title(f"per-device MB on {result['num_devices']} devices (XLA)")
+        bottom.set_xlabel("ZeRO stage")
+        bottom.legend(fontsize=8)
+    _save(plt, fig, path)
+
+
 FIGURES = {
     "overhead": overhead,
     "vs_torch": vs_torch,
     "comms": comms,
     "memory": memory,
     "loader": loader,
+    "zero": zero,
 }

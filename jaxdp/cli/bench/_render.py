@@ -18,8 +18,20 @@ from ._common import markdown_table
 from ._render_loader import loader_section
 from ._targets import targets_section
 
-SECTIONS = ("run", "targets", "overhead", "vs_torch", "comms", "ring", "memory", "loader", "gpu")
-RESULTS = ("run", "overhead", "vs_torch", "comms", "memory", "loader", "gpu")
+SECTIONS = (
+    "run",
+    "targets",
+    "overhead",
+    "vs_torch",
+    "comms",
+    "ring",
+    "memory",
+    "zero",
+    "loader",
+    "gpu",
+)
+RESULTS = ("run", "overhead", "vs_torch", "comms", "memory", "zero", "loader", "gpu")
+CPU_RESULTS = ("overhead", "vs_torch", "comms", "memory", "zero")
 
 
 def load(out: Path) -> dict[str, dict[str, Any]]:
@@ -48,7 +60,7 @@ def run_section(r: dict[str, dict[str, Any]]) -> str:
     if env is None:
         return "_No results yet: run `bin/jaxdp bench`._"
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
-    walls = ", ".join(f"{n} {r[n]['wall_seconds']:.0f} s" for n in RESULTS[1:5] if n in r)
+    walls = ", ".join(f"{n} {r[n]['wall_seconds']:.0f} s" for n in CPU_RESULTS if n in r)
     lines = [
         f"- Command: `{run.get('command', 'bin/jaxdp bench')}`"
         + (" (quick smoke sizes)" if run.get("quick") else ""),
@@ -57,7 +69,7 @@ def run_section(r: dict[str, dict[str, Any]]) -> str:
         f"run's affinity; {env['platform']}; Python {env['python']}",
         f"- Versions: {versions}",
         "- Load average (1 min; 2.0 is both cores busy with this run alone): "
-        + "; ".join(f"{n} {_load(r[n])}" for n in RESULTS[1:5] if n in r),
+        + "; ".join(f"{n} {_load(r[n])}" for n in CPU_RESULTS if n in r),
     ]
     return "\n".join(lines)
 
@@ -267,6 +279,45 @@ def memory_section(m: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+def zero_section(z: dict[str, Any]) -> str:
+    parts = []
+    for m in z["models"]:
+        rows = []
+        for r in m["rows"]:
+            target = r.get("target")
+            check = "-" if target is None else ("met" if target["met"] else "**missed**")
+            rows.append(
+                [
+                    r["variant"],
+                    r["comm_dtype"],
+                    f"{1e3 * r['step_seconds']:.2f}",
+                    _ratio(r),
+                    check,
+                    megabytes(r["params_bytes"]),
+                    megabytes(r["opt_state_bytes"]),
+                    megabytes(r["accumulator_bytes"]),
+                    megabytes(r["step"]["total"]),
+                ]
+            )
+        head = ["stage", "comm", "ms / step", "/ stage 0", "target", "params", "optimizer state"]
+        head += ["float32 accumulator", "compiled step total"]
+        parts.append(
+            f"**{m['model']}** ({m['describe']}, {m['params']:,} parameters), micro-batch "
+            f"{m['micro_batch_size']} x K={z['accum_steps']} on {z['num_devices']} emulated "
+            "CPU devices, per device:\n\n" + markdown_table(head, rows)
+        )
+    t = z["target"]
+    return "\n\n".join(parts) + (
+        f"\n\nTarget: stage {t['variant']} at most {t['at_most']:.2f}x stage {t['of']}. "
+        f"{z['workers']} worker process(es) (one per variant but in --quick), timed in turns over "
+        f"{z['rounds']} rounds in alternating order, {z['samples_per_round']} samples a turn; "
+        "ratios are medians of per-round ratios (in parentheses their range). Bytes from XLA's "
+        "memory analysis: the parts as arguments of a compiled program, the accumulator the "
+        "multisteps state less the fused one, the total the compiled fused step's. "
+        f"Load average (1 min): {_load(z)}."
+    )
+
+
 def gpu_section(g: dict[str, Any] | None) -> str:
     if g is None or g.get("tiny"):
         return (
@@ -318,6 +369,7 @@ def sections(r: dict[str, dict[str, Any]], out: Path, markdown: Path) -> dict[st
         "vs_torch": vs_torch_section,
         "comms": comms_section,
         "memory": memory_section,
+        "zero": zero_section,
         "loader": loader_section,
     }
     for name, build in builders.items():

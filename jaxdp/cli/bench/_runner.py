@@ -18,7 +18,7 @@ from typing import Any
 
 from .._extra import require_extra
 
-CPU_MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory")
+CPU_MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory", "zero")
 # Only when named: gpu needs a GPU; loader (the input pipeline, issue 13) is its own run.
 ALL_MEASUREMENTS = (*CPU_MEASUREMENTS, "loader", "gpu")
 
@@ -27,11 +27,11 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     """``jaxdp bench``: registered in ``jaxdp.cli._main.SUBCOMMANDS``."""
     p = sub.add_parser(
         "bench",
-        help="measure accumulation overhead, speed against torch_ref, communication, memory",
+        help="measure accumulation overhead, speed against torch_ref, communication, memory, ZeRO",
         description="Runs jaxdp's benchmarks (each in a fresh process), writes "
         "<out>/<name>.json and PNG figures, and fills the generated tables of the "
         "markdown file (BENCHMARKS.md). The CPU measurements run by default, about "
-        "5 minutes on 2 cores; the GPU one only when named (--only gpu).",
+        "8 minutes on 2 cores; the GPU one only when named (--only gpu).",
     )
     p.add_argument(
         "--quick", action="store_true", help="smoke sizes, for the tests (no figures to trust)"

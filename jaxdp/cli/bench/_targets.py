@@ -45,6 +45,8 @@ def targets_section(r: dict[str, dict[str, Any]]) -> str:
                     _verdict(x["temp_ratio"], 1.1, at_most=True),
                 ]
             )
+    if "zero" in r:
+        rows += _zero_targets(r["zero"])
     g = r.get("gpu")
     if g and not g.get("tiny") and "torch" in g:
         mfu = g["jaxdp"]["mfu"]["6N+attention"]
@@ -114,3 +116,34 @@ def _comms_target(c: dict[str, Any]) -> list[str]:
         "met (the 8 bytes: loss and weight sums riding along)" if exact and naive else "**missed**"
     )
     return ["all-reduce bytes per step == gradient bytes, every K, both paths", measured, verdict]
+
+
+def _zero_targets(z: dict[str, Any]) -> list[list[str]]:
+    """Issue 14: stage 1's step time against stage 0's (acceptance 5), and the optimizer
+    state (stage 1) and accumulator (stage 2) per device against 1/N of stage 0's."""
+    t, n, rows = z["target"], z["num_devices"], []
+    for m in z["models"]:
+        by = {x["variant"]: x for x in m["rows"]}
+        ratio = by[t["variant"]]["compared"]["ratio"]
+        rows.append(
+            [
+                f"ZeRO stage {t['variant']} step <= {t['at_most']} x stage {t['of']}, {n} emulated "
+                f"CPU devices, K={z['accum_steps']} ({m['model']})",
+                f"{ratio:.3f}x",
+                _verdict(ratio, t["at_most"], at_most=True),
+            ]
+        )
+        for variant, key, label in (
+            ("1", "opt_state_bytes", "optimizer state"),
+            ("2", "accumulator_bytes", "float32 accumulator"),
+        ):
+            share = by[variant][key] / by["0"][key]
+            rows.append(
+                [
+                    f"ZeRO stage {variant} {label} per device <= 1/{n} of stage 0 plus padding "
+                    f"(XLA, {m['model']})",
+                    f"{share:.4f} of stage 0",
+                    "met" if share <= 1 / n + 0.01 else "**over 1/N by more than 1%**",
+                ]
+            )
+    return rows

@@ -37,7 +37,8 @@ def steppers(framework: str, jobs: list[dict[str, Any]]) -> dict[str, Callable[[
 
             sizes = {"num_devices": job["num_devices"], "accum_steps": job["accum_steps"]}
             if job["kind"] == "step":
-                built[job["key"]] = side.jaxdp_stepper(bm, **sizes)
+                zero = {k: job[k] for k in ("zero_stage", "comm_dtype", "memory") if k in job}
+                built[job["key"]] = side.jaxdp_stepper(bm, **sizes, **zero)
             elif job["kind"] == "hand-written":
                 built[job["key"]] = side.hand_written_stepper(bm, **sizes)
             else:  # "micro" or "update"
@@ -79,8 +80,11 @@ def serve(framework: str, jobs: list[dict[str, Any]]) -> None:
         from ..._mesh import emulate_cpu_devices
 
         emulate_cpu_devices(max(job["num_devices"] for job in jobs))
-    timer = Timer(steppers(framework, jobs))
-    print(MARK + json.dumps({"ready": framework}), flush=True)
+    built = steppers(framework, jobs)
+    facts = {key: fn.facts for key, fn in built.items() if getattr(fn, "facts", None)}
+    timer = Timer(built)
+    # What a stepper found while it was built (the zero measurement's memory figures).
+    print(MARK + json.dumps({"ready": framework, "facts": facts}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         answer = timer(request["key"], request["samples"], request["sample_seconds"])
@@ -108,8 +112,9 @@ class Worker:
         code = self.process.wait()
         raise RuntimeError(f"the {self.framework} timing worker ended (exit status {code})")
 
-    def ready(self) -> None:
-        self._answer()
+    def ready(self) -> dict[str, Any]:
+        """Waits until the worker has built its steppers; their ``facts`` by key."""
+        return self._answer().get("facts", {})
 
     def time(self, key: str, *, samples: int, sample_seconds: float, pause: bool) -> dict[str, Any]:
         """``samples`` timed samples of ``key`` after warm-up calls (and a pause first
