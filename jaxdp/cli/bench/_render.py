@@ -18,20 +18,11 @@ from ._common import markdown_table
 from ._render_loader import loader_section
 from ._targets import targets_section
 
-SECTIONS = (
-    "run",
-    "targets",
-    "overhead",
-    "vs_torch",
-    "comms",
-    "ring",
-    "memory",
-    "zero",
-    "loader",
-    "gpu",
-)
-RESULTS = ("run", "overhead", "vs_torch", "comms", "memory", "zero", "loader", "gpu")
+# BENCHMARKS.md's generated sections, in order, and the results they are made from.
+SECTIONS = ("run", "targets", "overhead", "vs_torch", "comms", "ring", "memory", "zero")
+SECTIONS += ("loader", "gpu")
 CPU_RESULTS = ("overhead", "vs_torch", "comms", "memory", "zero")
+RESULTS = ("run", *CPU_RESULTS, "loader", "gpu")
 
 
 def load(out: Path) -> dict[str, dict[str, Any]]:
