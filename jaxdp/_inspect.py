@@ -55,8 +55,22 @@ _KINDS = {
 }
 
 
+class _Placed:
+    """Where an instruction sits, from its ``context`` (the enclosing computations)."""
+
+    context: tuple[str, ...]
+
+    @property
+    def in_loop(self) -> bool:
+        return any(c.startswith("while") for c in self.context)
+
+    @property
+    def in_conditional(self) -> bool:
+        return any(c.startswith("conditional") for c in self.context)
+
+
 @dataclasses.dataclass(frozen=True)
-class AllReduce:
+class AllReduce(_Placed):
     """One all-reduce instruction of a compiled program.
 
     ``bytes`` is the payload of one execution (all operands: XLA's combiner
@@ -71,14 +85,6 @@ class AllReduce:
     shapes: tuple[str, ...]
     context: tuple[str, ...]
     executions: tuple[int, int]
-
-    @property
-    def in_loop(self) -> bool:
-        return any(c.startswith("while") for c in self.context)
-
-    @property
-    def in_conditional(self) -> bool:
-        return any(c.startswith("conditional") for c in self.context)
 
 
 def _array_bytes(type_text: str) -> tuple[int, tuple[str, ...]]:
@@ -188,7 +194,7 @@ def all_reduces(compiled_or_hlo: Any) -> list[AllReduce]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Collective:
+class Collective(_Placed):
     """One collective instruction of a compiled program (:func:`collectives`).
 
     ``kind`` is ``"all-reduce"``, ``"reduce-scatter"`` or ``"all-gather"``.
@@ -207,14 +213,6 @@ class Collective:
     shapes: tuple[str, ...]
     context: tuple[str, ...]
     executions: tuple[int, int]
-
-    @property
-    def in_loop(self) -> bool:
-        return any(c.startswith("while") for c in self.context)
-
-    @property
-    def in_conditional(self) -> bool:
-        return any(c.startswith("conditional") for c in self.context)
 
     @property
     def ring_bytes(self) -> float:
