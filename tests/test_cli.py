@@ -704,3 +704,19 @@ def test_kill_9_mid_run_then_resume_trains_the_same_rows_as_an_uninterrupted_run
     assert records(metrics) == records(tmp_path / "w"), f"killed after {killed_at} updates"
     assert len(records(metrics)) == 30
     assert saved_leaves(ckpt) == saved_leaves(tmp_path / "whole")
+
+
+def test_resume_drops_a_metrics_line_torn_by_a_kill(tmp_path):
+    """A kill in the middle of a record's write leaves its line cut short; that record is
+    of a step after the newest checkpoint (a step's record is written before its
+    checkpoint), so a resume drops it with the other later records."""
+    path = tmp_path / "m.jsonl"
+    whole = [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in whole) + '{"step": 4, "lo')
+    with MetricsLog(str(path), resume_step=2) as log:
+        assert log.records == whole[:2]
+        log.write({"step": 3, "loss": 0.5})
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        *whole[:2],
+        {"step": 3, "loss": 0.5},
+    ]

@@ -22,7 +22,8 @@ class MetricsLog:
 
     Resuming from optimizer step ``resume_step`` keeps the file's records up to
     that step and drops later ones (written after the checkpoint, before the
-    run stopped), so the file reads as one uninterrupted run; TensorBoard is
+    run stopped, a last line cut short by a kill included), so the file reads as
+    one uninterrupted run; TensorBoard is
     told the same (events from later steps are purged). ``records`` holds the
     kept and the new records.
     """
@@ -47,7 +48,10 @@ class MetricsLog:
             return
         file = pathlib.Path(path)
         if resume_step is not None and file.exists():
-            lines = file.read_text().splitlines()
+            text = file.read_text()
+            lines = text.splitlines()
+            if lines and not text.endswith("\n"):
+                lines.pop()  # torn by a kill in the middle of its write: a later step's
             self.records = [r for r in map(json.loads, lines) if r["step"] <= resume_step]
         file.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         self._file = file.open("a")
