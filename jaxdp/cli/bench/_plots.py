@@ -25,6 +25,7 @@ def _save(plt: Any, fig: Any, path: Path) -> None:
 
 RATIO_STYLE = {
     "fused": ("o-", "fused / hand-written"),
+    "hand-written streaming": ("d-.", "hand-written streaming / fused"),
     "multisteps": ("s--", "multisteps / fused"),
     "optax.MultiSteps": ("x:", "jit + optax.MultiSteps / fused"),
 }
