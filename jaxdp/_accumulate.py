@@ -243,8 +243,14 @@ def multisteps_update(
         return Update(params, (sync, inner_state), batch_stats, no, no, metrics)
 
     operands = (params, opt_state.inner_opt_state, batch_stats, window)
-    update = jax.lax.cond(emits, emit, keep, operands)
-    acc = jax.lax.cond(emits, _reset, _unchanged, (acc, update.metrics["grad_norm"]))
+    if accum_steps == 1:
+        # Every call emits: this call's gradient is the window's sums, and the state's
+        # stay the zeros they start as (no pass over them: the fused step's speed).
+        update = emit((*operands[:3], (grads, *window[1:])))
+        acc = opt_state.acc_grads
+    else:
+        update = jax.lax.cond(emits, emit, keep, operands)
+        acc = jax.lax.cond(emits, _reset, _unchanged, (acc, update.metrics["grad_norm"]))
     small = jax.tree.map(lambda x: jnp.where(emits, jnp.zeros_like(x), x), window[1:])
     new_opt_state = opt_state._replace(
         mini_step=(mini_step + 1) % accum_steps,
