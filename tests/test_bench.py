@@ -7,6 +7,7 @@ worker. Timings are checked for shape only, never against a threshold.
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -294,3 +295,23 @@ def test_the_hand_written_floors_make_jaxdps_step(name):
             # float32, one step: sums in another order differ in the last bits;
             # RTOL is a few float32 ulps, ATOL a floor for elements near zero.
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_profile_script_splits_a_micro_batch_by_kernel(framework):
+    """benchmarks/profile_micro.py, the profile BENCHMARKS.md quotes: the kernels'
+    times add up to their total, and the MLP's time is mostly matrix products."""
+    script = ROOT / "benchmarks" / "profile_micro.py"
+    done = subprocess.run(
+        [sys.executable, str(script), framework, "mlp"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    rows = [
+        line.split(None, 1)
+        for line in lines[lines.index(next(x for x in lines if "all kernels" in x)) :]
+    ]
+    total, kernels = float(rows[0][0]), {name: float(ms) for ms, name in rows[1:]}
+    assert total > 0 and sum(kernels.values()) <= total * (1 + 1e-6)
+    products = sum(ms for name, ms in kernels.items() if re.search(r"mm|dot|ynn", name))
+    assert products > total / 2, kernels
