@@ -63,12 +63,16 @@ def naive_step(bm: BenchModel, module: Any, mesh: Any, accum_steps: int) -> Any:
     return jax.jit(mapped)
 
 
-def _per_call(reduces: list[Any]) -> tuple[int, int, int]:
-    """(all-reduce executions, bytes) per call outside conditionals, and bytes per taken branch."""
-    runs = sum(r.executions[1] for r in reduces if not r.in_conditional)
-    plain = sum(r.executions[1] * r.bytes for r in reduces if not r.in_conditional)
-    branch = sum(r.executions[1] * r.bytes for r in reduces if r.in_conditional)
-    return runs, plain, branch
+def _per_call(reduces: list[Any]) -> tuple[int, int, int, int]:
+    """All-reduce executions and bytes per call outside conditionals, then the same for
+    the conditional branches, counted as if taken (at ``accum_steps=1`` every
+    multisteps call emits, and its all-reduce sits in no branch)."""
+
+    def totals(in_conditional: bool) -> tuple[int, int]:
+        rs = [r for r in reduces if r.in_conditional == in_conditional]
+        return sum(r.executions[1] for r in rs), sum(r.executions[1] * r.bytes for r in rs)
+
+    return (*totals(False), *totals(True))
 
 
 def measure_model(bm: BenchModel, accum_steps: Sequence[int], mesh: Any) -> dict[str, Any]:
@@ -88,7 +92,7 @@ def measure_model(bm: BenchModel, accum_steps: Sequence[int], mesh: Any) -> dict
     for k in accum_steps:
         fused = make_train_step(bm.spec().loss, optimizer(), mesh=mesh, accum_steps=k)
         fused_state = fused_state or fused.init(module)
-        runs, plain, _ = _per_call(all_reduces(fused.compile(fused_state, bm.data(n * k))))
+        runs, plain, _, _ = _per_call(all_reduces(fused.compile(fused_state, bm.data(n * k))))
         rows.append(_row("fused", k, runs, plain, grad_bytes))
 
         multi = make_train_step(
@@ -96,7 +100,7 @@ def measure_model(bm: BenchModel, accum_steps: Sequence[int], mesh: Any) -> dict
         )
         state, micro = multi.init(module), bm.data(n)
         compiled = multi.compile(state, micro)
-        runs, plain, branch = _per_call(all_reduces(compiled))
+        runs, plain, branch_runs, branch = _per_call(all_reduces(compiled))
         inputs = multi._inputs(micro, None)
         emitted = 0
         for _ in range(2 * k):  # two optimizer steps; count the calls that emit
@@ -104,14 +108,15 @@ def measure_model(bm: BenchModel, accum_steps: Sequence[int], mesh: Any) -> dict
             emitted += bool(metrics["emitted"])
         steps = int(state.step)
         per_step = (2 * k * plain + emitted * branch) / steps
-        rows.append(_row("multisteps", k, (2 * k * runs + emitted) / steps, per_step, grad_bytes))
+        executions = (2 * k * runs + emitted * branch_runs) / steps
+        rows.append(_row("multisteps", k, executions, per_step, grad_bytes))
 
         naive = naive_step(bm, module, mesh, k)
         _, params, _ = split_model(module)
         params = jax.device_put(params, NamedSharding(mesh, P()))
         batch = jax.device_put(bm.data(n * k), NamedSharding(mesh, P(mesh.axis_names[0])))
         compiled = naive.lower(params, optimizer().init(params), batch).compile()
-        runs, plain, _ = _per_call(all_reduces(compiled))
+        runs, plain, _, _ = _per_call(all_reduces(compiled))
         rows.append(_row("naive", k, runs, plain, grad_bytes))
     return {
         "model": bm.name,
