@@ -39,6 +39,9 @@ DEFAULT_GRACE_S = 10.0
 # cannot act on SIGTERM; the second lets one that is not blocked exit on its own.
 KILLED_PEER_GRACE_S = 1.0
 _POLL_S = 0.05
+# Signals that come from outside a process (a user, the OOM killer, a scheduler),
+# never from its own reaction to a dead peer, unlike an error exit or SIGABRT.
+_SENT_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -234,8 +237,20 @@ class _Group:
         self.say(text)
 
     def _first_failure(self) -> tuple[int, int] | None:
+        """The rank that failed first among the exits seen so far.
+
+        The waiter threads record exits in the order they get the GIL. On a busy
+        machine the launcher may not run until a rank killed from outside and a
+        peer that then exited with an error have both ended, in either order. A
+        rank killed from outside cannot have died of a peer's failure, so among
+        the exits seen together it is the cause; otherwise the earliest is.
+        """
         with self.lock:
-            return next(((rank, status) for rank, status in self.exits if status != 0), None)
+            failures = [(rank, status) for rank, status in self.exits if status != 0]
+        killed = [failure for failure in failures if _sent_from_outside(failure[1])]
+        if killed:
+            return killed[0]
+        return failures[0] if failures else None
 
     def signal_all(self, signum: int) -> None:
         for proc in self.procs:
@@ -254,6 +269,10 @@ class _Group:
 def _status(returncode: int) -> int:
     """The shell's status: ``128 + n`` for a process ended by signal ``n``."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def _sent_from_outside(status: int) -> bool:
+    return status - 128 in _SENT_FROM_OUTSIDE
 
 
 def _describe(status: int) -> str:
