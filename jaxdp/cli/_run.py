@@ -21,7 +21,7 @@ from ._config import RESUME_FIXED
 from ._metrics import MetricsLog, agree
 
 if TYPE_CHECKING:
-    from ..data._loader import Loader
+    from ..data._loader import Batch, Loader
     from ._config import TrainConfig
 
 
@@ -34,6 +34,15 @@ def say(*args: Any) -> None:
     """``print`` on process 0 only."""
     if jax.process_index() == 0:
         print(*args)
+
+
+@dataclasses.dataclass
+class _Progress:
+    """What the loop carries from one update to the next."""
+
+    done: int  # updates applied
+    clock: tuple[float, int] | None = None  # (time, samples) after the first update
+    accuracy: float | None = None  # held-out, at the last epoch's end
 
 
 class _Run:
@@ -107,53 +116,72 @@ class _Run:
         With several processes, ``stop`` is asked on each and the run ends on
         all of them after the first call where any says True.
         """
-        config, every = self.config, self.config.checkpoint_every
-        total = config.steps or (config.last_epoch or 0) * self.steps_per_epoch
-        if config.steps and config.last_epoch:
-            total = min(total, config.last_epoch * self.steps_per_epoch)
-        clock: tuple[float, int] | None = None  # (time, samples) after the first update
-        disable = None if config.progress is None else not config.progress
+        steps = self.config.steps
+        progress = _Progress(done=int(self.state.step))  # then read once per update
+        if steps is not None and progress.done >= steps:
+            return False
+        # None: tqdm's own choice, a bar on a terminal only.
+        disable = None if self.config.progress is None else not self.config.progress
         if self.share.process_index != 0:
             disable = True
-        done = int(self.state.step)  # updates applied; then read once per update, not per call
-        accuracy = None  # held-out, at the last epoch's end
-        if config.steps is not None and done >= config.steps:
-            return False
-        with tqdm(total=total, initial=done, unit="step", disable=disable) as bar:
+        bar = tqdm(total=self._total_steps(), initial=progress.done, unit="step", disable=disable)
+        with bar:
             # The loader's position moves as it hands out a batch: the loop ends after
             # a step, never holding a batch it will not train on (the checkpoint's rows).
             for batch in self.loader:
                 self.state, metrics = self.step(self.state, batch.data, batch.micro_weights)
                 self.position, self.samples = batch.position, self.loader.samples
                 if batch.emits:
-                    record = _record(self.state, metrics, batch.epoch, self.samples)  # waits
-                    # A skipped (non-finite) update leaves the step count as it was.
-                    advanced, done = record["step"] > done, record["step"]
-                    now = time.perf_counter()
-                    # The clock starts after the first update: it includes compiling.
-                    if clock is None:
-                        clock = (now, self.samples)
-                    else:
-                        record["samples_per_s"] = (self.samples - clock[1]) / (now - clock[0])
-                    epoch_end = batch.position.step_in_epoch == 0
-                    if epoch_end and score is not None:
-                        record["test_accuracy"] = score(self.state)
-                        accuracy = record["test_accuracy"]
-                    bar.set_postfix(_postfix(record, accuracy), refresh=False)
-                    log.write(record)
-                    bar.update()
-                    if not _finite(record):  # already on the host: no sync of its own
-                        self._nonfinite(record)
-                    if every and advanced and done % every == 0:
-                        self.save()
-                    if bar.disable and epoch_end:
-                        say(_epoch_line(record))
+                    self._updated(batch, metrics, progress, log, bar, score)
                 if stop is not None and agree(stop(batch.position)):
                     return True
-                if config.steps is not None and done >= config.steps:
+                if steps is not None and progress.done >= steps:
                     break
         self.step.check(self.state)  # a skip limit reached by the last call
         return False
+
+    def _total_steps(self) -> int:
+        """The progress bar's total: ``steps``, or ``last_epoch``'s, whichever ends first."""
+        config = self.config
+        total = config.steps or (config.last_epoch or 0) * self.steps_per_epoch
+        if config.steps and config.last_epoch:
+            total = min(total, config.last_epoch * self.steps_per_epoch)
+        return total
+
+    def _updated(
+        self,
+        batch: Batch,
+        metrics: dict[str, Any],
+        progress: _Progress,
+        log: MetricsLog,
+        bar: tqdm,
+        score: Callable[[Any], float] | None,
+    ) -> None:
+        """After a call that ended a window: the metrics line, the held-out score at an
+        epoch's end, the progress bar, the non-finite report and the checkpoint."""
+        record = _record(self.state, metrics, batch.epoch, self.samples)  # waits
+        # A skipped (non-finite) update leaves the step count as it was.
+        advanced, progress.done = record["step"] > progress.done, record["step"]
+        now = time.perf_counter()
+        # The clock starts after the first update: it includes compiling.
+        if progress.clock is None:
+            progress.clock = (now, self.samples)
+        else:
+            since, samples = progress.clock
+            record["samples_per_s"] = (self.samples - samples) / (now - since)
+        epoch_end = batch.position.step_in_epoch == 0
+        if epoch_end and score is not None:
+            record["test_accuracy"] = progress.accuracy = score(self.state)
+        bar.set_postfix(_postfix(record, progress.accuracy), refresh=False)
+        log.write(record)
+        bar.update()
+        if not _finite(record):  # already on the host: no sync of its own
+            self._nonfinite(record)
+        every = self.config.checkpoint_every
+        if every and advanced and progress.done % every == 0:
+            self.save()
+        if bar.disable and epoch_end:
+            say(_epoch_line(record))
 
     def _nonfinite(self, record: dict[str, Any]) -> None:
         """Reports a skipped update; without skipping, stops the run naming the step."""
