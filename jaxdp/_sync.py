@@ -59,9 +59,17 @@ def all_reduce_sums(
 
 
 def mean_grads(grad_sum: Any, weight: jax.Array, like: Any = None) -> Any:
-    """``grad_sum / weight``, in the dtypes of ``like`` (default: the sums')."""
+    """``grad_sum / weight``, in the dtypes of ``like`` (default: the sums').
+
+    Computed as ``grad_sum * (1 / weight)``: XLA repeats a multiply inside each
+    of its consumers (the optimizer's moment updates), but computes a divide
+    once and writes it out, a pass over the gradients (0.4 ms of a 4.3 ms MLP
+    step on XLA:CPU, docs/decisions.md). It differs from the divide by at most
+    one rounding, and not at all when ``weight`` is a power of two.
+    """
     like = grad_sum if like is None else like
-    return jax.tree.map(lambda g, p: (g / weight.astype(g.dtype)).astype(p.dtype), grad_sum, like)
+    inverse = 1 / weight
+    return jax.tree.map(lambda g, p: (g * inverse.astype(g.dtype)).astype(p.dtype), grad_sum, like)
 
 
 def all_finite(grad_norm: jax.Array, loss: jax.Array, extra: Any = ()) -> jax.Array:
