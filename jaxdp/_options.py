@@ -4,6 +4,7 @@ dtype, the optimizer the state holds, and how each state leaf lies on the mesh."
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -87,9 +88,10 @@ class StepOptions:
     def axis_name(self) -> str:
         return self.mesh.axis_names[0]
 
-    @property
+    @functools.cached_property
     def process_count(self) -> int:
-        """Processes whose devices make up the mesh (1 unless multi-process)."""
+        """Processes whose devices make up the mesh (1 unless multi-process); read
+        on every call of the step, so counted once."""
         return len({d.process_index for d in self.mesh.devices.flat})
 
     def accumulator_dtype(self, params: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 
 import jax
+import numpy as np
 
 from ._train_state import NonFiniteError, TrainState
 
@@ -51,7 +52,7 @@ class SkipWatch:
         """Called before a step's call; raises :class:`NonFiniteError` if due."""
         if len(self._recent) < IN_FLIGHT:
             return
-        older = int(self._recent.popleft())
+        older = int(np.asarray(self._recent.popleft()))  # a quarter of int()'s host time
         if self.limit is not None and older >= self.limit:
             self.check(state)
 

@@ -64,6 +64,7 @@ class TrainStep:
 
         self._jitted = jax.jit(call, donate_argnums=donate)
         self._weights: dict[bytes, jax.Array] = {}
+        self._rows = NamedSharding(options.mesh, P(options.axis_name))  # the batch's
         self._ones = np.ones((options.accum_steps,) if options.path == "fused" else (), np.float32)
 
     @property
@@ -222,10 +223,9 @@ class TrainStep:
                 f"micro_weights has shape {weights.shape}; the {self.path} path takes "
                 f"shape {shape} (one weight per micro-batch of the call)"
             )
-        rows = NamedSharding(self.mesh, P(self.options.axis_name))
         if not isinstance(weights, jax.ShapeDtypeStruct):
             weights = self._placed_weights(weights)
-        return sizes, (_place(batch, rows), weights)
+        return sizes, (_place(batch, self._rows), weights)
 
     def _placed_weights(self, weights: np.ndarray) -> jax.Array:
         """The weights on the mesh, placed once per distinct value: a transfer to the
