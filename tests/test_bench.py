@@ -319,3 +319,27 @@ def test_profile_script_splits_a_micro_batch_by_kernel(framework):
     assert all(ms >= 0 for ms in kernels.values()), kernels
     products = [name for name, ms in kernels.items() if ms > 0 and re.search(r"mm|dot|ynn", name)]
     assert products, kernels  # the profiler saw the matrix products by name
+
+
+def test_profile_calls_counts_a_micro_batchs_kernels_in_the_loop_and_in_a_call():
+    """benchmarks/profile_calls.py, which BENCHMARKS.md quotes for the streaming floor's
+    cost per call: its kernel table reads the loop's body and one call from the trace,
+    and the two run the same matrix products per micro-batch (the forward and backward
+    are one program text). Its timings are measurements, not checked here."""
+    script = ROOT / "benchmarks" / "profile_calls.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "mlp", "2", "--counts-only"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    start = lines.index(next(x for x in lines if x.startswith("kernels per micro-batch"))) + 1
+    rows = {}
+    for line in lines[start:]:
+        loop, rest = line.split("|")
+        call, kind = rest.split(None, 1)
+        rows[kind] = (float(loop), float(call))
+    products = {kind: n for kind, n in rows.items() if re.fullmatch(r"dot|ynn_fusion", kind)}
+    assert products and all(loop == call > 0 for loop, call in products.values()), rows

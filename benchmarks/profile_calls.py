@@ -1,0 +1,157 @@
+"""What ``K`` calls of one micro-batch cost on XLA:CPU against one loop over ``K`` in one program.
+
+Run from the repository root (about a minute for the GPT)::
+
+    .venv/bin/python benchmarks/profile_calls.py gpt 8     # or: mlp 8
+    .venv/bin/python benchmarks/profile_calls.py gpt 8 --counts-only   # the kernels, no timing
+
+For the bench's model (``jaxdp bench``'s), the two hand-written floors of
+``jaxdp/cli/bench/_hand_written.py``: the fused step (one program, a
+``lax.scan`` over ``K`` micro-batches, then the update) and the streaming one
+(``K`` calls adding one micro-batch's gradients each, then one applying
+them). Prints:
+
+- the kernels per micro-batch, by kind, from ``jax.profiler``'s trace: what
+  the fused step over ``2K`` micro-batches runs more than over ``K``, divided
+  by ``K`` (the loop's body), and what one accumulating call runs;
+- time per optimizer step of both floors, timed in turns, and the streaming
+  step's excess per call, ``(streaming - fused) / (K + 1)``, at micro-batches
+  of 1 and 4 rows and the bench's size: a fixed cost of launching a program
+  would not grow with the micro-batch;
+- the same at the bench's size in a child process with XLA's YNNPACK fusions
+  off (``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=``; a flag is read
+  when XLA starts, so each setting needs its own process).
+"""
+
+import collections
+import dataclasses
+import gzip
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+NO_YNN = "--xla_cpu_experimental_ynn_fusion_type="
+CONTROL = ("while", "conditional", "call")  # thunks that run others
+
+
+def _kernels(run, calls: int) -> collections.Counter:
+    """XLA's kernels by kind over ``calls`` runs of ``run``, from ``jax.profiler``'s trace
+    (host-side events left out: theirs are CamelCase names or phrases). Counts only:
+    the trace's durations of the kernels inside a loop overlap and do not add up."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                jax.block_until_ready(run())
+        (trace,) = pathlib.Path(trace_dir).glob("**/*.trace.json.gz")
+        with gzip.open(trace) as f:
+            events = json.load(f)
+    names = [e.get("name", "") for e in events["traceEvents"] if e.get("ph") == "X"]
+    kernels = [n for n in names if re.fullmatch(r"[a-z][\w.-]*", n) and not n.startswith(CONTROL)]
+    return collections.Counter(re.sub(r"[._]\d+$", "", n) for n in kernels)
+
+
+def _floors(bm, k: int):
+    """``(fused, streamed, accumulating, fused_twice)``: one optimizer step of each floor,
+    the streaming step's ``k`` accumulating calls without the one applying them, and
+    the fused step over ``2 k`` micro-batches."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdp._mesh import data_mesh
+    from jaxdp.cli.bench._common import micro_loss, optimizer
+    from jaxdp.cli.bench._hand_written import hand_written_step, hand_written_streaming
+    from jaxdp.cli.bench.overhead import _chained, _streamed
+
+    mesh = data_mesh(1)
+    rows = NamedSharding(mesh, P(mesh.axis_names[0]))
+    loss, params = micro_loss(bm, bm.spec().make())
+    copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+    window = jax.device_put(bm.data(k * bm.micro_batch_size), rows)
+    micro = jax.device_put(bm.data(bm.micro_batch_size), rows)
+    step = hand_written_step(loss, optimizer(), mesh, k)
+    p = copy(params)
+    fused = _chained(step, p, optimizer().init(p), window, 1)
+    twice = hand_written_step(loss, optimizer(), mesh, 2 * k)
+    p2, window2 = copy(params), jax.device_put(bm.data(2 * k * bm.micro_batch_size), rows)
+    fused_twice = _chained(twice, p2, optimizer().init(p2), window2, 1)
+    streamed = _streamed(loss, k, mesh, copy(params), micro)
+    accumulate, _ = hand_written_streaming(loss, optimizer(), mesh, k)
+    sums = [jax.jit(lambda t: jax.tree.map(lambda x: x[None], t), out_shardings=rows)(params)]
+
+    def accumulating():
+        for _ in range(k):
+            sums[0], value = accumulate(sums[0], params, micro)
+        return value
+
+    return fused, streamed, accumulating, fused_twice
+
+
+def _timing(model: str, k: int, rows: int) -> dict[str, float]:
+    """Milliseconds per optimizer step of both floors at ``rows`` rows a micro-batch."""
+    from jaxdp.cli.bench._common import MODELS, interleaved, median
+
+    (bm,) = [dataclasses.replace(m, micro_batch_size=rows) for m in MODELS if m.name == model]
+    fused, streamed, *_ = _floors(bm, k)
+    samples, _ = interleaved({"fused": fused, "streamed": streamed}, repeats=7, sample_seconds=0.4)
+    return {name: median(s) * 1e3 for name, s in samples.items()}
+
+
+def _report(label: str, k: int, ms: dict[str, float]) -> None:
+    per_call = (ms["streamed"] - ms["fused"]) / (k + 1)
+    print(
+        f"{label}: fused {ms['fused']:.2f} ms, streaming {ms['streamed']:.2f} ms "
+        f"({ms['streamed'] / ms['fused']:.3f}x), {per_call:.3f} ms more a call"
+    )
+
+
+def main() -> int:
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # a checkout's jaxdp
+    model, k = sys.argv[1], int(sys.argv[2])
+    from jaxdp.cli.bench._common import MODELS
+
+    (bm,) = [m for m in MODELS if m.name == model]
+    if "--timing-only" in sys.argv:  # the child with other XLA flags
+        print(json.dumps(_timing(model, k, bm.micro_batch_size)))
+        return 0
+    import jax
+
+    fused, _, accumulating, fused_twice = _floors(bm, k)
+    for run in (fused, accumulating, fused_twice):
+        jax.block_until_ready(run())
+    # The loop's body: what the fused step over 2k micro-batches runs more than over k.
+    loop = _kernels(fused_twice, 2) - _kernels(fused, 2)  # counts above zero only
+    call = _kernels(accumulating, 2)
+    print(f"{model}, {bm.describe()}, micro-batch {bm.micro_batch_size}, K={k}")
+    print("kernels per micro-batch: in the fused step's loop | in one streaming call")
+    for kind in sorted(set(loop) | set(call), key=lambda n: (-loop.get(n, 0), n)):
+        print(f"{loop[kind] / (2 * k):8.1f} | {call[kind] / (2 * k):8.1f}  {kind}")
+    print(f"{loop.total() / (2 * k):8.1f} | {call.total() / (2 * k):8.1f}  all kernels")
+    if "--counts-only" in sys.argv:
+        return 0
+    for rows in sorted({1, 4, bm.micro_batch_size}):
+        _report(
+            f"micro-batch {rows}, YNNPACK fusions on (XLA's default)", k, _timing(model, k, rows)
+        )
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {NO_YNN}".strip())
+    child = subprocess.run(
+        [sys.executable, __file__, model, str(k), "--timing-only"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    off = json.loads(child.stdout.splitlines()[-1])
+    _report(f"micro-batch {bm.micro_batch_size}, YNNPACK fusions off ({NO_YNN})", k, off)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
