@@ -25,73 +25,80 @@ them). Prints:
 
 import collections
 import dataclasses
-import gzip
 import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
-import tempfile
+
+from profile_micro import kernel_kind, trace_events  # this script's folder is on sys.path
 
 NO_YNN = "--xla_cpu_experimental_ynn_fusion_type="
 CONTROL = ("while", "conditional", "call")  # thunks that run others
 
 
 def _kernels(run, calls: int) -> collections.Counter:
-    """XLA's kernels by kind over ``calls`` runs of ``run``, from ``jax.profiler``'s trace
-    (host-side events left out: theirs are CamelCase names or phrases). Counts only:
-    the trace's durations of the kernels inside a loop overlap and do not add up."""
-    import jax
-
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(calls):
-                jax.block_until_ready(run())
-        (trace,) = pathlib.Path(trace_dir).glob("**/*.trace.json.gz")
-        with gzip.open(trace) as f:
-            events = json.load(f)
-    names = [e.get("name", "") for e in events["traceEvents"] if e.get("ph") == "X"]
+    """XLA's kernels by kind over ``calls`` runs of ``run`` (host-side events left out:
+    theirs are CamelCase names or phrases). Counts only: the trace's durations of the
+    kernels inside a loop overlap and do not add up."""
+    names = [e.get("name", "") for e in trace_events(run, calls)]
     kernels = [n for n in names if re.fullmatch(r"[a-z][\w.-]*", n) and not n.startswith(CONTROL)]
-    return collections.Counter(re.sub(r"[._]\d+$", "", n) for n in kernels)
+    return collections.Counter(kernel_kind(n) for n in kernels)
 
 
-def _floors(bm, k: int):
-    """``(fused, streamed, accumulating, fused_twice)``: one optimizer step of each floor,
-    the streaming step's ``k`` accumulating calls without the one applying them, and
-    the fused step over ``2 k`` micro-batches."""
+def _setup(bm):
+    """``(mesh, rows, loss, params, copy)`` for the bench's model ``bm`` on one device."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from jaxdp._mesh import data_mesh
-    from jaxdp.cli.bench._common import micro_loss, optimizer
-    from jaxdp.cli.bench._hand_written import hand_written_step, hand_written_streaming
-    from jaxdp.cli.bench.overhead import _chained, _streamed
+    from jaxdp.cli.bench._common import micro_loss
 
     mesh = data_mesh(1)
-    rows = NamedSharding(mesh, P(mesh.axis_names[0]))
     loss, params = micro_loss(bm, bm.spec().make())
-    copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+    copy = jax.jit(lambda tree: jax.tree.map(jax.numpy.copy, tree))  # the steps donate
+    return mesh, NamedSharding(mesh, P(mesh.axis_names[0])), loss, params, copy
+
+
+def _fused(bm, k: int):
+    """One optimizer step of the hand-written fused floor over ``k`` micro-batches."""
+    import jax
+
+    from jaxdp.cli.bench._common import optimizer
+    from jaxdp.cli.bench._hand_written import hand_written_step
+    from jaxdp.cli.bench.overhead import _chained
+
+    mesh, rows, loss, params, copy = _setup(bm)
     window = jax.device_put(bm.data(k * bm.micro_batch_size), rows)
+    step, p = hand_written_step(loss, optimizer(), mesh, k), copy(params)
+    return _chained(step, p, optimizer().init(p), window, 1)
+
+
+def _streaming(bm, k: int, *, apply: bool):
+    """One optimizer step of the hand-written streaming floor (``k`` accumulating calls,
+    one applying), or (``apply=False``) its ``k`` accumulating calls alone."""
+    import jax
+
+    from jaxdp.cli.bench._common import optimizer
+    from jaxdp.cli.bench._hand_written import hand_written_streaming
+    from jaxdp.cli.bench.overhead import _streamed
+
+    mesh, rows, loss, params, copy = _setup(bm)
     micro = jax.device_put(bm.data(bm.micro_batch_size), rows)
-    step = hand_written_step(loss, optimizer(), mesh, k)
-    p = copy(params)
-    fused = _chained(step, p, optimizer().init(p), window, 1)
-    twice = hand_written_step(loss, optimizer(), mesh, 2 * k)
-    p2, window2 = copy(params), jax.device_put(bm.data(2 * k * bm.micro_batch_size), rows)
-    fused_twice = _chained(twice, p2, optimizer().init(p2), window2, 1)
-    streamed = _streamed(loss, k, mesh, copy(params), micro)
+    if apply:
+        return _streamed(loss, k, mesh, copy(params), micro)
     accumulate, _ = hand_written_streaming(loss, optimizer(), mesh, k)
-    sums = [jax.jit(lambda t: jax.tree.map(lambda x: x[None], t), out_shardings=rows)(params)]
+    zeros = jax.jit(lambda t: jax.tree.map(lambda x: jax.numpy.zeros((1, *x.shape), x.dtype), t))
+    sums = [jax.device_put(zeros(params), rows)]
 
     def accumulating():
         for _ in range(k):
             sums[0], value = accumulate(sums[0], params, micro)
         return value
 
-    return fused, streamed, accumulating, fused_twice
+    return accumulating
 
 
 def _timing(model: str, k: int, rows: int) -> dict[str, float]:
@@ -99,8 +106,8 @@ def _timing(model: str, k: int, rows: int) -> dict[str, float]:
     from jaxdp.cli.bench._common import MODELS, interleaved, median
 
     (bm,) = [dataclasses.replace(m, micro_batch_size=rows) for m in MODELS if m.name == model]
-    fused, streamed, *_ = _floors(bm, k)
-    samples, _ = interleaved({"fused": fused, "streamed": streamed}, repeats=7, sample_seconds=0.4)
+    floors = {"fused": _fused(bm, k), "streamed": _streaming(bm, k, apply=True)}
+    samples, _ = interleaved(floors, repeats=7, sample_seconds=0.4)
     return {name: median(s) * 1e3 for name, s in samples.items()}
 
 
@@ -123,9 +130,10 @@ def main() -> int:
         return 0
     import jax
 
-    fused, _, accumulating, fused_twice = _floors(bm, k)
+    fused, fused_twice = _fused(bm, k), _fused(bm, 2 * k)
+    accumulating = _streaming(bm, k, apply=False)
     for run in (fused, accumulating, fused_twice):
-        jax.block_until_ready(run())
+        jax.block_until_ready(run())  # compiled before the traces
     # The loop's body: what the fused step over 2k micro-batches runs more than over k.
     loop = _kernels(fused_twice, 2) - _kernels(fused, 2)  # counts above zero only
     call = _kernels(accumulating, 2)

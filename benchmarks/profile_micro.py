@@ -27,6 +27,27 @@ CALLS = 20
 NOT_KERNELS = ("$", "ThunkExecutor", "SlinkyThreadPool", "PjitFunction")
 
 
+def trace_events(run, calls: int) -> list[dict]:
+    """The complete events ("X") of ``jax.profiler``'s trace of ``calls`` runs of ``run``,
+    each waited for."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(run())
+        (trace,) = pathlib.Path(trace_dir).glob("**/*.trace.json.gz")
+        with gzip.open(trace) as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def kernel_kind(name: str) -> str:
+    """A thunk's kind: its name without its number (``ynn_fusion.12`` is ``ynn_fusion``)."""
+    return re.sub(r"[._]\d+$", "", name)
+
+
 def profile_jax(bm) -> collections.Counter:
     import jax
 
@@ -37,18 +58,10 @@ def profile_jax(bm) -> collections.Counter:
     micro = jax.device_put(bm.data(bm.micro_batch_size))
     for _ in range(5):
         jax.block_until_ready(grad(params, micro))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            for _ in range(CALLS):
-                jax.block_until_ready(grad(params, micro))
-        (trace,) = pathlib.Path(trace_dir).glob("**/*.trace.json.gz")
-        with gzip.open(trace) as f:
-            events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
     by_kind = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and not e["name"].startswith(NOT_KERNELS):
-            by_kind[re.sub(r"[._]\d+$", "", e["name"])] += e.get("dur", 0) / 1e3 / CALLS
+    for e in trace_events(lambda: grad(params, micro), CALLS):
+        if not e["name"].startswith(NOT_KERNELS):
+            by_kind[kernel_kind(e["name"])] += e.get("dur", 0) / 1e3 / CALLS
     return by_kind
 
 
