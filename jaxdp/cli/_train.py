@@ -236,7 +236,9 @@ def prepare(
         epochs=config.last_epoch,
     )
     outputs = {"metrics_out": config.metrics_out, "plot": config.plot, **(files or {})}
-    with claimed(outputs, config.checkpoint_dir):
+    # Leaving the block stops and joins the loader's threads: the process exits with
+    # the run's own status, never the C++ runtime's abort on a thread left running.
+    with loader, claimed(outputs, config.checkpoint_dir):
         checkpoints = None
         if config.checkpoint_dir is not None:
             checkpoints = Checkpoints(config.checkpoint_dir, keep=config.keep)

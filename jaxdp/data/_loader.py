@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -72,6 +73,11 @@ class Loader:
     a ``transform`` that raises is raised by the loop at that call (a
     transform's error names the record), a worker that dies as
     :class:`LoaderWorkerError`.
+
+    Each iteration reads on background threads until it ends, is garbage
+    collected, or :meth:`close` is called: ``with Loader(...) as loader:``
+    closes on leaving the block. Breaking out of a ``for`` loop ends that
+    iteration at once; a loop left unclosed is closed at interpreter exit.
     """
 
     def __init__(
@@ -123,6 +129,7 @@ class Loader:
         self.position = SamplerPosition(0, 0, 0)
         self.samples = 0  # rows of weight > 0 given to the loop, all processes
         self._sharding = NamedSharding(mesh, P(DATA_AXIS))
+        self._iterations: weakref.WeakSet[Placed] = weakref.WeakSet()
 
     # ---- the order ------------------------------------------------------------------
 
@@ -166,6 +173,7 @@ class Loader:
             return
         calls = read_ahead(self._read, start, stop, workers=self.workers)
         placed = Placed(calls, self._place, depth=self.prefetch)
+        self._iterations.add(placed)
         rows_per_micro = self.sizes.num_devices * self.sizes.micro_batch_size
         try:
             for data, weights, at in placed:
@@ -178,6 +186,21 @@ class Loader:
                 yield Batch(data, weights, at.epoch, after, emits)
         finally:
             placed.close()
+
+    def close(self) -> None:
+        """Stops every iteration's background threads and waits for them.
+
+        The position stays where the loop left it: iterating again continues
+        with the next call. Called by ``with`` on leaving the block.
+        """
+        for placed in list(self._iterations):
+            placed.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _place(self, item: tuple[Any, np.ndarray, SamplerPosition]) -> Any:
         data, weights, position = item

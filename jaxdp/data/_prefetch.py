@@ -3,14 +3,26 @@ thread places them on the mesh, at most ``depth`` placed calls ahead of the step
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 # How often a blocked stage looks whether the other side is gone: bounds how long a
 # dead placement thread or a closed loop can go unnoticed, costs nothing while busy.
 _POLL_S = 0.1
+# How long ``close`` waits for the placement thread to finish the item in hand (one
+# call's read and placement: milliseconds, unless a read hangs).
+_JOIN_S = 30.0
+
+# Every placement thread not yet closed. A daemon thread still inside JAX's C++ code
+# (placing arrays) when the interpreter finalizes is unwound by force, and the C++
+# runtime aborts the process: "FATAL: exception not rethrown", exit 134, in 7 of 20
+# runs that broke out of a loop and exited. ``atexit`` stops and joins them first.
+_RUNNING: weakref.WeakSet[Placed] = weakref.WeakSet()
 
 
 class LoaderWorkerError(RuntimeError):
@@ -40,15 +52,19 @@ class Placed:
     An exception on the thread (a read's, a placement's) is raised by the
     consumer's next ``__next__``, as it was raised; a ``BaseException`` that is
     not an ``Exception`` (a worker's ``SystemExit``) as :class:`LoaderWorkerError`.
-    ``close`` stops the thread at its next item.
+    ``close`` stops the thread and waits for it; an unclosed one is closed at
+    interpreter exit.
     """
 
     def __init__(self, items: Iterator[Any], place: Callable[[Any], Any], *, depth: int):
         self._items, self._place = items, place
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        # A daemon, so a loop that is never closed cannot keep the interpreter alive;
+        # ``close`` (or the exit hook) joins it before the interpreter finalizes.
         self._thread = threading.Thread(target=self._run, name="jaxdp-data-place", daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
 
     def _run(self) -> None:
         try:
@@ -97,6 +113,27 @@ class Placed:
             "rather than wait for a batch that will not come)"
         ) from value
 
-    def close(self) -> None:
-        """Stops the background thread at its next item (it is a daemon: never waited for)."""
+    def close(self, timeout: float = _JOIN_S) -> None:
+        """Stops the background thread after the item in hand and waits for it to end.
+
+        A thread still running after ``timeout`` seconds (a read that hangs) is left
+        behind with a warning: it can then not be stopped from outside.
+        """
         self._stop.set()
+        _RUNNING.discard(self)
+        if self._thread is threading.current_thread():
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            warnings.warn(
+                f"the loader's placement thread is still reading or placing a batch after "
+                f"{timeout:g} s; it is left running",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+@atexit.register
+def _close_running() -> None:
+    for placed in list(_RUNNING):
+        placed.close()
