@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from .._layout import BatchSizes
 from .._position import SamplerPosition
 from .._train_state import TrainState, check_live
-from ._data import DataPosition, from_data, restore_data, sizes_of
+from ._data import DataPosition, check_data, from_data, restore_data, sizes_of
 from ._meta import FORMAT, array_sha256, check_sealed, sealed
 from ._quiet import quiet_failed_read_noise
 from ._rules import (
@@ -230,6 +230,8 @@ class Checkpoints:
         for number, meta in self._newest_first(failures):
             path = self.directory / str(number)
             here = {name: describe(x) for name, x in named(saved_tree(like))}
+            if data is not None:  # first: other data explain most other differences
+                check_data(data, meta, path=path)
             saved = check_compatible(meta, here, sizes, force=force, path=path, validate=validate)
             if data is not None:
                 restore_data(data, meta, force=force, path=path)

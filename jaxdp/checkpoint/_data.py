@@ -59,16 +59,31 @@ def sizes_of(data: DataPosition | None, sizes: BatchSizes | None) -> BatchSizes:
     return data.sizes
 
 
-def restore_data(
-    data: DataPosition, meta: dict[str, Any], *, force: bool, path: pathlib.Path
-) -> None:
-    """Sets ``data`` to the checkpoint's position (a bare position: checked as far as it goes)."""
-    saved = meta.get("data") or {
+def _saved(meta: dict[str, Any]) -> dict[str, Any]:
+    return meta.get("data") or {
         **meta["position"],
         "samples": meta["samples"],
         "batch": meta["batch"],
     }
+
+
+def check_data(data: DataPosition, meta: dict[str, Any], *, path: pathlib.Path) -> None:
+    """Refuses a checkpoint saved for other data (its order, or its fingerprint), if ``data``
+    can tell (a :class:`jaxdp.data.Loader` can: ``check_data``), before anything else."""
+    check = getattr(data, "check_data", None)
+    if check is None:
+        return
     try:
-        data.restore(saved, force=force)
+        check(_saved(meta))
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
+
+
+def restore_data(
+    data: DataPosition, meta: dict[str, Any], *, force: bool, path: pathlib.Path
+) -> None:
+    """Sets ``data`` to the checkpoint's position (a bare position: checked as far as it goes)."""
+    try:
+        data.restore(_saved(meta), force=force)
     except ValueError as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None

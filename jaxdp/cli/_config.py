@@ -101,7 +101,8 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# Fields a resumed run must share with the checkpoint's, and why.
+# Fields a resumed run must share with the checkpoint's, and why. The data are checked
+# by content, not by path (the loader's fingerprint): the same data at another path resume.
 RESUME_FIXED = {
     "model": "the parameters would not fit",
     "hidden": "the parameters would not fit",
@@ -111,7 +112,6 @@ RESUME_FIXED = {
     "path": "the accumulation path decides the optimizer state's layout",
     "zero_stage": "the stage decides how the optimizer state is split over the devices",
     "seed": "the seed fixes the held-out split and every epoch's data order",
-    "data": "the data set sizes the model and is what the position indexes",
 }
 
 # Fields a resume never takes from the checkpoint: they say how to resume.

@@ -9,6 +9,7 @@ import functools
 import importlib.metadata
 import json
 import os
+import pathlib
 import signal
 import sys
 import warnings
@@ -211,6 +212,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     from .._train_state import NonFiniteError
     from ..checkpoint._rules import CheckpointError
+    from ..data._fingerprint import DataChangedError
     from ._run import NonFiniteStep
     from ._train import finish, prepare
 
@@ -231,7 +233,7 @@ def _run_train(args: argparse.Namespace) -> int:
         with _stop_on_signals() as stopped_by:
             try:
                 summary = finish(prepared, stop=lambda _: stopped_by[0] is not None)
-            except (CheckpointError, NonFiniteError, NonFiniteStep) as e:
+            except (CheckpointError, NonFiniteError, NonFiniteStep, DataChangedError) as e:
                 print(f"jaxdp train: error: {e}", file=sys.stderr)
                 stack.close()  # releases the checkpoint directory's lock
                 _exit_now(1)
@@ -255,6 +257,8 @@ def _start(args: argparse.Namespace) -> TrainConfig:
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if "data" in given:  # saved absolute: a resume from another directory finds the same file
+        given["data"] = str(pathlib.Path(given["data"]).resolve())
     config = TrainConfig(**given)  # a bad flag fails before JAX starts
     cpu_devices = args.cpu_devices
     if cpu_devices is not None and cpu_devices < 1:

@@ -17,6 +17,7 @@ from .._position import SamplerPosition
 from .._step import TrainStep
 from ..checkpoint._checkpoints import Checkpoints
 from ..checkpoint._rules import CheckpointError
+from ..data._fingerprint import DataChangedError
 from ._config import RESUME_FIXED
 from ._metrics import MetricsLog, agree
 
@@ -128,15 +129,23 @@ class _Run:
         with bar:
             # The loader's position moves as it hands out a batch: the loop ends after
             # a step, never holding a batch it will not train on (the checkpoint's rows).
-            for batch in self.loader:
-                self.state, metrics = self.step(self.state, batch.data, batch.micro_weights)
-                self.position, self.samples = batch.position, self.loader.samples
-                if batch.emits:
-                    self._updated(batch, metrics, progress, log, bar, score)
-                if stop is not None and agree(stop(batch.position)):
-                    return True
-                if steps is not None and progress.done >= steps:
-                    break
+            try:
+                for batch in self.loader:
+                    self.state, metrics = self.step(self.state, batch.data, batch.micro_weights)
+                    self.position, self.samples = batch.position, self.loader.samples
+                    if batch.emits:
+                        self._updated(batch, metrics, progress, log, bar, score)
+                    if stop is not None and agree(stop(batch.position)):
+                        return True
+                    if steps is not None and progress.done >= steps:
+                        break
+            except DataChangedError:
+                # What was trained on the data as they were is kept. With several
+                # processes a peer may not have seen the change yet: a checkpoint
+                # (collective) could wait for it forever, so the last one stands.
+                if self.share.process_count == 1:
+                    self.save()
+                raise
         self.step.check(self.state)  # a skip limit reached by the last call
         return False
 

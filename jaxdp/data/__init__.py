@@ -12,9 +12,18 @@ extra (``pip install jaxdp[data]``). Everything not re-exported here is private.
 
 from ._evaluate import MetricsFn as MetricsFn
 from ._evaluate import evaluate as evaluate
+from ._fingerprint import DataChangedError as DataChangedError
 from ._loader import Batch as Batch
 from ._loader import Loader as Loader
 from ._prefetch import LoaderWorkerError as LoaderWorkerError
 from ._source import Transform as Transform
 
-__all__ = ["Batch", "Loader", "LoaderWorkerError", "MetricsFn", "Transform", "evaluate"]
+__all__ = [
+    "Batch",
+    "DataChangedError",
+    "Loader",
+    "LoaderWorkerError",
+    "MetricsFn",
+    "Transform",
+    "evaluate",
+]

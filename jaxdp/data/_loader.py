@@ -25,6 +25,7 @@ from .._layout import BatchSizes, EpochSchedule, LastWindow, epoch_schedule, pro
 from .._mesh import DATA_AXIS, place
 from .._position import SamplerPosition, resume_position
 from .._sampler import Permutation, numpy_permutation
+from ._fingerprint import difference
 from ._prefetch import Placed, read_ahead
 from ._source import Source, Transform
 
@@ -215,7 +216,26 @@ class Loader:
             "samples": self.samples,
             "batch": self.sizes._asdict(),
             **self.order,
+            "fingerprint": self.source.fingerprint,
         }
+
+    def check_data(self, state: dict[str, Any]) -> None:
+        """Raises ``ValueError`` unless ``state`` (from :meth:`state`) was saved for this
+        loader's data and order, naming what differs (:meth:`restore` checks it first)."""
+        for key in _ORDER:
+            if key in state and state[key] != self.order[key]:
+                raise ValueError(
+                    f"the restored position was saved with {key}={state[key]!r}; this loader "
+                    f"has {key}={self.order[key]!r}: a position indexes one data set's order"
+                )
+        if "fingerprint" in state:
+            changed = difference(state["fingerprint"], self.source.fingerprint)
+            if changed is not None:
+                raise ValueError(
+                    f"the restored position was saved for other data: {changed}. A position "
+                    "indexes one data set's order; resume on the data it was saved with, or "
+                    "start a new run"
+                )
 
     def restore(self, state: dict[str, Any], *, force: bool = False) -> SamplerPosition:
         """Continues where ``state`` (from :meth:`state`) stood; returns the new position.
@@ -227,15 +247,13 @@ class Loader:
         ``last_window`` (a position indexes one order); another
         ``global_batch_size`` unless ``force`` (then the epoch continues at the
         step holding its first unseen row, :func:`jaxdp.resume_position`).
-        Keys absent from ``state`` (a checkpoint saved with a bare position)
-        are not checked.
+        Another source than the one saved is refused naming what changed (rows,
+        a field's shape or dtype, or the contents: :mod:`jaxdp.data._fingerprint`),
+        the same data under another path accepted. Keys absent from ``state``
+        (a checkpoint saved with a bare position, or before fingerprints) are
+        not checked.
         """
-        for key in _ORDER:
-            if key in state and state[key] != self.order[key]:
-                raise ValueError(
-                    f"the restored position was saved with {key}={state[key]!r}; this loader "
-                    f"has {key}={self.order[key]!r}: a position indexes one data set's order"
-                )
+        self.check_data(state)
         saved = BatchSizes(**state["batch"])
         position = SamplerPosition(state["epoch"], state["step_in_epoch"], state["micro_batch"])
         if saved.global_batch_size != self.sizes.global_batch_size and not force:

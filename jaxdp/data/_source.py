@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._fingerprint import check_files, fingerprint, memmapped_files
+
 Transform = Callable[[Any], Any]
 """``transform(record) -> record``, applied to every record read, in a loader worker."""
 
@@ -42,7 +44,9 @@ class Source:
 
     Raises ``ValueError`` at construction for an empty source, array fields of
     different lengths (naming each), a field without rows (a 0-d array), and
-    ``TypeError`` for an object without ``__len__`` and ``__getitem__``.
+    ``TypeError`` for an object without ``__len__`` and ``__getitem__``. A read
+    raises :class:`~jaxdp.data.DataChangedError` once a file behind a memmapped
+    field has changed since construction.
     """
 
     def __init__(self, source: Any, transform: Transform | None = None):
@@ -62,12 +66,29 @@ class Source:
         if self.length == 0:
             raise ValueError("source is empty (0 rows): there is nothing to train on")
         self.source = source
+        self.files = memmapped_files(self.fields)
+        self._fingerprint: dict[str, Any] | None = None
+        if self.fields is not None:
+            # Taken now: a file changed later must not be hashed as this run's data.
+            self._fingerprint = fingerprint(self.fields, None, self.length)
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """Rows, fields and a content digest of the data as read (no transform).
+
+        Array fields are hashed at construction; a record-by-record source at the
+        first call (a checkpoint or a restore), since its reads may fail or count.
+        """
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(None, self.source, self.length)
+        return self._fingerprint
 
     def __len__(self) -> int:
         return self.length
 
     def read(self, rows: np.ndarray) -> Any:
         """The records ``rows`` (in that order, repeats included) as one batch per field."""
+        check_files(self.files)
         if self.fields is not None and self.transform is None:
             return jax.tree.map(lambda x: np.asarray(x[rows]), self.fields, is_leaf=_is_array)
         records = [self._record(int(i)) for i in rows]

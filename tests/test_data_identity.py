@@ -1,0 +1,184 @@
+"""A resume continues on the data it was saved with: the loader's fingerprint (rows,
+fields, a content digest) in every checkpoint, the same data accepted at any path, and
+a memmapped file that changes under a running loader caught at the next read."""
+
+import json
+import os
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdp
+import jaxdp.data
+from jaxdp.checkpoint import CheckpointError, Checkpoints
+from jaxdp.cli import main
+from jaxdp.data import _fingerprint
+
+SIZES = jaxdp.batch_sizes(num_devices=2, accum_steps=2, micro_batch_size=4)
+TRAIN = ["train", "--cpu-devices", "8", "--num-devices", "2", "--no-progress"]
+
+
+def arrays(seed=0, n=100):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(n, 3)).astype(np.float32), "y": rng.integers(0, 4, n)}
+
+
+def make_loader(source, **kwargs):
+    return jaxdp.data.Loader(source, SIZES, mesh=jaxdp.data_mesh(2), **kwargs)
+
+
+def test_the_same_data_in_another_object_restores_and_other_contents_are_refused():
+    saved = make_loader(arrays()).state()
+    assert saved["fingerprint"]["covers"] == "every byte"
+    assert make_loader({k: v.copy() for k, v in arrays().items()}).restore(saved) == (0, 0, 0)
+    with pytest.raises(ValueError, match=r"other data: the same shapes with other contents"):
+        make_loader(arrays(seed=1)).restore(saved)
+    labels = {**arrays(), "y": (arrays()["y"] + 1) % 4}
+    with pytest.raises(ValueError, match=r"SHA-256 of every byte: [0-9a-f]{16}\.\.\. then"):
+        make_loader(labels).restore(saved)
+    wider = {**arrays(), "x": arrays()["x"].astype(np.float64)}
+    with pytest.raises(ValueError, match=r"\['x'\]: float32\[3\] then, float64\[3\] now"):
+        make_loader(wider).restore(saved)
+
+
+def test_above_the_whole_bound_sampled_rows_are_hashed(monkeypatch):
+    monkeypatch.setattr(_fingerprint, "FULL_BYTES", 1000)  # the arrays hold 2,000 bytes
+    monkeypatch.setattr(_fingerprint, "SAMPLED_ROWS", 10)  # rows 0, 11, 22, ..., 99
+    saved = make_loader(arrays()).state()
+    assert saved["fingerprint"]["covers"] == "10 sampled rows"
+    changed = arrays()
+    changed["x"][11, 0] += 1.0
+    with pytest.raises(ValueError, match="SHA-256 of 10 sampled rows"):
+        make_loader(changed).restore(saved)
+
+
+def test_a_record_source_is_sampled_at_its_first_checkpoint_and_compared():
+    records = [{"x": np.float32(i), "y": i % 4} for i in range(100)]
+    loader = make_loader(records)
+    assert loader.state()["fingerprint"]["covers"] == "64 sampled records"
+    other = [{"x": np.float32(i + 0.5), "y": i % 4} for i in range(100)]
+    with pytest.raises(ValueError, match="the same shapes with other contents"):
+        make_loader(other).restore(loader.state())
+
+
+def test_checkpoints_refuse_another_source_before_reading_the_state(tmp_path):
+    mesh = jaxdp.data_mesh(2)
+    step = jaxdp.make_train_step(
+        lambda p, b: jnp.mean((b["x"] @ p) ** 2), optax.sgd(0.1), mesh=mesh, accum_steps=2
+    )
+    state = step.init(np.ones((3,), np.float32))
+    checkpoints = Checkpoints(tmp_path / "ckpt")
+    checkpoints.save(state, data=make_loader(arrays()))
+    with pytest.raises(CheckpointError, match="saved for other data: the same shapes with other"):
+        checkpoints.restore(state, data=make_loader(arrays(seed=1)))
+    restored = checkpoints.restore(state, data=make_loader(arrays()))
+    assert int(restored.state.step) == 0
+
+
+def memmapped(folder):
+    folder.mkdir()
+    for name, value in arrays().items():
+        np.save(folder / f"{name}.npy", value)
+    return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in ("x", "y")}
+
+
+@pytest.mark.parametrize("change", ["rewritten", "truncated"])
+def test_a_memmapped_file_that_changes_mid_epoch_is_caught_at_the_next_read(tmp_path, change):
+    loader = make_loader(memmapped(tmp_path / "d"), shuffle=False, workers=1, prefetch=1)
+    batches = iter(loader)
+    next(batches)
+    file = tmp_path / "d" / "x.npy"
+    if change == "rewritten":
+        np.save(file, arrays(seed=1)["x"])  # same size, other values
+        os.utime(file, ns=(1, 1))  # a coarse clock could keep the same time
+    else:
+        with open(file, "r+b") as f:
+            f.truncate(200)
+    # np.save truncates, then writes: a read in between sees the file at 0 bytes.
+    message = "size 1328 -> 200 bytes" if change == "truncated" else "size 1328 -> 0|rewritten"
+    with pytest.raises(jaxdp.data.DataChangedError, match=f"{file} changed while .*({message})"):
+        for _ in batches:  # the calls read ahead before the change are handed out
+            pass
+    assert loader.position.step_in_epoch >= 1  # where the loop stands: intact
+
+
+# ---- jaxdp train -----------------------------------------------------------------------
+
+
+def write_data(path, seed=0):
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 3, size=240)
+    x = rng.normal(scale=4.0, size=(3, 6))[y] + np.random.default_rng(seed).normal(size=(240, 6))
+    np.savez(path, x=x.astype(np.float32), y=y)
+
+
+def run_with_checkpoint(tmp_path, data, capsys):
+    ckpt = tmp_path / "ckpt"
+    assert main([*TRAIN, "--data", data, "--steps", "3", "--checkpoint-dir", str(ckpt)]) == 0
+    capsys.readouterr()
+    return ckpt
+
+
+def test_resume_finds_its_data_by_content_not_by_path(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_data(tmp_path / "d.npz")
+    ckpt = run_with_checkpoint(tmp_path, "d.npz", capsys)  # a relative path
+    saved = json.loads((ckpt / "3" / "meta" / "metadata").read_text())["extra"]["config"]
+    assert saved["data"] == str(tmp_path / "d.npz")  # resolved when given
+    # From another directory, with a file of the same name and other contents there:
+    # a bare --resume continues on the file it was trained on.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write_data(elsewhere / "d.npz", seed=1)
+    monkeypatch.chdir(elsewhere)
+    flags = ["--checkpoint-dir", str(ckpt), "--resume"]
+    assert main([*TRAIN, *flags, "--steps", "4"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    # The same data under another path (a copy): accepted.
+    shutil.copy(tmp_path / "d.npz", tmp_path / "copy.npz")
+    assert main([*TRAIN, *flags, "--steps", "5", "--data", str(tmp_path / "copy.npz")]) == 0
+    capsys.readouterr()
+    # Other contents of the same shape: one line, exit 2, nothing trained.
+    with pytest.raises(SystemExit) as stopped:
+        main([*TRAIN, *flags, "--steps", "6", "--data", "d.npz"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdp train: error: checkpoint ") and err.count("\n") == 1
+    assert "saved for other data: the same shapes with other contents" in err
+    assert Checkpoints(ckpt).steps[-1] == 5
+
+
+def test_a_data_file_rewritten_under_the_run_stops_it_with_a_checkpoint(
+    tmp_path, capsys, monkeypatch
+):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    write_data(tmp_path / "d.npz")
+    with np.load(tmp_path / "d.npz") as f:
+        np.save(folder / "x.npy", f["x"])
+        np.save(folder / "y.npy", f["y"])
+    from jaxdp.cli._metrics import MetricsLog
+
+    write = MetricsLog.write
+
+    def write_then_rewrite(self, record):
+        write(self, record)
+        if len(self.records) == 2:
+            np.save(folder / "x.npy", np.zeros((240, 6), np.float32))
+            os.utime(folder / "x.npy", ns=(1, 1))
+
+    monkeypatch.setattr(MetricsLog, "write", write_then_rewrite)
+    ckpt = tmp_path / "ckpt"
+    flags = ["--data", str(folder), "--epochs", "50", "--checkpoint-dir", str(ckpt)]
+    with pytest.raises(SystemExit) as stopped:
+        main([*TRAIN, *flags])
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    assert f"jaxdp train: error: data file {folder / 'x.npy'} changed while" in err
+    # The steps trained on the data as they were are kept (read ahead: a few past 2).
+    assert Checkpoints(ckpt).steps and Checkpoints(ckpt).steps[-1] >= 2
+    assert pathlib.Path(folder / "x.npy").exists()
