@@ -166,3 +166,35 @@ class ResizeWatch:
                 stacklevel=3,
             )
         self.last = size
+
+
+def check_state_devices(sharding: Any, devices: set[Any]) -> None:
+    """Refuses a state whose step counter (``sharding``) is on other devices than the
+    step's mesh (``devices``): host only, the sharding's device set."""
+    if sharding is None or sharding.device_set == devices:
+        return
+    theirs = sorted(d.id for d in sharding.device_set)
+    raise ValueError(
+        f"state is on devices {theirs}; this step's mesh has devices "
+        f"{sorted(d.id for d in devices)}: the state was built by a step on another mesh. "
+        "Build it with this step (step.init), or restore a checkpoint with this step's "
+        "init as the template"
+    )
+
+
+def is_loader_batch(batch: Any) -> bool:
+    """A :class:`jaxdp.data.Batch` (the core does not import the data package)."""
+    return all(hasattr(batch, f) for f in ("data", "micro_weights", "sizes", "path", "emits"))
+
+
+def check_loader_batch(options: StepOptions, batch: Any) -> None:
+    """Refuses a loader's batch built for another path, device count or accum_steps."""
+    ours = (options.path, options.num_devices, options.accum_steps)
+    theirs = (batch.path, batch.sizes.num_devices, batch.sizes.accum_steps)
+    if ours != theirs:
+        raise ValueError(
+            f"the batch comes from a Loader with path={batch.path!r}, "
+            f"{batch.sizes.describe()}; this step has path={options.path!r}, "
+            f"num_devices={options.num_devices}, accum_steps={options.accum_steps}: build "
+            "the Loader with the step's path, mesh and accum_steps"
+        )

@@ -16,7 +16,15 @@ from ._accumulate import AccumState
 from ._device_step import global_step
 from ._forward import LossReduction, merge_model, split_model
 from ._frozen import Trainable, split_trainable
-from ._guards import ResizeWatch, check_micro_weights, check_params, check_state_layout
+from ._guards import (
+    ResizeWatch,
+    check_loader_batch,
+    check_micro_weights,
+    check_params,
+    check_state_devices,
+    check_state_layout,
+    is_loader_batch,
+)
 from ._layout import BatchSizes, call_sizes
 from ._mesh import place
 from ._model_state import BatchStats, check_batch_stats, split_state
@@ -66,6 +74,8 @@ class TrainStep:
         self._weights: dict[bytes, jax.Array] = {}
         self._rows = NamedSharding(options.mesh, P(options.axis_name))  # the batch's
         self._ones = np.ones((options.accum_steps,) if options.path == "fused" else (), np.float32)
+        self._devices = set(options.mesh.devices.flat)
+        self._seen_sharding: Any = None  # the last state sharding found on the mesh's devices
 
     @property
     def mesh(self) -> Mesh:
@@ -121,6 +131,12 @@ class TrainStep:
 
         if o.zero_stage:
             trainable = split_trainable(params, mask)
+            if not jax.tree.leaves(trainable):
+                raise ValueError(
+                    f"zero_stage={o.zero_stage} splits the trainable parameters' optimizer "
+                    f"state over the devices, and params has no trainable leaf "
+                    f"({len(jax.tree.leaves(params))} leaves in all): use zero_stage=0"
+                )
             check_shardable(o.optimizer, trainable, o.num_devices, o.axis_name, o.zero_stage)
         per_device = NamedSharding(o.mesh, P(o.axis_name))
 
@@ -168,6 +184,13 @@ class TrainStep:
         another micro-batch size than the call before warns (once per step).
         """
         check_live(state, "state", quick=True)
+        sharding = getattr(state.step, "sharding", None)
+        if sharding is not self._seen_sharding:  # once per sharding object
+            check_state_devices(sharding, self._devices)
+            self._seen_sharding = sharding
+        if micro_weights is None and is_loader_batch(batch):
+            check_loader_batch(self.options, batch)
+            batch, micro_weights = batch.data, batch.micro_weights
         sizes, inputs = self._prepare(batch, micro_weights)
         self._resize.before(state, sizes)
         self.watch.before(state)

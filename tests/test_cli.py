@@ -228,11 +228,13 @@ def unprivileged():
     return ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]
 
 
-@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--plot"])
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--plot", "--tensorboard"])
 def test_an_unwritable_output_stops_the_run_before_its_first_step(tmp_path, flag):
     read_only = tmp_path / "read-only"
     read_only.mkdir(mode=0o555)
     target = read_only / ("ckpt" if flag == "--checkpoint-dir" else "loss.png")
+    if flag == "--tensorboard":
+        target = read_only  # an existing folder that takes no file
     done = subprocess.run(
         [*unprivileged(), sys.executable, "-m", "jaxdp", "train", "--steps", "1", flag, target],
         capture_output=True,
@@ -242,6 +244,8 @@ def test_an_unwritable_output_stops_the_run_before_its_first_step(tmp_path, flag
     assert done.returncode == 2, done.stderr
     if flag == "--plot":
         expected = f"plot='{target}' cannot be written (Permission denied: "
+    elif flag == "--tensorboard":
+        expected = f"tensorboard='{target}' cannot be written (Permission denied: "
     else:
         expected = f"checkpoint directory {target} cannot hold its lock file jaxdp.lock: Per"
     assert done.stderr.startswith(f"jaxdp train: error: {expected}"), done.stderr

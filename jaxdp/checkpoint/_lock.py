@@ -39,12 +39,25 @@ def directory_lock(directory: str | os.PathLike[str]) -> Iterator[dict[str, Any]
     written there (the directory is a file, read-only, ...).
     """
     directory = pathlib.Path(directory)
-    fd, stale = _acquire(directory)
+    with held(
+        directory / LOCK_NAME,
+        what=f"checkpoint directory {directory}",
+        other="another directory (two runs in one directory would remove each other's "
+        "unfinished checkpoints)",
+    ) as stale:
+        yield stale
+
+
+@contextlib.contextmanager
+def held(path: pathlib.Path, *, what: str, other: str) -> Iterator[dict[str, Any] | None]:
+    """Holds lock file ``path`` (its folder created if missing) while the block runs, as
+    :func:`directory_lock` does; errors name ``what`` is locked and suggest ``other``."""
+    fd, stale = _acquire(path, what, other)
     try:
         yield stale
     finally:
         with contextlib.suppress(OSError):
-            os.unlink(directory / LOCK_NAME)  # before the unlock: no one takes a dead file
+            os.unlink(path)  # before the unlock: no one takes a dead file
         os.close(fd)
 
 
@@ -57,15 +70,15 @@ def describe_owner(owner: dict[str, Any]) -> str:
     return text + (f" ({', '.join(details)})" if details else "")
 
 
-def _acquire(directory: pathlib.Path) -> tuple[int, dict[str, Any] | None]:
-    path = directory / LOCK_NAME
+def _acquire(path: pathlib.Path, what: str, other: str) -> tuple[int, dict[str, Any] | None]:
+    directory = path.parent
     while True:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise CheckpointError(
-                f"checkpoint directory {directory} cannot hold its lock file {LOCK_NAME}: "
+                f"{what} cannot hold its lock file {path.name}: "
                 f"{e.strerror} ({e.filename}); it must be a writable directory"
             ) from e
         try:
@@ -74,10 +87,8 @@ def _acquire(directory: pathlib.Path) -> tuple[int, dict[str, Any] | None]:
             owner = _read(fd)
             os.close(fd)
             raise CheckpointError(
-                f"checkpoint directory {directory} is in use by another run: "
-                f"{describe_owner(owner)} holds {path}. Wait for it to end, or choose "
-                "another directory (two runs in one directory would remove each other's "
-                "unfinished checkpoints)"
+                f"{what} is in use by another run: {describe_owner(owner)} holds {path}. "
+                f"Wait for it to end, or choose {other}"
             ) from None
         # Ours, unless the file was removed (its owner released it) between the
         # open and the flock: then the lock is on a file no one else will open.

@@ -20,6 +20,7 @@ DEFAULT_EPOCHS = 15  # when neither epochs nor steps is given
 class TrainConfig:
     model: str = "mlp"  # "mlp" (64-hidden-hidden-10) or "cnn" (on the 8x8x1 images)
     data: str | None = None  # a .npz with x (features or images) and y (labels); None: digits
+    num_classes: int | None = None  # the model's outputs with data; None: the largest label + 1
     num_devices: int | None = None  # data-parallel devices; None: all there are
     accum_steps: int = 2  # micro-batches per device per optimizer step
     micro_batch_size: int = 16  # rows per micro-batch per device
@@ -75,6 +76,10 @@ class TrainConfig:
         for name in ("resume", "checkpoint_every"):
             if getattr(self, name) and self.checkpoint_dir is None:
                 raise ValueError(f"{name}={getattr(self, name)!r} needs a checkpoint_dir")
+        if self.num_classes is not None and self.data is None:
+            raise ValueError(
+                f"num_classes={self.num_classes} needs data (the digits have 10 classes)"
+            )
         if self.plot is not None and not self.plot.endswith(".png"):
             raise ValueError(f"plot={self.plot!r} must name a .png file")
 
@@ -86,6 +91,7 @@ class TrainConfig:
 
 
 _POSITIVE = (
+    "num_classes",
     "num_devices",
     "accum_steps",
     "micro_batch_size",
@@ -106,6 +112,7 @@ def _is_int(value: object) -> bool:
 RESUME_FIXED = {
     "model": "the parameters would not fit",
     "hidden": "the parameters would not fit",
+    "num_classes": "the parameters would not fit",
     "precision": "the parameter and compute dtypes would change",
     "optimizer": "the optimizer state would not fit",
     "learning_rate": "the optimizer state holds the learning rate",

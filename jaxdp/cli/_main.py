@@ -66,6 +66,12 @@ def _model_options(option: Callable[..., Any], d: TrainConfig) -> None:
         "labels y, or a directory with x.npy and y.npy (read as memmaps); the model is "
         "sized from it (default: scikit-learn's digits)",
     )
+    option(
+        "--num-classes",
+        metavar="N",
+        type=int,
+        help="classes of --data's labels, when some have no row (default: the largest label + 1)",
+    )
     option("--hidden", metavar="WIDTH", type=int, help=f"MLP hidden width (default: {d.hidden})")
     option(
         "--precision",

@@ -4,6 +4,7 @@ run's curves as PNG, and sums across processes."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import textwrap
 from typing import TYPE_CHECKING, Any
@@ -43,7 +44,11 @@ class MetricsLog:
             from tensorboardX import SummaryWriter
 
             purge = None if resume_step is None else resume_step + 1
-            self._board = SummaryWriter(tensorboard, purge_step=purge, flush_secs=10)
+            # A file of its own per process and start (its name has the second and the
+            # host): a resume never writes into an earlier start's file.
+            self._board = SummaryWriter(
+                tensorboard, purge_step=purge, flush_secs=10, filename_suffix=f".{os.getpid()}"
+            )
         if path is None:
             return
         file = pathlib.Path(path)

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 
 import jax
 
-from ..checkpoint._lock import describe_owner, directory_lock
+from ..checkpoint._lock import LOCK_NAME, describe_owner, directory_lock, held
 from ..checkpoint._rules import check_is_directory
 from ._metrics import agree
 
@@ -54,9 +54,88 @@ def check_file(name: str, path: str) -> None:
         ) from e
 
 
+def check_directory(name: str, path: str) -> None:
+    """Creates output folder ``path`` (option ``name``) if missing and checks that it takes
+    a file. Raises ValueError naming the option."""
+    folder = pathlib.Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{name}={path!r} is a file; it must name a directory")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{name}={path!r} cannot be created: {e}") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".jaxdp-check."):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"{name}={path!r} cannot be written ({e.strerror}: {e.filename}); the run's "
+            "output would be lost to it"
+        ) from e
+
+
+def _hold_metrics(stack: contextlib.ExitStack, path: str) -> None:
+    """Locks ``--metrics-out`` for the run."""
+    file = pathlib.Path(path)
+    stack.enter_context(
+        held(
+            file.parent / f".{file.name}.jaxdp.lock",
+            what=f"metrics_out={path!r}",
+            other="another file (two runs would truncate and interleave each other's records)",
+        )
+    )
+
+
+def _hold_board(stack: contextlib.ExitStack, path: str) -> None:
+    """Locks ``--tensorboard`` for the run, once it is known to take files."""
+    check_directory("tensorboard", path)
+    stack.enter_context(
+        held(
+            pathlib.Path(path) / LOCK_NAME,
+            what=f"tensorboard={path!r}",
+            other="another directory (TensorBoard shows one run per folder: two runs in one "
+            "mix their points, and a resume's purge hides the other's)",
+        )
+    )
+
+
+def check_fresh(metrics_out: str | None, tensorboard: str | None) -> None:
+    """For a run that starts fresh (not resumed): refuses a ``--metrics-out`` holding
+    records or a ``--tensorboard`` folder holding event files, another run's, which it
+    would overwrite or mix with its own. On process 0; the others raise too."""
+    failure: ValueError | None = None
+    if jax.process_index() == 0:
+        file = pathlib.Path(metrics_out) if metrics_out else None
+        events = []
+        if tensorboard is not None:
+            events = sorted(p.name for p in pathlib.Path(tensorboard).glob("events.out.*"))
+        if file is not None and file.exists() and file.stat().st_size:
+            lines = file.read_text(errors="replace").count("\n")
+            failure = ValueError(
+                f"metrics_out={metrics_out!r} holds {lines} record(s) of another run; a new "
+                "run would overwrite them: choose another file, or resume that run (--resume)"
+            )
+        elif events:
+            failure = ValueError(
+                f"tensorboard={tensorboard!r} holds event files of another run ({events[0]}"
+                f"{' ...' if len(events) > 1 else ''}); TensorBoard shows one run per "
+                "folder: choose another directory (e.g. a subfolder per run), or resume "
+                "that run (--resume)"
+            )
+    if agree(failure is not None):
+        raise failure or ValueError("process 0 found another run's records in an output")
+
+
 @contextlib.contextmanager
-def claimed(files: Mapping[str, str | None], checkpoint_dir: str | None) -> Iterator[None]:
-    """Checks ``files`` (option name -> path) and holds ``checkpoint_dir``'s lock for the block.
+def claimed(
+    files: Mapping[str, str | None],
+    checkpoint_dir: str | None,
+    *,
+    tensorboard: str | None = None,
+) -> Iterator[None]:
+    """Checks ``files`` (option name -> path) and holds ``checkpoint_dir``'s lock for the block;
+    also those of ``files["metrics_out"]`` and of the ``tensorboard`` folder (see
+    :func:`check_fresh` for another run's records in them).
 
     On process 0; the others raise too when it cannot (ValueError, a
     ``CheckpointError`` for the directory).
@@ -76,6 +155,11 @@ def claimed(files: Mapping[str, str | None], checkpoint_dir: str | None) -> Iter
                             f"took over the lock of {checkpoint_dir}, left by a run that is no "
                             f"longer running ({describe_owner(stale)})"
                         )
+                # After the checkpoint directory, whose refusal says more.
+                if files.get("metrics_out") is not None:
+                    _hold_metrics(stack, files["metrics_out"])
+                if tensorboard is not None:
+                    _hold_board(stack, tensorboard)
             except ValueError as e:  # CheckpointError included
                 failure = e
         if agree(failure is not None):

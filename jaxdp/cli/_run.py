@@ -131,7 +131,7 @@ class _Run:
             # a step, never holding a batch it will not train on (the checkpoint's rows).
             try:
                 for batch in self.loader:
-                    self.state, metrics = self.step(self.state, batch.data, batch.micro_weights)
+                    self.state, metrics = self.step(self.state, batch)  # checks its sizes
                     self.position, self.samples = batch.position, self.loader.samples
                     if batch.emits:
                         self._updated(batch, metrics, progress, log, bar, score)
@@ -195,17 +195,28 @@ class _Run:
     def _nonfinite(self, record: dict[str, Any]) -> None:
         """Reports a skipped update; without skipping, stops the run naming the step."""
         values = f"loss={record['loss']}, grad_norm={record.get('grad_norm')}"
-        if record.get("skipped"):
-            limit = self.step.options.max_consecutive_skips
-            self._tell(
-                f"optimizer step {record['step'] + 1} (epoch {record['epoch']}): non-finite "
-                f"{values}; update skipped ({record['consecutive_skips']:.0f} in a row; "
-                f"max_consecutive_skips={limit} ends the run)"
-            )
-            return
         newest = "no checkpoint was saved"
         if self.last_checkpoint:
             newest = f"the newest checkpoint is {self.last_checkpoint}"
+        if record.get("skipped"):
+            limit = self.step.options.max_consecutive_skips
+            skips = int(record["consecutive_skips"])
+            self._tell(
+                f"optimizer step {record['step'] + 1} (epoch {record['epoch']}): non-finite "
+                f"{values}; update skipped ({skips} in a row; "
+                f"max_consecutive_skips={limit} ends the run)"
+            )
+            # Here, where every step's record is read anyway, exactly at the limit (the
+            # step's own watch may let up to two more calls run before it raises).
+            if limit is not None and skips >= limit:
+                raise NonFiniteStep(
+                    f"{skips} optimizer steps in a row (the last in epoch {record['epoch']}) "
+                    f"had a non-finite loss or gradients and were skipped: stopped, "
+                    f"parameters as after step {record['step']}; {newest}. NaN or Inf in "
+                    "the data (x is checked at start up to 256 MB) or a learning rate too "
+                    "high are the usual causes"
+                )
+            return
         raise NonFiniteStep(
             f"optimizer step {record['step']} (epoch {record['epoch']}) had a non-finite "
             f"{values}, and with skip_nonfinite off (--no-skip-nonfinite) its update made "

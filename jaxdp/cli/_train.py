@@ -40,7 +40,7 @@ from ..models._reference import CNN, MLP
 from ._config import Precision, TrainConfig
 from ._data import Split, load_digits, load_file
 from ._metrics import MetricsLog, plot_training
-from ._outputs import claimed
+from ._outputs import check_fresh, claimed
 from ._run import _Run, say
 
 # ---- model, loss and precision --------------------------------------------------------
@@ -53,8 +53,7 @@ def build(config: TrainConfig, data: Split | None = None) -> nnx.Module:
     rngs = nnx.Rngs(config.seed)
     features, classes = 64, 10
     if data is not None:
-        features = data.x_train.shape[-1]
-        classes = int(max(data.y_train.max(), data.y_test.max())) + 1
+        features, classes = data.x_train.shape[-1], data.num_classes
     if config.model == "cnn":
         channels = features if data is not None else 1
         return CNN(in_channels=channels, num_classes=classes, rngs=rngs, param_dtype=param_dtype)
@@ -67,7 +66,13 @@ def load(config: TrainConfig) -> Split:
     dtype = np.float64 if config.precision == "float64" else np.float32
     if config.data is None:
         return load_digits(seed=config.seed, dtype=dtype)
-    return load_file(config.data, model=config.model, seed=config.seed, dtype=dtype)
+    return load_file(
+        config.data,
+        model=config.model,
+        seed=config.seed,
+        dtype=dtype,
+        num_classes=config.num_classes,
+    )
 
 
 def forward(model: nnx.Module, x: jax.Array, precision: Precision) -> jax.Array:
@@ -212,6 +217,9 @@ def prepare(
         f"{mesh.devices.flat[0].platform} device(s), {len(data.x_train)} train / "
         f"{len(data.x_test)} held-out images"
     )
+    if config.data is not None:
+        told = "--num-classes" if config.num_classes else "the largest label + 1"
+        say(f"classes: {data.num_classes} ({told})")
     say(f"batch: {sizes.describe()}")
     if config.zero_stage or config.comm_dtype:
         split = ("optimizer state", "optimizer state and gradient accumulator")
@@ -238,12 +246,14 @@ def prepare(
     outputs = {"metrics_out": config.metrics_out, "plot": config.plot, **(files or {})}
     # Leaving the block stops and joins the loader's threads: the process exits with
     # the run's own status, never the C++ runtime's abort on a thread left running.
-    with loader, claimed(outputs, config.checkpoint_dir):
+    with loader, claimed(outputs, config.checkpoint_dir, tensorboard=config.tensorboard):
         checkpoints = None
         if config.checkpoint_dir is not None:
             checkpoints = Checkpoints(config.checkpoint_dir, keep=config.keep)
         run = _Run(config, step, share, loader, checkpoints)
         run.start(step.init(build(config, data)))
+        if run.resumed_step is None:
+            check_fresh(config.metrics_out, config.tensorboard)
         metrics_out = config.metrics_out if lead else None
         board = config.tensorboard if lead else None
         with MetricsLog(metrics_out, resume_step=run.resumed_step, tensorboard=board) as log:

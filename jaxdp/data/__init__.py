@@ -15,6 +15,7 @@ from ._evaluate import evaluate as evaluate
 from ._fingerprint import DataChangedError as DataChangedError
 from ._loader import Batch as Batch
 from ._loader import Loader as Loader
+from ._prefetch import LoaderTimeoutError as LoaderTimeoutError
 from ._prefetch import LoaderWorkerError as LoaderWorkerError
 from ._source import Transform as Transform
 
@@ -22,6 +23,7 @@ __all__ = [
     "Batch",
     "DataChangedError",
     "Loader",
+    "LoaderTimeoutError",
     "LoaderWorkerError",
     "MetricsFn",
     "Transform",

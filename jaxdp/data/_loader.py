@@ -34,13 +34,16 @@ if TYPE_CHECKING:
 
 
 class Batch(NamedTuple):
-    """One call of the step, as :class:`Loader` yields it: ``step(state, *batch[:2])``."""
+    """One call of the step, as :class:`Loader` yields it: ``step(state, batch)`` (the step
+    checks ``sizes`` and ``path`` against its own), or ``step(state, *batch[:2])``."""
 
     data: Any  # the call's rows of every process, on the mesh (jax.Arrays split by rows)
     micro_weights: np.ndarray  # fused: [accum_steps]; multisteps: a scalar; 0 marks padding
     epoch: int
     position: SamplerPosition  # the next data after this call
     emits: bool  # the call ends an optimizer step (every call on the fused path)
+    sizes: BatchSizes  # the loader's global batch identity
+    path: str  # the loader's path: "fused" or "multisteps"
 
 
 # What a restore must find equal: another value changes which rows a position names.
@@ -73,7 +76,9 @@ class Loader:
     cannot fill an optimizer step, and an option out of its range; a read or
     a ``transform`` that raises is raised by the loop at that call (a
     transform's error names the record), a worker that dies as
-    :class:`LoaderWorkerError`.
+    :class:`LoaderWorkerError`; with ``read_timeout_s``, a wait for a batch
+    longer than that as :class:`LoaderTimeoutError`, naming the record whose
+    read has not returned.
 
     Each iteration reads on background threads until it ends, is garbage
     collected, or :meth:`close` is called: ``with Loader(...) as loader:``
@@ -97,12 +102,18 @@ class Loader:
         epochs: int | None = None,
         workers: int = 4,
         prefetch: int = 2,
+        read_timeout_s: float | None = None,
     ) -> None:
         if path not in ("fused", "multisteps"):
             raise ValueError(f"path={path!r} must be 'fused' or 'multisteps'")
         for name, value in (("workers", workers), ("prefetch", prefetch)):
             if not is_integer(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if read_timeout_s is not None and not (
+            isinstance(read_timeout_s, int | float) and read_timeout_s > 0
+        ):
+            raise ValueError(f"read_timeout_s={read_timeout_s!r} must be a number > 0 or None")
+        self.read_timeout_s = read_timeout_s
         if epochs is not None and (not is_integer(epochs) or epochs < 1):
             raise ValueError(f"epochs={epochs!r} must be a positive integer or None (endless)")
         self.source = Source(source, transform)
@@ -173,7 +184,13 @@ class Loader:
         if start >= stop:
             return
         calls = read_ahead(self._read, start, stop, workers=self.workers)
-        placed = Placed(calls, self._place, depth=self.prefetch)
+        placed = Placed(
+            calls,
+            self._place,
+            depth=self.prefetch,
+            timeout=self.read_timeout_s,
+            stuck=self.source.stuck,
+        )
         self._iterations.add(placed)
         rows_per_micro = self.sizes.num_devices * self.sizes.micro_batch_size
         try:
@@ -184,7 +201,7 @@ class Loader:
                     self.samples + int(np.count_nonzero(weights) * rows_per_micro),
                 )
                 emits = at.micro_batch + 1 == self.calls_per_step
-                yield Batch(data, weights, at.epoch, after, emits)
+                yield Batch(data, weights, at.epoch, after, emits, self.sizes, self.path)
         finally:
             placed.close()
 

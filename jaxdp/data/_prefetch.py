@@ -30,6 +30,10 @@ class LoaderWorkerError(RuntimeError):
     in a read): raised in the training loop instead of waiting for a batch forever."""
 
 
+class LoaderTimeoutError(TimeoutError):
+    """The loop waited longer than the loader's ``read_timeout_s`` for a batch."""
+
+
 def read_ahead(read: Callable[[int], Any], start: int, stop: int, *, workers: int) -> Iterator[Any]:
     """``read(i)`` for ``i`` in ``[start, stop)``, in order, ``workers`` threads reading ahead.
 
@@ -56,8 +60,18 @@ class Placed:
     interpreter exit.
     """
 
-    def __init__(self, items: Iterator[Any], place: Callable[[Any], Any], *, depth: int):
+    def __init__(
+        self,
+        items: Iterator[Any],
+        place: Callable[[Any], Any],
+        *,
+        depth: int,
+        timeout: float | None = None,
+        stuck: Callable[[], str] = lambda: "",
+    ):
         self._items, self._place = items, place
+        self._timeout, self._stuck = timeout, stuck
+        self._timed_out = False  # then ``close`` does not wait for a read known to hang
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         # A daemon, so a loop that is never closed cannot keep the interpreter alive;
@@ -92,6 +106,7 @@ class Placed:
         return self
 
     def __next__(self) -> Any:
+        waited = 0.0
         while True:
             try:
                 kind, value = self._queue.get(timeout=_POLL_S)
@@ -100,6 +115,15 @@ class Placed:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise LoaderWorkerError(
                         "the loader's placement thread ended without a batch or an error"
+                    ) from None
+                waited += _POLL_S
+                if self._timeout is not None and waited >= self._timeout:
+                    self._timed_out = True
+                    raise LoaderTimeoutError(
+                        f"no batch after read_timeout_s={self._timeout:g}: {self._stuck()}. "
+                        "The loop stops here, its position intact; a read that never returns "
+                        "cannot be stopped, and its thread keeps the process from exiting "
+                        "until it does"
                     ) from None
         if kind == "item":
             return value
@@ -121,7 +145,7 @@ class Placed:
         """
         self._stop.set()
         _RUNNING.discard(self)
-        if self._thread is threading.current_thread():
+        if self._thread is threading.current_thread() or self._timed_out:
             return
         self._thread.join(timeout)
         if self._thread.is_alive():

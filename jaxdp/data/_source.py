@@ -11,6 +11,8 @@ time, and the records are stacked.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -67,6 +69,7 @@ class Source:
             raise ValueError("source is empty (0 rows): there is nothing to train on")
         self.source = source
         self.files = memmapped_files(self.fields)
+        self._reading: dict[int, tuple[int, float]] = {}  # thread -> (record, since when)
         self._fingerprint: dict[str, Any] | None = None
         if self.fields is not None:
             # Taken now: a file changed later must not be hashed as this run's data.
@@ -89,12 +92,27 @@ class Source:
     def read(self, rows: np.ndarray) -> Any:
         """The records ``rows`` (in that order, repeats included) as one batch per field."""
         check_files(self.files)
-        if self.fields is not None and self.transform is None:
-            return jax.tree.map(lambda x: np.asarray(x[rows]), self.fields, is_leaf=_is_array)
-        records = [self._record(int(i)) for i in rows]
-        return _stack(records, rows)
+        me = threading.get_ident()
+        try:
+            if self.fields is not None and self.transform is None:
+                self._reading[me] = (int(rows[0]), time.monotonic())
+                return jax.tree.map(lambda x: np.asarray(x[rows]), self.fields, is_leaf=_is_array)
+            records = [self._record(int(i), me) for i in rows]
+            return _stack(records, rows)
+        finally:
+            self._reading.pop(me, None)
 
-    def _record(self, index: int) -> Any:
+    def stuck(self) -> str:
+        """The read that has run longest, in words (for a read timeout's error)."""
+        reading = list(self._reading.values())
+        if not reading:
+            return "no read is running (the placement on the devices is slow or stuck)"
+        index, since = min(reading, key=lambda r: r[1])
+        age = time.monotonic() - since
+        return f"the read of source record {index} has not returned in {age:.1f} s"
+
+    def _record(self, index: int, me: int) -> Any:
+        self._reading[me] = (index, time.monotonic())
         if self.fields is not None:
             record = jax.tree.map(lambda x: x[index], self.fields, is_leaf=_is_array)
         else:

@@ -59,6 +59,9 @@ def test_more_devices_than_exist():
 
 
 def test_emulating_another_count_after_the_backend_started():
+    # Started here: first in a worker, nothing else may have started it, and a count
+    # set before the start would hold for every later test in the process.
+    jax.devices()
     jaxdp.emulate_cpu_devices(8)  # the count the backend has: allowed
     with pytest.raises(
         RuntimeError,
@@ -69,6 +72,7 @@ def test_emulating_another_count_after_the_backend_started():
 
 
 def test_a_refused_emulation_leaves_xla_flags_alone(monkeypatch):
+    jax.devices()  # started (see above)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     with pytest.raises(RuntimeError, match="num_devices=3"):
         jaxdp.emulate_cpu_devices(3)

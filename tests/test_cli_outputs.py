@@ -1,0 +1,56 @@
+"""Outputs shared between runs: --metrics-out and --tensorboard are held for one run at a
+time like the checkpoint directory, a fresh run never overwrites another's records, and a
+folder that cannot take the run's events is refused before the first step."""
+
+import os
+
+import pytest
+
+from jaxdp.cli import _outputs, main
+
+TRAIN = ["train", "--cpu-devices", "8", "--num-devices", "2", "--no-progress", "--steps", "2"]
+
+
+def usage_error(capsys, flags):
+    """The one error line of a run refused before its first step."""
+    with pytest.raises(SystemExit) as stopped:
+        main([*TRAIN, *flags])
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("jaxdp train: error: ") and err.count("\n") == 1, err
+    assert "held-out accuracy" not in out
+    return err
+
+
+@pytest.mark.parametrize("option", ["metrics_out", "tensorboard"])
+def test_an_output_in_use_by_a_live_run_is_refused_naming_it(tmp_path, capsys, option):
+    path = str(tmp_path / ("m.jsonl" if option == "metrics_out" else "tb"))
+    files = {"metrics_out": path} if option == "metrics_out" else {}
+    board = path if option == "tensorboard" else None
+    with _outputs.claimed(files, None, tensorboard=board):  # a live run's hold
+        err = usage_error(capsys, ["--" + option.replace("_", "-"), path])
+    assert f"{option}={path!r} is in use by another run: host " in err
+    assert f"pid {os.getpid()}" in err
+
+
+def test_a_fresh_run_never_overwrites_another_runs_records(tmp_path, capsys):
+    metrics, board = tmp_path / "m.jsonl", tmp_path / "tb"
+    assert main([*TRAIN, "--metrics-out", str(metrics), "--tensorboard", str(board)]) == 0
+    capsys.readouterr()
+    before = metrics.read_text()
+    assert before.count("\n") == 2
+    events = list(board.glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].name.endswith(f".{os.getpid()}")
+    err = usage_error(capsys, ["--metrics-out", str(metrics)])
+    assert f"metrics_out={str(metrics)!r} holds 2 record(s) of another run" in err
+    err = usage_error(capsys, ["--tensorboard", str(board)])
+    assert f"tensorboard={str(board)!r} holds event files of another run (events.out" in err
+    assert metrics.read_text() == before
+    assert list(board.glob("events.out.tfevents.*")) == events
+    assert not list(tmp_path.glob(".*lock")) and not (board / "jaxdp.lock").exists()
+
+
+def test_a_tensorboard_path_that_is_a_file_is_refused_before_the_first_step(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    err = usage_error(capsys, ["--tensorboard", str(tmp_path / "file")])
+    assert f"tensorboard={str(tmp_path / 'file')!r} is a file; it must name a directory" in err
