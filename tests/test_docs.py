@@ -32,6 +32,7 @@ SUBPACKAGES = (
     "jaxdp.models",
     "jaxdp.parity",
     "jaxdp.plan",
+    "jaxdp.testing",
     "jaxdp.cli",
 )
 
