@@ -4,8 +4,8 @@ The batch is split over a one-axis device mesh; every optimizer step averages
 gradients with ONE all-reduce issued after the last micro-batch, exactly like
 PyTorch DDP with ``no_sync()``. This module is the core a training script
 needs; the tools are subpackages, imported on first use:
-``jaxdp.checkpoint``, ``jaxdp.data``, ``jaxdp.models``, ``jaxdp.parity``, ``jaxdp.plan`` and
-``jaxdp.cli``. Everything not re-exported is private.
+``jaxdp.checkpoint``, ``jaxdp.data``, ``jaxdp.models``, ``jaxdp.parity``, ``jaxdp.plan``,
+``jaxdp.testing`` and ``jaxdp.cli``. Everything not re-exported is private.
 
 ``import jaxdp`` imports JAX but does not start its backend, so
 :func:`emulate_cpu_devices` still works right after it.
@@ -97,7 +97,7 @@ __all__ = [
 ]
 
 # The tools, imported on first use (``jaxdp.checkpoint.Checkpoints`` after ``import jaxdp``).
-_SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "models", "parity", "plan"})
+_SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "models", "parity", "plan", "testing"})
 
 
 def __getattr__(name: str) -> _Any:

@@ -32,6 +32,7 @@ SUBPACKAGES = (
     "jaxdp.models",
     "jaxdp.parity",
     "jaxdp.plan",
+    "jaxdp.testing",
     "jaxdp.cli",
 )
 
@@ -113,6 +114,28 @@ assert again.samples == loader.samples == 7 * sizes.global_batch_size  # 5 + 2 s
 w_bytes = 256 * 256 * 4
 assert memory.arguments >= 3 * w_bytes, memory  # weights and Adam's two moments
 assert memory.temporaries >= w_bytes, memory  # at least the gradient accumulator
+""",
+    },
+    "testing.md": {
+        # The first block is a test file: written as test_sharded.py and run by pytest.
+        0: """
+import pathlib, re, subprocess, sys, tempfile
+page = pathlib.Path("docs/testing.md").read_text()
+test_file = pathlib.Path(tempfile.mkdtemp()) / "test_sharded.py"
+test_file.write_text(re.findall(r"^```python\\n(.*?)^```", page, re.M | re.S)[0])
+done = subprocess.run(
+    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+    capture_output=True, text=True, timeout=300,
+)
+assert done.returncode == 0 and "5 passed" in done.stdout, done.stdout[-4000:]
+""",
+        1: """
+try:
+    jaxdp.emulate_cpu_devices(8)
+except RuntimeError as err:
+    assert "after the JAX backend started with 1 CPU device(s)" in str(err), err
+else:
+    raise AssertionError("emulate_cpu_devices(8) after the backend started was allowed")
 """,
     },
     "parity.md": {-1: "assert report.passed and len(report.max_abs) == 3"},

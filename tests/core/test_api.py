@@ -11,7 +11,7 @@ import textwrap
 import jaxdp
 
 ROOT = pathlib.Path(__file__).parents[2]
-SUBPACKAGES = ["checkpoint", "data", "models", "parity", "plan", "cli"]
+SUBPACKAGES = ["checkpoint", "data", "models", "parity", "plan", "testing", "cli"]
 
 
 def public(module_name):

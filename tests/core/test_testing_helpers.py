@@ -1,0 +1,100 @@
+"""jaxdp.testing's helpers: each passes what it should and fails, saying why, what it should."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxdp
+from jaxdp.testing import TOLERANCES, Tolerance, assert_collectives, assert_trees_close
+
+# ---- assert_trees_close ------------------------------------------------------------------
+
+
+def test_every_tolerance_says_why():
+    assert set(TOLERANCES) == {"float64", "float32", "bfloat16", "float16", "exact"}
+    assert all(isinstance(t, Tolerance) and len(t.why) > 20 for t in TOLERANCES.values())
+
+
+def test_close_trees_pass_within_their_dtypes_tolerance():
+    tree = {"w": np.ones(3, np.float32), "n": np.arange(2), "b": [np.float64(2.0)]}
+    near = {"w": tree["w"] * (1 + 1e-6), "n": np.arange(2), "b": [np.float64(2.0 + 1e-13)]}
+    assert_trees_close(near, tree)
+
+
+def test_a_leaf_out_of_tolerance_is_named_with_its_tolerance_and_why():
+    expected = {"layer": {"w": np.ones(3, np.float32)}}
+    actual = {"layer": {"w": np.array([1.0, 1.0, 1.0 + 1e-4], np.float32)}}
+    with pytest.raises(AssertionError) as raised:
+        assert_trees_close(actual, expected)
+    text = str(raised.value)
+    assert "['layer']['w'] (float32: rtol=1.3e-06, atol=1e-05, PyTorch's" in text
+    assert "Mismatched elements: 1 / 3" in text
+
+
+def test_the_less_precise_dtype_decides():
+    # float32 against a float64 reference: compared at float32's tolerance.
+    assert_trees_close(np.float32(1 + 1e-6), np.float64(1.0))
+    with pytest.raises(AssertionError, match="float64: rtol=1e-12"):
+        assert_trees_close(np.float64(1 + 1e-6), np.float64(1.0))
+    assert_trees_close(jnp.bfloat16(1.01), jnp.bfloat16(1.0))
+
+
+def test_integers_are_exact_and_an_explicit_tolerance_replaces_the_named_one():
+    with pytest.raises(AssertionError, match=r"\[1\] \(exact: rtol=0, atol=0"):
+        assert_trees_close([0, np.int32(3)], [0, np.int32(4)])
+    assert_trees_close(np.float32(1.5), np.float32(1.0), rtol=0.5)
+    with pytest.raises(AssertionError, match=r"float32: rtol=0.1, atol=1e-05\)"):
+        assert_trees_close(np.float32(1.5), np.float32(1.0), rtol=0.1)
+
+
+def test_structure_and_shape_must_match():
+    with pytest.raises(AssertionError, match="the trees differ in structure"):
+        assert_trees_close({"a": 1.0}, {"b": 1.0})
+    # numpy would broadcast (3,) against (1,) and pass.
+    with pytest.raises(AssertionError, match=r"\['a'\]: shape \(3,\) != expected \(1,\)"):
+        assert_trees_close({"a": np.ones(3)}, {"a": np.ones(1)})
+
+
+# ---- assert_collectives ------------------------------------------------------------------
+
+
+def summed(body, *, varying=False):
+    """A program over 4 devices whose per-device part is ``body`` (x has one row each);
+    its result is one value (``varying``: one per device)."""
+    mesh = jaxdp.data_mesh(4)
+    out = P("data") if varying else P()
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=out)
+    return jax.jit(mapped).lower(jnp.ones((4, 3))).compile()
+
+
+def test_one_all_reduce_per_call_passes_and_two_fail_with_the_table():
+    compiled = summed(lambda x: jax.lax.psum(x, "data"))
+    assert_collectives(compiled, all_reduce=1)
+    assert_collectives(compiled.as_text(), all_reduce=1, all_gather=None)
+    with pytest.raises(AssertionError, match=r"all_reduce=2: found 1 per call\ncollective"):
+        assert_collectives(compiled, all_reduce=2)
+
+
+def test_executions_count_loop_trips_and_unnamed_kinds_must_not_run():
+    def body(x):
+        return jax.lax.scan(lambda c, _: (c + jax.lax.psum(c, "data"), None), x, length=4)[0]
+
+    compiled = summed(body, varying=True)
+    assert_collectives(compiled, all_reduce=4)
+    with pytest.raises(AssertionError, match=r"all_reduce=0: found 4 per call"):
+        assert_collectives(compiled)
+
+
+def test_a_collective_in_a_branch_has_no_one_count():
+    def body(x):
+        return jax.lax.cond(x.sum() > 0, lambda y: y + jax.lax.psum(y, "data"), lambda y: y, x)
+
+    with pytest.raises(AssertionError, match=r"all_reduce=1: found 0..1 per call \(a branch"):
+        assert_collectives(summed(body, varying=True), all_reduce=1)
+
+
+def test_a_bad_expected_count_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"all_gather=-1 must be a non-negative integer or None"):
+        assert_collectives(summed(lambda x: jax.lax.psum(x, "data")), all_gather=-1)
