@@ -10,7 +10,9 @@ import io
 import json
 import os
 import pathlib
+import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -22,7 +24,8 @@ from helpers import RTOL, assert_trees_close
 
 import jaxdp
 from jaxdp.cli import main
-from jaxdp.cli._launch import _Group, child_argv
+from jaxdp.cli._group import Group
+from jaxdp.cli._launch import child_argv
 from jaxdp.cli._train import TrainConfig, build, make_step, train
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -43,18 +46,19 @@ def run_script(tmp_path, code, args, **kwargs):
 
 
 def test_launch_resolves_scripts_modules_and_subcommands():
-    py = sys.executable
+    py, rank = sys.executable, str(ROOT / "jaxdp" / "cli" / "_rank.py")
     assert child_argv(["--", "train", "--steps", "5"], {"train"}) == [
         py,
+        rank,
         "-m",
         "jaxdp",
         "train",
         "--steps",
         "5",
     ]
-    assert child_argv(["jaxdp", "train"], {"train"}) == [py, "-m", "jaxdp", "train"]
-    assert child_argv(["run.py", "a"]) == [py, "run.py", "a"]
-    assert child_argv(["-m", "pkg.mod"]) == [py, "-m", "pkg.mod"]
+    assert child_argv(["jaxdp", "train"], {"train"}) == [py, rank, "-m", "jaxdp", "train"]
+    assert child_argv(["run.py", "a"]) == [py, rank, "run.py", "a"]
+    assert child_argv(["-m", "pkg.mod"]) == [py, rank, "-m", "pkg.mod"]
     assert child_argv(["echo", "hi"]) == ["echo", "hi"]
     with pytest.raises(ValueError, match="give the command to run after --"):
         child_argv(["--"])
@@ -71,11 +75,16 @@ HELD = f"[Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"
         (["--nprocs", "0"], "nprocs=0 must be a positive integer"),
         (["--nprocs", "2", "--grace-s", "nan"], "grace_s=nan must be a finite number of sec"),
         (["--nprocs", "2", "--timeout-s", "0"], "timeout_s=0 must be a positive integer"),
+        (["--nprocs", "2", "--max-restarts", "-1"], "max_restarts=-1 must be an integer >= 0"),
+        (["--nprocs", "2", "--hang-timeout-s", "inf"], "hang_timeout_s=inf must be a finite"),
+        (["--nprocs", "2", "--", "no_such_program"], "command 'no_such_program' is not a"),
+        (["--nprocs", "2", "--", "no_such.py"], "script 'no_such.py' does not exist (in "),
     ],
 )
 def test_launch_usage_errors_exit_2_with_one_line(flags, message, capsys):
+    command = [] if "--" in flags else ["--", str(ROOT / "examples" / "multi_process.py")]
     with pytest.raises(SystemExit) as exit_:
-        main(["launch", *flags, "--", "script.py"])
+        main(["launch", *flags, *command])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"jaxdp launch: error: {message}") and err.count("\n") == 1
@@ -245,6 +254,113 @@ def test_process_local_batches_and_an_uncaught_exception_on_two_processes(tmp_pa
     assert took < 150
 
 
+def test_a_sys_exit_on_one_rank_ends_the_launch_at_once_with_its_status(tmp_path):
+    """``sys.exit(3)`` on rank 1 while rank 0 waits in a collective: JAX's shutdown
+    barrier held rank 1 for timeout_s, then aborted it (134); the 3 was lost (23.6)."""
+    start = time.monotonic()
+    done = run_script(
+        tmp_path,
+        """
+        import sys
+        import jax, jax.numpy as jnp, numpy as np
+        import jaxdp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh = jaxdp.initialize()
+        total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(2))
+        for i in range(10**6):
+            if i == 3 and jax.process_index() == 1:
+                sys.exit(3)
+            float(total(x))
+        """,
+        ["--nprocs", "2", "--devices-per-process", "1", "--timeout-s", "300"]
+        + ["--grace-s", str(GRACE_S)],
+        timeout=200,
+    )
+    took = time.monotonic() - start
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "jaxdp launch: failed: rank 1 exited with status 3" in done.stderr
+    assert took < 60  # about 12 s on 2 busy cores; the barrier alone would take 300
+
+
+def test_a_busy_coordinator_port_is_one_line_not_a_crash(tmp_path):
+    """Process 0 on a port another program listens on: JAX's coordinator crashed the
+    process (139) after one gRPC log line (23.6)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "JAXDP_COORDINATOR_ADDRESS": f"127.0.0.1:{port}"}
+        env.update(JAXDP_NUM_PROCESSES="2", JAXDP_PROCESS_ID="0", JAXDP_CPU_DEVICES="1")
+        done = subprocess.run(
+            [sys.executable, "-m", "jaxdp", "train", "--steps", "1"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr == (
+        f"jaxdp train: error: JAXDP_COORDINATOR_ADDRESS='127.0.0.1:{port}': process 0 runs "
+        f"the coordinator on port {port}, which is in use on this machine (Address already in "
+        "use); choose a free port\n"
+    )
+
+
+RESTARTS = """
+import os, signal, sys, time
+restart, rank = int(os.environ["JAXDP_RESTART_COUNT"]), int(os.environ["JAXDP_PROCESS_ID"])
+print("start", restart, os.getpid(), flush=True)
+if (restart, rank) == (0, 1):
+    os.kill(os.getpid(), signal.SIGKILL)
+if (restart, rank) == (1, 0):
+    print("exits", time.time(), flush=True)
+    sys.exit(5)
+time.sleep(60 if restart == 1 else 1)  # rank 1 of the second start stays until stopped
+"""
+
+
+def rank_pids(stdout):
+    return [int(line.split()[-1]) for line in stdout.splitlines() if " start " in line]
+
+
+@pytest.mark.parametrize("max_restarts", [1, 2])
+def test_max_restarts_restarts_the_group_and_past_them_exits_with_the_last_failure(
+    tmp_path, max_restarts
+):
+    """torchrun's --max-restarts: rank 1 is killed in the first start, rank 0 exits 5 in
+    the second; with 2 restarts the third start finishes (exit 0), with 1 the launch
+    ends with status 5 naming rank 0, within seconds of that exit (issue 25)."""
+    done = run_script(
+        tmp_path,
+        RESTARTS,
+        ["--nprocs", "2", "--max-restarts", str(max_restarts), "--grace-s", str(GRACE_S)],
+        timeout=120,
+    )
+    ended = time.time()
+    starts = [line.split()[3] for line in done.stdout.splitlines() if "[rank 0] start " in line]
+    assert starts == ["0", "1", "2"][: max_restarts + 1]  # JAXDP_RESTART_COUNT
+    cause = re.compile(
+        rf"^jaxdp launch: restart (\d) of {max_restarts}: rank (\d) exited with status "
+        r"(\d+)\S* ?\S* at \d\d:\d\d:\d\d; the group was down (\d+\.\d) s$",
+        re.M,
+    )
+    found = cause.findall(done.stderr)
+    assert [f[:3] for f in found] == [("1", "1", "137"), ("2", "0", "5")][:max_restarts]
+    assert all(float(f[3]) < 10 for f in found), found  # stopped, reaped, started again
+    if max_restarts == 2:
+        assert done.returncode == 0, done.stderr
+    else:
+        assert done.returncode == 5
+        assert done.stderr.endswith(
+            "jaxdp launch: failed: rank 0 exited with status 5 (1 of --max-restarts 1 used)\n"
+        )
+        (exited,) = [float(x.split()[-1]) for x in done.stdout.splitlines() if " exits " in x]
+        assert ended - exited < GRACE_S + 10  # rank 1 ignores nothing: SIGTERM ends it
+    for pid in rank_pids(done.stdout):
+        assert not alive(pid)
+
+
 # ---- training ---------------------------------------------------------------------------
 
 
@@ -327,9 +443,10 @@ def children(pid):
 def test_a_rank_killed_from_outside_is_named_over_a_peer_seen_exiting_with_it(exits, named):
     """On a busy machine the launcher can wake to find a killed rank and the peer that
     then failed both gone, recorded in either order (this failed one CI run in three)."""
-    group = _Group(io.BytesIO(), io.BytesIO())
+    group = Group(io.BytesIO(), io.BytesIO())
     group.exits = exits
-    assert group._first_failure() == named
+    failure = group._first_failure()
+    assert (failure and failure[:2]) == named
 
 
 def test_killing_a_rank_mid_training_ends_the_launch_naming_it(tmp_path):
