@@ -21,6 +21,9 @@ class TrainConfig:
     model: str = "mlp"  # "mlp" (64-hidden-hidden-10) or "cnn" (on the 8x8x1 images)
     data: str | None = None  # a .npz with x (features or images) and y (labels); None: digits
     num_devices: int | None = None  # data-parallel devices; None: all there are
+    # CPU devices each process emulates, set before JAX starts (the command line's
+    # --cpu-devices; None: $JAXDP_CPU_DEVICES, else 4); saved, so a resume gets it back.
+    cpu_devices: int | None = None
     accum_steps: int = 2  # micro-batches per device per optimizer step
     micro_batch_size: int = 16  # rows per micro-batch per device
     epochs: int | None = None  # last epoch (exclusive); None: 15, or no limit with steps
@@ -87,6 +90,7 @@ class TrainConfig:
 
 _POSITIVE = (
     "num_devices",
+    "cpu_devices",
     "accum_steps",
     "micro_batch_size",
     "epochs",

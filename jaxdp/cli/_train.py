@@ -16,6 +16,7 @@ progress and writes metrics and plots.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -41,7 +42,7 @@ from ._config import Precision, TrainConfig
 from ._data import Split, load_digits, load_file
 from ._metrics import MetricsLog, plot_training
 from ._outputs import claimed
-from ._run import _Run, say
+from ._run import _Run, _where, say
 
 # ---- model, loss and precision --------------------------------------------------------
 
@@ -272,6 +273,12 @@ def finish(prepared: Prepared, *, stop: Callable[[SamplerPosition], bool] | None
         "stopped": stopped,
         "checkpoint": run.last_checkpoint,
     }
+    if stopped:  # every process: that they stopped at one place is in their logs
+        print(
+            f"jaxdp train: process {jax.process_index()} stopped at optimizer step "
+            f"{summary['steps']} ({_where(run.position)}); checkpoint {run.last_checkpoint}",
+            file=sys.stderr,
+        )
     say(
         f"held-out accuracy: {accuracy:.2%} after {summary['steps']} optimizer steps "
         f"({summary['seconds']:.1f} s)" + (" [stopped early]" if stopped else "")
