@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from ._heartbeat import start_heartbeat
 from ._mesh import data_mesh, emulate_cpu_devices
 from ._quiet_gloo import quiet_gloo_notes
 
@@ -31,6 +33,10 @@ ENV_LOCAL_DEVICE_IDS = "JAXDP_LOCAL_DEVICE_IDS"  # comma-separated GPU ids of th
 ENV_CPU_DEVICES = "JAXDP_CPU_DEVICES"
 ENV_TIMEOUT = "JAXDP_TIMEOUT_S"
 ENV_HEARTBEAT_TIMEOUT = "JAXDP_HEARTBEAT_TIMEOUT_S"
+# Set by jaxdp launch: the file this process's heartbeat touches (jaxdp._heartbeat),
+# and how many times the launcher restarted the group (0 at the first start).
+ENV_HEARTBEAT_FILE = "JAXDP_HEARTBEAT_FILE"
+ENV_RESTART_COUNT = "JAXDP_RESTART_COUNT"
 
 # JAX's own defaults are 300 s to start and 100 s of missed heartbeats; these
 # end a job whose peer never started (JAX aborts ~5 s after the deadline), or
@@ -108,6 +114,8 @@ def initialize(
     if s.values["heartbeat_timeout_s"] is None:
         s.values["heartbeat_timeout_s"] = DEFAULT_HEARTBEAT_TIMEOUT_S
     s.check()
+    if beat := os.environ.get(ENV_HEARTBEAT_FILE):
+        start_heartbeat(beat)  # before waiting for the peers: a process waiting is alive
     if s.values["cpu_devices"] is not None:
         emulate_cpu_devices(s.values["cpu_devices"])
     if not jax.distributed.is_initialized() and s.values["num_processes"] != 1:
@@ -187,6 +195,8 @@ def _start(s: _Settings) -> None:
             flush=True,
         )
 
+    if v["process_id"] == 0 and v["coordinator_address"] is not None:
+        _check_port_free(v["coordinator_address"], s.source["coordinator_address"])
     watchdog = threading.Timer(v["timeout_s"] + 1, report)
     watchdog.daemon = True
     watchdog.start()
@@ -229,6 +239,36 @@ def _start(s: _Settings) -> None:
         sys.excepthook = _ExitAtOnce(sys.excepthook)
         if jax.devices()[0].platform == "cpu":
             quiet_gloo_notes()  # the CPU collectives' connection note
+
+
+def _check_port_free(address: str, source: str) -> None:
+    """Raises ValueError if process 0 cannot run the coordinator on ``address``'s port.
+
+    JAX's coordinator (gRPC) binds ``[::]:port`` with SO_REUSEPORT; on a port taken
+    by another program it crashed the process (status 139) after one log line.
+    The same bind here fails on such a port but succeeds beside ``jaxdp launch``'s
+    reservation (which sets SO_REUSEPORT and never listens); a connection that is
+    accepted means another server, one with SO_REUSEPORT included, listens there.
+    """
+    port = int(address.rsplit(":", 1)[1])
+    busy: str | None = None
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+        if hasattr(socket, "SO_REUSEPORT"):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            s.bind(("::", port))
+        except OSError as e:
+            busy = e.strerror
+    if busy is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                busy = "another program listens there"
+    if busy is not None:
+        raise ValueError(
+            f"{source}: process 0 runs the coordinator on port {port}, which is in use on "
+            f"this machine ({busy}); choose a free port"
+        )
 
 
 class _ExitAtOnce:

@@ -724,3 +724,44 @@ def test_resume_drops_a_metrics_line_torn_by_a_kill(tmp_path):
         *whole[:2],
         {"step": 3, "loss": 0.5},
     ]
+
+
+def test_resume_on_a_directory_without_checkpoints_starts_fresh_and_says_so(tmp_path, capsys):
+    """A scheduler's requeue script runs one command, ``--resume``, every time (issue 23.7);
+    a directory whose checkpoints are all unreadable is still refused, never restarted."""
+    ckpt = tmp_path / "ckpt"
+    flags = [*TRAIN, "--num-devices", "4", "--checkpoint-dir", str(ckpt), "--resume"]
+    assert main([*flags, "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"--resume: no checkpoint in {ckpt} yet; starting a fresh run" in out
+    assert jaxdp.checkpoint.Checkpoints(ckpt).steps == [2]
+    assert main([*flags, "--steps", "3"]) == 0
+    assert f"resumed from {ckpt / '2'}: step 2" in capsys.readouterr().out
+    (ckpt / "3" / "meta" / "metadata").write_text("{}")
+    (ckpt / "2" / "meta" / "metadata").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        main([*flags, "--steps", "4"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        f"jaxdp train: error: no readable checkpoint in {ckpt}"
+    )
+
+
+def test_a_bare_resume_takes_the_cpu_device_count_from_the_checkpoint(tmp_path):
+    """``--cpu-devices 2``, then ``--resume`` alone: 2 devices again, not the default 4
+    (which the global batch check refused: issue 23.7). In fresh processes: this one's
+    JAX has its 8 devices already."""
+    ckpt = str(tmp_path / "ckpt")
+    jaxdp_ = [sys.executable, "-m", "jaxdp", "train", "--checkpoint-dir", ckpt]
+    first = subprocess.run(
+        [*jaxdp_, "--steps", "2", "--cpu-devices", "2"], capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    done = subprocess.run([*jaxdp_, "--resume", "--steps", "3"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "for the options not given: cpu_devices=2, steps=2" not in done.stdout  # steps given
+    assert re.search(
+        r"^taken from checkpoint \S+ for the options not given: cpu_devices=2", done.stdout, re.M
+    ), done.stdout
+    assert "batch: global_batch_size=64 = num_devices=2 x" in done.stdout
+    assert jaxdp.checkpoint.Checkpoints(ckpt).steps == [2, 3]

@@ -107,7 +107,15 @@ np.testing.assert_array_equal(restored.state.params, state.params)
 assert again.samples == loader.samples == 7 * sizes.global_batch_size  # 5 + 2 steps
 """,
     },
-    "scaling-out.md": {-1: "assert (share.process_count, share.rows) == (1, slice(0, 128))"},
+    "scaling-out.md": {
+        1: """
+assert int(state.step) == 4 and checkpoints.steps == [2, 4]
+os.environ["JAXDP_RESTART_COUNT"] = "1"  # as a restarted group's process finds it
+again = train(epochs=3)  # resumes at step 4: the third epoch's 2 steps only
+assert int(again.step) == 6 and checkpoints.steps == [2, 4, 6]
+""",
+        -1: "assert (share.process_count, share.rows) == (1, slice(0, 128))",
+    },
     "memory-planning.md": {
         0: "assert (plan.micro_batch_size, plan.accum_steps) == (128, 4)",
         -1: """

@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from .._layout import BatchSizes
 from .._position import SamplerPosition
 from .._train_state import TrainState, check_live
+from ._agree import process_0s
 from ._data import DataPosition, check_data, from_data, restore_data, sizes_of
 from ._meta import FORMAT, array_sha256, check_sealed, sealed
 from ._quiet import quiet_failed_read_noise
@@ -385,7 +386,7 @@ class Checkpoints:
         if self.keep is None or not self._verified:
             return
         newest_verified = max(self._verified)
-        for number in self.steps[: -self.keep]:
+        for number in process_0s(self.steps)[: -self.keep]:  # the same deletes everywhere
             if number < newest_verified:
                 self._manager.delete(number)
                 self._verified.discard(number)

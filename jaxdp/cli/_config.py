@@ -22,6 +22,9 @@ class TrainConfig:
     data: str | None = None  # a .npz with x (features or images) and y (labels); None: digits
     num_classes: int | None = None  # the model's outputs with data; None: the largest label + 1
     num_devices: int | None = None  # data-parallel devices; None: all there are
+    # CPU devices each process emulates, set before JAX starts (the command line's
+    # --cpu-devices; None: $JAXDP_CPU_DEVICES, else 4); saved, so a resume gets it back.
+    cpu_devices: int | None = None
     accum_steps: int = 2  # micro-batches per device per optimizer step
     micro_batch_size: int = 16  # rows per micro-batch per device
     epochs: int | None = None  # last epoch (exclusive); None: 15, or no limit with steps
@@ -93,6 +96,7 @@ class TrainConfig:
 _POSITIVE = (
     "num_classes",
     "num_devices",
+    "cpu_devices",
     "accum_steps",
     "micro_batch_size",
     "epochs",

@@ -255,10 +255,15 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _start(args: argparse.Namespace) -> TrainConfig:
-    """The run's config (a resume's completed from its checkpoint), once JAX is set up."""
-    from .._distributed import ENV_CPU_DEVICES, initialize
+    """The run's config (a resume's completed from its checkpoint), once JAX is set up.
+
+    In a group ``jaxdp launch`` restarted (``JAXDP_RESTART_COUNT`` above 0) a run with a
+    checkpoint directory resumes without ``--resume``; ``--resume`` where there is no
+    checkpoint yet starts a fresh run. Each says so.
+    """
+    from .._distributed import ENV_CPU_DEVICES, ENV_RESTART_COUNT, initialize
     from ._outputs import lock_while
-    from ._resume import resumed_config
+    from ._resume import has_checkpoints, resumed_config, saved_cpu_devices
     from ._run import say
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -266,24 +271,45 @@ def _start(args: argparse.Namespace) -> TrainConfig:
     if "data" in given:  # saved absolute: a resume from another directory finds the same file
         given["data"] = str(pathlib.Path(given["data"]).resolve())
     config = TrainConfig(**given)  # a bad flag fails before JAX starts
-    cpu_devices = args.cpu_devices
-    if cpu_devices is not None and cpu_devices < 1:
-        raise ValueError(f"cpu_devices={cpu_devices!r} must be a positive integer")
-    # Before JAX starts its backend. The CPU device count affects the CPU
-    # backend only, so on a GPU machine the default still trains on all GPUs.
-    # Under jaxdp launch (or Slurm, Open MPI, ...) this joins the other processes.
+    restart = os.environ.get(ENV_RESTART_COUNT, "0")
+    restarted = restart.isdigit() and int(restart) > 0
+    if restarted and config.checkpoint_dir is not None and not config.resume:
+        given["resume"] = True
+        config = dataclasses.replace(config, resume=True)
+    # Before JAX starts its backend: the flag, else the launcher's count, else a resumed
+    # run's, else the default. It affects the CPU backend only, so on a GPU machine the
+    # default still trains on all GPUs. Under jaxdp launch (or Slurm, Open MPI, ...)
+    # initialize joins the other processes.
+    cpu_devices = config.cpu_devices
     if cpu_devices is None and not os.environ.get(ENV_CPU_DEVICES):
-        cpu_devices = DEFAULT_CPU_DEVICES
+        if config.resume:
+            assert config.checkpoint_dir is not None  # TrainConfig requires it with resume
+            cpu_devices = saved_cpu_devices(config.checkpoint_dir)
+        if cpu_devices is None:
+            cpu_devices = given["cpu_devices"] = DEFAULT_CPU_DEVICES
     initialize(cpu_devices=cpu_devices)
+    if cpu_devices is None:  # the launcher's, which initialize has read and checked
+        cpu_devices = given["cpu_devices"] = int(os.environ[ENV_CPU_DEVICES])
+    config = dataclasses.replace(config, cpu_devices=cpu_devices)
+    if restarted:
+        what = "resuming from the newest checkpoint"
+        if not config.resume:
+            what = "training starts over from step 0 (no --checkpoint-dir to resume from)"
+        say(f"{ENV_RESTART_COUNT}={restart}: a restarted group; {what}")
     if not config.resume:
         return config
-    assert config.checkpoint_dir is not None  # TrainConfig requires it with resume
+    assert config.checkpoint_dir is not None
     # Reading a checkpoint opens its directory, which clears unfinished saves:
     # not while another run writes there.
     with lock_while(config.checkpoint_dir):
-        config, taken = resumed_config(given)
+        if not has_checkpoints(config.checkpoint_dir):
+            say(f"--resume: no checkpoint in {config.checkpoint_dir} yet; starting a fresh run")
+            return dataclasses.replace(config, resume=False)
+        resumed, taken = resumed_config(given)
     say(taken)
-    return config
+    if resumed.cpu_devices != cpu_devices:  # the newest readable one is not the one read
+        resumed = dataclasses.replace(resumed, cpu_devices=cpu_devices)
+    return resumed
 
 
 def _exit_now(status: int) -> NoReturn:

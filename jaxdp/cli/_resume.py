@@ -10,10 +10,13 @@ refused.
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
 from ..checkpoint._checkpoints import Checkpoints
+from ..checkpoint._meta import check_sealed
 from ..checkpoint._rules import CheckpointError
 from ._config import NOT_RESUMED, RESUME_FIXED, TrainConfig
 
@@ -48,3 +51,30 @@ def resumed_config(given: Mapping[str, Any]) -> tuple[TrainConfig, str]:
         f"{shown} (the others: the defaults)" if shown else "the defaults"
     )
     return config, line
+
+
+def has_checkpoints(checkpoint_dir: str) -> bool:
+    """Whether ``checkpoint_dir`` holds a complete checkpoint (readable or not): without
+    one, ``--resume`` starts a fresh run; with only unreadable ones, it is refused."""
+    if not pathlib.Path(checkpoint_dir).is_dir():
+        return False
+    return bool(Checkpoints(checkpoint_dir, keep=None).steps)
+
+
+def saved_cpu_devices(checkpoint_dir: str) -> int | None:
+    """The newest checkpoint's ``cpu_devices``, read before JAX starts (its device count
+    must be set then), from the files alone: no checkpoint manager opens the directory
+    (which clears unfinished saves) outside the directory's lock. None if there is no
+    checkpoint whose meta reads; the resume itself reads them properly afterwards."""
+    folder = pathlib.Path(checkpoint_dir)
+    numbers = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
+    for number in sorted(numbers, reverse=True):
+        try:
+            meta = check_sealed(
+                json.loads((folder / str(number) / "meta" / "metadata").read_text())
+            )
+        except (OSError, ValueError):  # CheckpointError and JSON errors included
+            continue
+        value = meta.get("extra", {}).get("config", {}).get("cpu_devices")
+        return value if isinstance(value, int) else None
+    return None

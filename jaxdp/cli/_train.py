@@ -16,6 +16,8 @@ progress and writes metrics and plots.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -27,6 +29,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from .._distributed import ENV_RESTART_COUNT
 from .._forward import merge_model
 from .._layout import BatchSizes, batch_sizes, epoch_schedule, process_share
 from .._mesh import data_mesh
@@ -41,7 +44,7 @@ from ._config import Precision, TrainConfig
 from ._data import Split, load_digits, load_file
 from ._metrics import MetricsLog, plot_training
 from ._outputs import check_fresh, claimed
-from ._run import _Run, say
+from ._run import _Run, _where, say
 
 # ---- model, loss and precision --------------------------------------------------------
 
@@ -252,7 +255,10 @@ def prepare(
             checkpoints = Checkpoints(config.checkpoint_dir, keep=config.keep)
         run = _Run(config, step, share, loader, checkpoints)
         run.start(step.init(build(config, data)))
-        if run.resumed_step is None:
+        # A new run only: a resume without a checkpoint yet (a requeue) or a restarted
+        # group starting over overwrites its own earlier attempt's records.
+        restarted = os.environ.get(ENV_RESTART_COUNT, "0") not in ("", "0")
+        if run.resumed_step is None and not config.resume and not restarted:
             check_fresh(config.metrics_out, config.tensorboard)
         metrics_out = config.metrics_out if lead else None
         board = config.tensorboard if lead else None
@@ -282,6 +288,12 @@ def finish(prepared: Prepared, *, stop: Callable[[SamplerPosition], bool] | None
         "stopped": stopped,
         "checkpoint": run.last_checkpoint,
     }
+    if stopped:  # every process: that they stopped at one place is in their logs
+        print(
+            f"jaxdp train: process {jax.process_index()} stopped at optimizer step "
+            f"{summary['steps']} ({_where(run.position)}); checkpoint {run.last_checkpoint}",
+            file=sys.stderr,
+        )
     say(
         f"held-out accuracy: {accuracy:.2%} after {summary['steps']} optimizer steps "
         f"({summary['seconds']:.1f} s)" + (" [stopped early]" if stopped else "")

@@ -1,0 +1,283 @@
+"""One start of ``jaxdp launch``'s processes: their output, their exits, their
+heartbeats, and how the group is stopped (:mod:`jaxdp.cli._launch` starts it again).
+
+A rank is watched through its exit and, once it called :func:`jaxdp.initialize`,
+through its heartbeat file (:mod:`jaxdp._heartbeat`): a rank whose file has not
+been touched for the hang timeout stopped answering (a SIGSTOP, a process frozen
+in the kernel), and the group is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, NamedTuple
+
+# The grace when a rank was killed by a signal. Its peers are then blocked in a
+# collective that can never complete (a gloo all-reduce waits for every rank) and
+# cannot act on SIGTERM; the second lets one that is not blocked exit on its own.
+KILLED_PEER_GRACE_S = 1.0
+# A heartbeat older than this names its rank as the cause of a peer's failure
+# (JAX's own heartbeat check aborting the peers of a stopped rank): the rank
+# beats every second, so five missed beats are no scheduling delay.
+STALE_S = 5.0
+_POLL_S = 0.05
+# Signals that come from outside a process (a user, the OOM killer, a scheduler),
+# never from its own reaction to a dead peer, unlike an error exit or SIGABRT.
+_SENT_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_STATES = {"T": "stopped by a signal", "t": "stopped by a debugger", "D": "waiting on the kernel"}
+
+
+class Failure(NamedTuple):
+    """The rank that failed first in a start of the group, and how."""
+
+    rank: int
+    status: int  # the shell's status: 128 + n for signal n
+    cause: str  # "exited with status 137 (SIGKILL)", "stopped answering: ..."
+    seen: float  # time.monotonic() when the launcher saw it
+    wall: float  # time.time() of the same moment
+
+
+class Outcome(NamedTuple):
+    """How a start of the group ended."""
+
+    status: int  # the launcher's exit status if it ends here
+    failure: Failure | None
+    forwarded: int | None  # a signal the launcher got and passed on
+
+
+class Group:
+    """The launched processes, their output pumps, and how they are stopped."""
+
+    def __init__(self, out: IO[bytes], err: IO[bytes], heartbeats: pathlib.Path | None = None):
+        self.out, self.err = out, err
+        self.heartbeats = heartbeats  # the folder of the ranks' heartbeat files
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pumps: list[threading.Thread] = []
+        self.exits: list[tuple[int, int]] = []  # (rank, status) in the order they exited
+        self.lock = threading.Lock()
+        self.preexec = _die_with_launcher()
+
+    def heartbeat(self, rank: int) -> pathlib.Path | None:
+        return None if self.heartbeats is None else self.heartbeats / f"rank-{rank}"
+
+    def start(self, rank: int, argv: list[str], env: dict[str, str]) -> None:
+        # A session of its own: signals reach it only through the launcher,
+        # and killing its group also ends whatever it started.
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=self.preexec,
+        )
+        self.procs.append(proc)
+        prefix = f"[rank {rank}] ".encode()
+        for source, sink in ((proc.stdout, self.out), (proc.stderr, self.err)):
+            pump = threading.Thread(target=self._pump, args=(source, sink, prefix), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
+        # A waiter per rank records exits in the order they happen: the rank
+        # that failed first is named, not a peer that died of its failure.
+        threading.Thread(target=self._wait, args=(rank, proc), daemon=True).start()
+
+    def _wait(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        status = _status(proc.wait())
+        with self.lock:
+            self.exits.append((rank, status))
+
+    def running(self) -> int:
+        with self.lock:
+            return len(self.procs) - len(self.exits)
+
+    def _pump(self, source: IO[bytes], sink: IO[bytes], prefix: bytes) -> None:
+        for line in iter(source.readline, b""):
+            with self.lock:
+                sink.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                sink.flush()
+        source.close()
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            self.err.write(f"jaxdp launch: {text}\n".encode())
+            self.err.flush()
+
+    def supervise(
+        self, received: list[int], grace_s: float, hang_timeout_s: float | None
+    ) -> Outcome:
+        """Waits for all; stops the rest at the first failure or silent rank."""
+        failed: Failure | None = None
+        forwarded: int | None = None
+        kill_at = float("inf")  # when the survivors get SIGKILL
+        while self.running():
+            if received and forwarded is None and failed is None:
+                forwarded = received[0]
+                name = signal.Signals(forwarded).name
+                self.say(f"{name}: forwarded to every rank (send it again to kill them)")
+                self.signal_all(forwarded)
+            if len(received) > 1:
+                kill_at = min(kill_at, time.monotonic())
+            if failed is None and forwarded is None:
+                failed = self._first_failure()
+                if failed is None and hang_timeout_s is not None:
+                    failed = self._hung(hang_timeout_s)
+                if failed is not None:
+                    kill_at = self._stop(failed, grace_s)
+            if time.monotonic() >= kill_at:
+                self.signal_all(signal.SIGKILL)
+                kill_at = float("inf")
+            time.sleep(_POLL_S)
+        for pump in self.pumps:
+            pump.join(timeout=5)
+        if failed is None and forwarded is None:
+            failed = self._first_failure()  # all may have ended between two polls
+            if failed is not None:
+                self._report(failed, None)
+        if failed is not None:
+            return Outcome(failed.status, failed, None)
+        return Outcome(0 if forwarded is None else 128 + forwarded, None, forwarded)
+
+    def _stop(self, failed: Failure, grace_s: float) -> float:
+        """Stops the others after ``failed``; returns when they get SIGKILL."""
+        if failed.cause.startswith("stopped answering"):
+            # A silent rank holds every peer in a collective: none can act on SIGTERM.
+            self._report(failed, 0.0)
+            self.signal_all(signal.SIGKILL)
+            return float("inf")
+        wait = min(grace_s, KILLED_PEER_GRACE_S) if failed.status > 128 else grace_s
+        self._report(failed, wait)
+        self.signal_all(signal.SIGTERM)
+        return time.monotonic() + wait
+
+    def _report(self, failed: Failure, wait: float | None) -> None:
+        text = f"rank {failed.rank} (pid {self.procs[failed.rank].pid}) {failed.cause}"
+        with self.lock:
+            running = sum(r != failed.rank for r in range(len(self.procs))) - sum(
+                r != failed.rank for r, _ in self.exits
+            )
+        if running:
+            text += f"; stopping the other {running} rank(s)"
+            if wait == 0.0:
+                text += " (SIGKILL)"
+            elif wait is not None:
+                text += f" (SIGTERM, then SIGKILL after {wait:g} s)"
+        self.say(text)
+
+    def _first_failure(self) -> Failure | None:
+        """The rank that failed first among the exits seen so far.
+
+        The waiter threads record exits in the order they get the GIL. On a busy
+        machine the launcher may not run until a rank killed from outside and a
+        peer that then exited with an error have both ended, in either order. A
+        rank killed from outside cannot have died of a peer's failure, so among
+        the exits seen together it is the cause; so is a rank still running but
+        stopped or silent (JAX's heartbeat check aborts the peers of a stopped
+        rank); otherwise the earliest exit is.
+        """
+        with self.lock:
+            failures = [(rank, status) for rank, status in self.exits if status != 0]
+        if not failures:
+            return None
+        stopped = self._hung(STALE_S) or self._hung(None)
+        if stopped is not None:
+            return stopped
+        killed = [failure for failure in failures if _sent_from_outside(failure[1])]
+        rank, status = (killed or failures)[0]
+        return _failure(rank, status, f"exited with status {describe(status)}")
+
+    def _hung(self, timeout_s: float | None) -> Failure | None:
+        """A running rank silent for ``timeout_s`` (None: one stopped by a signal now)."""
+        with self.lock:
+            ended = {rank for rank, _ in self.exits}
+        now = time.time()
+        for rank, proc in enumerate(self.procs):
+            beat = self.heartbeat(rank)
+            if rank in ended or beat is None:
+                continue
+            state = _state(proc.pid)
+            if timeout_s is None:
+                if state in ("T", "t"):
+                    cause = f"stopped answering ({_STATES[state]})"
+                    return _failure(rank, 128 + signal.SIGKILL, cause)
+                continue
+            try:
+                age = now - beat.stat().st_mtime
+            except OSError:
+                continue  # not yet in jaxdp.initialize: not watched yet
+            if age > timeout_s:
+                how = _STATES.get(state, "running, its heartbeat thread silent")
+                cause = f"stopped answering: no heartbeat for {age:.1f} s ({how})"
+                return _failure(rank, 128 + signal.SIGKILL, cause)
+        return None
+
+    def signal_all(self, signum: int) -> None:
+        for proc in self.procs:
+            # The group may be gone already.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signum)
+
+    def kill_all(self) -> None:
+        """Leaves nothing running: SIGKILL to every group still there, then reap."""
+        if any(p.poll() is None for p in self.procs):
+            self.signal_all(signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
+
+
+def _failure(rank: int, status: int, cause: str) -> Failure:
+    return Failure(rank, status, cause, time.monotonic(), time.time())
+
+
+def _status(returncode: int) -> int:
+    """The shell's status: ``128 + n`` for a process ended by signal ``n``."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _sent_from_outside(status: int) -> bool:
+    return status - 128 in _SENT_FROM_OUTSIDE
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter from Linux's /proc (R, S, D, T, ...); None elsewhere."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def describe(status: int) -> str:
+    """``137 (SIGKILL)`` for a signal's status, else the number."""
+    if status > 128:
+        try:
+            return f"{status} ({signal.Signals(status - 128).name})"
+        except ValueError:
+            pass
+    return str(status)
+
+
+def _die_with_launcher() -> Callable[[], None] | None:
+    """On Linux, what a child runs before ``exec`` so that it gets SIGKILL if the
+    launcher dies, however it dies (a SIGKILL, a crash): no rank outlives it.
+    Elsewhere None: the launcher's own exit paths still stop every rank."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: the child only calls
+    launcher = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher:  # it died before prctl took effect
+            os._exit(1)
+
+    return preexec
