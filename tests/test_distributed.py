@@ -19,6 +19,7 @@ import textwrap
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 from helpers import RTOL, assert_trees_close
@@ -501,70 +502,62 @@ def test_the_multi_process_example_runs_unchanged_on_one_process_and_on_two(tmp_
     assert len(launched) == 5  # nothing else on stdout: gloo's note is filtered out
 
 
-def test_the_loader_on_two_processes_reads_only_each_process_rows(tmp_path):
-    """jaxdp.data.Loader under ``jaxdp launch`` (2 processes x 2 devices): each process
+class Counting:
+    """A record-at-a-time source that records every index read (from any thread)."""
+
+    def __init__(self, x):
+        self.x, self.read, self.lock = x, [], threading.Lock()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        with self.lock:
+            self.read.append(i)
+        return self.x[i]
+
+
+@pytest.mark.devices(2, processes=2)
+def test_the_loader_on_two_processes_reads_only_each_process_rows():
+    """jaxdp.data.Loader on 2 processes x 2 devices (jaxdp's pytest plugin): each process
     reads exactly its devices' rows of every call, once, and training through it gives
     the loss one process computes from epoch_schedule's global batches."""
-    done = run_script(
-        tmp_path,
-        """
-        import json, threading
-        import jax.numpy as jnp, numpy as np, optax
-        import jaxdp, jaxdp.data
+    import jax.numpy as jnp
+    import optax
 
-        class Counting:
-            def __init__(self, x):
-                self.x, self.read, self.lock = x, [], threading.Lock()
-            def __len__(self):
-                return len(self.x)
-            def __getitem__(self, i):
-                with self.lock:
-                    self.read.append(i)
-                return self.x[i]
+    import jaxdp.data
 
-        mesh = jaxdp.initialize()
-        sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=3)
-        x = np.arange(50.0)[:, None]
-        out = {}
-        for path in ("fused", "multisteps"):
-            source = Counting(x)
-            loader = jaxdp.data.Loader(source, sizes, mesh=mesh, path=path, epochs=2)
-            step = jaxdp.make_train_step(lambda p, b: jnp.mean(b @ p), optax.sgd(0.1),
-                                         mesh=mesh, accum_steps=2, path=path)
-            state, losses = step.init(np.ones(1)), []
-            for batch in loader:
-                state, metrics = step(state, batch.data, batch.micro_weights)
-                if batch.emits:
-                    losses.append(float(metrics["loss"]))
-            out[path] = {"read": sorted(source.read), "losses": losses}
-        print("RESULT", json.dumps(out))
-        """,
-        ["--nprocs", "2", "--devices-per-process", "2", "--timeout-s", "60"],
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = {}
-    for line in done.stdout.splitlines():
-        rank, _, payload = line.partition(" RESULT ")
-        if payload:
-            results[rank] = json.loads(payload)
-    assert set(results) == {"[rank 0]", "[rank 1]"}
+    mesh = jaxdp.initialize()  # the runtime is up: the global mesh of 4 devices
     sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=3)
+    x = np.arange(50.0)[:, None]
+    results = {}
+    for path in ("fused", "multisteps"):
+        source = Counting(x)
+        loader = jaxdp.data.Loader(source, sizes, mesh=mesh, path=path, epochs=2)
+        step = jaxdp.make_train_step(
+            lambda p, b: jnp.mean(b @ p), optax.sgd(0.1), mesh=mesh, accum_steps=2, path=path
+        )
+        state, losses = step.init(np.ones(1)), []
+        for batch in loader:
+            state, metrics = step(state, batch.data, batch.micro_weights)
+            if batch.emits:
+                losses.append(float(metrics["loss"]))
+        results[path] = {"read": sorted(source.read), "losses": losses}
     schedules = [jaxdp.epoch_schedule(50, sizes, epoch=e).rows for e in (0, 1)]
-    for process, rows in ((0, slice(0, 12)), (1, slice(12, 24))):
-        mine = np.concatenate([s[:, rows].ravel() for s in schedules])
-        for path in ("fused", "multisteps"):
-            # Each of its rows once per call that holds it, and nothing of the other's.
-            assert results[f"[rank {process}]"][path]["read"] == sorted(mine.tolist())
+    process = jax.process_index()
+    rows = (slice(0, 12), slice(12, 24))[process]
+    mine = np.concatenate([s[:, rows].ravel() for s in schedules])
+    for path in ("fused", "multisteps"):
+        # Each of its rows once per call that holds it, and nothing of the other's.
+        assert results[path]["read"] == sorted(mine.tolist())
     # Loss of each step before its update: mean(x @ w) of the global batch; w moves by
     # -0.1 each step (the gradient of mean(x @ w) is mean(x) = the batch's mean row).
     w, expected = 1.0, []
-    for rows in np.concatenate(schedules):
-        expected.append(float(np.mean(rows * w)))
-        w -= 0.1 * float(np.mean(rows))
-    for rank in results.values():
-        for path in ("fused", "multisteps"):
-            np.testing.assert_allclose(rank[path]["losses"], expected, rtol=1e-6)
+    for global_rows in np.concatenate(schedules):
+        expected.append(float(np.mean(global_rows * w)))
+        w -= 0.1 * float(np.mean(global_rows))
+    for path in ("fused", "multisteps"):
+        np.testing.assert_allclose(results[path]["losses"], expected, rtol=1e-6)
 
 
 # ---- restarts, hangs, preemption (issue 25) ---------------------------------------------
