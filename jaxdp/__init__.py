@@ -14,7 +14,6 @@ needs; the tools are subpackages, imported on first use:
 import importlib as _importlib
 from typing import Any as _Any
 
-from ._accumulate import AccumState as AccumState
 from ._distributed import initialize as initialize
 from ._forward import LossReduction as LossReduction
 from ._frozen import Trainable as Trainable
@@ -37,20 +36,23 @@ from ._mesh import DATA_AXIS as DATA_AXIS
 from ._mesh import data_mesh as data_mesh
 from ._mesh import emulate_cpu_devices as emulate_cpu_devices
 from ._model_state import BatchStats as BatchStats
+from ._options import AccumulationPath as AccumulationPath
+from ._options import Parallel as Parallel
+from ._options import Skips as Skips
+from ._options import Strategy as Strategy
 from ._position import SamplerPosition as SamplerPosition
 from ._position import resume_position as resume_position
+from ._replicas import ReplicaMismatchError as ReplicaMismatchError
+from ._replicas import check_replicas as check_replicas
 from ._sampler import DistributedSampler as DistributedSampler
 from ._skip_watch import SkipWatch as SkipWatch
-from ._step import AccumulationPath as AccumulationPath
-from ._step import Strategy as Strategy
 from ._step import TrainStep as TrainStep
 from ._step import make_train_step as make_train_step
-from ._sync import ReplicaMismatchError as ReplicaMismatchError
-from ._sync import check_replicas as check_replicas
 from ._train_state import NonFiniteError as NonFiniteError
 from ._train_state import TrainState as TrainState
+from ._train_state import Window as Window
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     # Mesh and devices
@@ -75,9 +77,11 @@ __all__ = [
     "make_train_step",
     "TrainStep",
     "TrainState",
-    "AccumState",
+    "Window",
     "SkipWatch",
     "NonFiniteError",
+    "Parallel",
+    "Skips",
     "ReplicaMismatchError",
     "check_replicas",
     "AccumulationPath",
@@ -103,6 +107,15 @@ _SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "models", "parity", "plan
 def __getattr__(name: str) -> _Any:
     if name in _SUBPACKAGES:
         return _importlib.import_module(f"{__name__}.{name}")
+    if name == "AccumState":  # jaxdp 0.2's name of the open window's record
+        import warnings
+
+        warnings.warn(
+            "jaxdp.AccumState is deprecated: the open window is jaxdp.Window since jaxdp 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return Window
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -8,27 +8,16 @@ the step traces a new input structure (so once, not per call). docs/semantics.md
 
 from __future__ import annotations
 
-import numbers
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from ._frozen import split_trainable, trainable_mask
-from ._model_state import split_state
-
-if TYPE_CHECKING:
-    from ._layout import BatchSizes
-    from ._options import StepOptions
-    from ._train_state import TrainState
-
-
-def is_integer(value: Any) -> bool:
-    """A Python or numpy integer, not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+from ._frozen import trainable_mask
+from ._layout import BatchSizes
+from ._train_state import TrainState
 
 
 def check_params(params: Any, trainable: Any, name: str = "params") -> tuple[bool, ...]:
@@ -86,38 +75,29 @@ def check_micro_weights(weights: np.ndarray) -> None:
         )
 
 
-def check_state_layout(options: StepOptions, state: TrainState) -> None:
+def check_state_layout(state: TrainState, *, path: str, expected_opt_state: Any) -> None:
     """Refuses a state another step built (another path or optimizer), naming both.
 
     Run while the step traces (a new input structure): free on later calls.
     """
-    built = "fused" if state.accum is None else "multisteps"
-    if built != options.path:
+    built = "fused" if state.window is None else "multisteps"
+    if built != path:
         raise ValueError(
             f"state was built by a step with path='{built}'; this step has "
-            f"path='{options.path}': build the state with this step's init, or use a "
+            f"path='{path}': build the state with this step's init, or use a "
             f"step with path='{built}'"
         )
-    mask = trainable_mask(state.params, options.trainable)
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), split_trainable(state.params, mask)
-    )
-    dtype = options.accumulator_dtype(state.params)
-    stats = split_state(state.model_state)[0]
-    expected = jax.eval_shape(lambda p: options.init_opt_state(p, dtype, stats), abstract)
-    if jax.tree.structure(expected) != jax.tree.structure(state.opt_state):
+    if jax.tree.structure(expected_opt_state) != jax.tree.structure(state.opt_state):
         raise ValueError(
             f"state.opt_state was built by another optimizer: it holds "
             f"{describe_layout(state.opt_state)}; this step's optimizer keeps "
-            f"{describe_layout(expected)}. Build the state with this step's init, or the "
-            "step with the optimizer the state was made for"
+            f"{describe_layout(expected_opt_state)}. Build the state with this step's init, "
+            "or the step with the optimizer the state was made for"
         )
 
 
 def describe_layout(tree: Any) -> str:
     """An optimizer state's node types, e.g. ``(ScaleByAdamState, EmptyState, EmptyState)``."""
-    if isinstance(tree, optax.MultiStepsState):
-        return f"MultiStepsState({describe_layout(tree.inner_opt_state)})"
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         return type(tree).__name__
     if isinstance(tree, (tuple, list)):
@@ -148,7 +128,7 @@ class ResizeWatch:
             self.last = size
             return
         if self.path == "multisteps":
-            done = int(np.asarray(state.opt_state.mini_step.addressable_data(0)))
+            done = int(np.asarray(state.window.position.addressable_data(0)))
             if done:
                 raise ValueError(
                     f"this call has micro_batch_size={size} ({sizes.describe()}), but the open "
@@ -187,14 +167,13 @@ def is_loader_batch(batch: Any) -> bool:
     return all(hasattr(batch, f) for f in ("data", "micro_weights", "sizes", "path", "emits"))
 
 
-def check_loader_batch(options: StepOptions, batch: Any) -> None:
+def check_loader_batch(batch: Any, *, path: str, num_devices: int, accum_steps: int) -> None:
     """Refuses a loader's batch built for another path, device count or accum_steps."""
-    ours = (options.path, options.num_devices, options.accum_steps)
     theirs = (batch.path, batch.sizes.num_devices, batch.sizes.accum_steps)
-    if ours != theirs:
+    if (path, num_devices, accum_steps) != theirs:
         raise ValueError(
             f"the batch comes from a Loader with path={batch.path!r}, "
-            f"{batch.sizes.describe()}; this step has path={options.path!r}, "
-            f"num_devices={options.num_devices}, accum_steps={options.accum_steps}: build "
+            f"{batch.sizes.describe()}; this step has path={path!r}, "
+            f"num_devices={num_devices}, accum_steps={accum_steps}: build "
             "the Loader with the step's path, mesh and accum_steps"
         )

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ._guards import is_integer
+from ._checks import is_integer
 
 DATA_AXIS = "data"
 """Name of the mesh axis the batch is split over."""
@@ -110,3 +110,12 @@ def place(tree: Any, sharding: NamedSharding, *, copy: bool = False) -> Any:
         return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
     return jax.tree.map(put, tree)
+
+
+def mark_varying(tree: Any, axis_name: str = DATA_AXIS) -> Any:
+    """Marks replicated values as per-device inside ``shard_map(check_vma=True)``.
+
+    Differentiating w.r.t. such values gives each device its LOCAL gradient;
+    w.r.t. the unmarked (invariant) values JAX would psum the gradient itself.
+    """
+    return jax.lax.pcast(tree, axis_name, to="varying")

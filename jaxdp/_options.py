@@ -1,10 +1,16 @@
 """A train step's options, checked once, and what follows from them: the accumulator
-dtype, the optimizer the state holds, and how each state leaf lies on the mesh."""
+dtype, the optimizer as applied, the shard plan and the backend's tuning.
+
+:func:`jaxdp.make_train_step` takes the common options one by one and two groups:
+:class:`Parallel` (how the step spreads over the mesh and what travels) and
+:class:`Skips` (which updates it leaves out).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -12,15 +18,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-from ._accumulate import multisteps_init
 from ._forward import LossReduction
-from ._frozen import Trainable, skip_unused, split_trainable, trainable_mask
-from ._model_state import BatchStats, wire_dtype
-from ._train_state import TrainState
-from ._zero import ShardLayout, sharded_leaves, specs_of
-from ._zero_optim import on_shards
+from ._frozen import Trainable, skip_unused
+from ._model_state import BatchStats
+from ._shards import ShardPlan
+from ._tuning import Tuning, tuning_for
 
 AccumulationPath = Literal["fused", "multisteps"]
 """``"fused"``: one call per optimizer step; ``"multisteps"``: one call per micro-batch."""
@@ -29,11 +32,74 @@ Strategy = Literal["shard_map", "pmap"]
 """How the per-device step is mapped over the mesh: ``jax.shard_map`` or the legacy ``jax.pmap``."""
 
 ZeroStage = Literal[0, 1, 2]
-"""0: replicated optimizer state; 1: optimizer state sharded over the data axis; 2: the
+"""0: replicated optimizer state; 1: optimizer state split over the data axis; 2: the
 gradient accumulator too (docs/semantics.md, "ZeRO")."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """How a step spreads over the mesh and what travels between devices
+    (``make_train_step(parallel=jaxdp.Parallel(...))``; docs/semantics.md).
+
+    ``zero_stage``: 0 keeps the optimizer state on every device; 1 (ZeRO-1,
+    torch's ``ZeroRedundancyOptimizer``) splits it over the mesh: ONE
+    reduce-scatter after the last micro-batch, each device updates its block of
+    every parameter with its block of the state, ONE all-gather per parameter
+    dtype; 2 (ZeRO-2) also splits the gradient accumulator (a reduce-scatter per
+    micro-batch). Any optax optimizer computes what it computes at stage 0.
+    ``comm_dtype``: ``"bfloat16"`` sends the gradient sums in bfloat16 (torch's
+    ``bf16_compress_hook``). ``strategy``: ``"shard_map"`` or the legacy
+    ``"pmap"`` (stage 0 only).
+    """
+
+    zero_stage: ZeroStage = 0
+    comm_dtype: Any = None
+    strategy: Strategy = "shard_map"
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2) or isinstance(self.zero_stage, bool):
+            raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1 or 2")
+        if self.strategy not in ("shard_map", "pmap"):
+            raise ValueError(f"strategy={self.strategy!r} must be one of ('shard_map', 'pmap')")
+        if self.comm_dtype is not None and _dtype_or_none(self.comm_dtype) != jnp.bfloat16:
+            raise ValueError(
+                f"comm_dtype={self.comm_dtype!r} must be None (gradients travel in the "
+                "accumulator dtype) or 'bfloat16'"
+            )
+        if self.zero_stage and self.strategy == "pmap":
+            raise ValueError(
+                f"zero_stage={self.zero_stage} needs strategy='shard_map' (the legacy pmap "
+                "strategy keeps the optimizer state replicated); use strategy='shard_map' or "
+                "zero_stage=0"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Skips:
+    """Which updates a step leaves out (``make_train_step(skips=jaxdp.Skips(...))``).
+
+    ``nonfinite``: if the all-reduced gradients, loss or batch statistics hold a
+    NaN or Inf (from any device), skip the update on every device: parameters,
+    optimizer state and batch statistics stay, the step count does not advance,
+    the window restarts (``metrics["skipped"]``, ``"skipped_steps"``,
+    ``"consecutive_skips"``; ``metrics["finite"]`` either way).
+    ``max_consecutive``: raise :class:`jaxdp.NonFiniteError`, before a call uses its
+    batch, once this many updates in a row were skipped (None: never).
+    ``unused``: a parameter whose all-reduced gradient is exactly zero takes no
+    optimizer step, like torch skips parameters whose ``.grad`` is None.
+    """
+
+    nonfinite: bool = True
+    max_consecutive: int | None = 10
+    unused: bool = False
+
+    def __post_init__(self) -> None:
+        limit = self.max_consecutive
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"max_consecutive_skips={limit!r} must be a positive integer or None")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StepOptions:
     """The arguments of :func:`jaxdp.make_train_step` (see there), after checking."""
 
@@ -42,18 +108,14 @@ class StepOptions:
     mesh: Mesh
     accum_steps: int = 1
     path: AccumulationPath = "fused"
-    strategy: Strategy = "shard_map"
     loss_reduction: LossReduction = "mean"
     accum_dtype: Any = None
     donate: bool = True
     batch_stats: BatchStats | None = None
     rng_seed: int | None = None
     trainable: Trainable = None
-    skip_unused: bool = False
-    skip_nonfinite: bool = True
-    max_consecutive_skips: int | None = 10
-    zero_stage: ZeroStage = 0
-    comm_dtype: Any = None
+    parallel: Parallel = Parallel()
+    skips: Skips = Skips()
 
     def __post_init__(self) -> None:
         _check_objects(self.loss_fn, self.optimizer, self.mesh)
@@ -61,24 +123,28 @@ class StepOptions:
             raise ValueError(f"accum_steps={self.accum_steps!r} must be a positive integer")
         for name, allowed in (
             ("path", ("fused", "multisteps")),
-            ("strategy", ("shard_map", "pmap")),
             ("loss_reduction", ("mean", "weighted")),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
         if self.batch_stats not in (None, "local", "sync"):
             raise ValueError(f"batch_stats={self.batch_stats!r} must be None, 'local' or 'sync'")
-        limit = self.max_consecutive_skips
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"max_consecutive_skips={limit!r} must be a positive integer or None")
+        for name, kind in (("parallel", Parallel), ("skips", Skips)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(
+                    f"{name}={getattr(self, name)!r} must be a jaxdp.{kind.__name__}(...)"
+                )
         if len(self.mesh.axis_names) != 1:
             raise ValueError(f"mesh must have one (data) axis, got axes {self.mesh.axis_names}")
-        _check_zero(self)
+
+    @property
+    def zero_stage(self) -> int:
+        return self.parallel.zero_stage
 
     @property
     def comm(self) -> Any:
         """The gradients' dtype on the wire: None (their own) or ``jnp.bfloat16``."""
-        return None if self.comm_dtype is None else jnp.dtype(jnp.bfloat16)
+        return None if self.parallel.comm_dtype is None else jnp.dtype(jnp.bfloat16)
 
     @property
     def num_devices(self) -> int:
@@ -94,6 +160,15 @@ class StepOptions:
         on every call of the step, so counted once."""
         return len({d.process_index for d in self.mesh.devices.flat})
 
+    @functools.cached_property
+    def tuning(self) -> Tuning:
+        return tuning_for(self.mesh)
+
+    @property
+    def applied_optimizer(self) -> optax.GradientTransformation:
+        """The user's optimizer as the step applies it (wrapped by ``Skips(unused=True)``)."""
+        return skip_unused(self.optimizer) if self.skips.unused else self.optimizer
+
     def accumulator_dtype(self, params: Any) -> Any:
         """``accum_dtype``, else float64 if any parameter is float64, else float32."""
         if self.accum_dtype is not None:
@@ -101,80 +176,67 @@ class StepOptions:
         wide = any(jnp.dtype(x.dtype) == jnp.float64 for x in jax.tree.leaves(params))
         return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
-    def inner_optimizer(self) -> optax.GradientTransformation:
-        """The user's optimizer as the step applies it: wrapped by ``skip_unused``; on
-        parameter shards (ZeRO) with global-norm clipping made global."""
-        if self.zero_stage:
-            return on_shards(self.optimizer, self.axis_name)
-        return skip_unused(self.optimizer) if self.skip_unused else self.optimizer
+    def plan(self, trainable: Any) -> ShardPlan:
+        """Where the trainable leaves lie: split at ZeRO stages, whole at stage 0."""
+        return ShardPlan(trainable, self.mesh, self.zero_stage)
 
-    def layout(self, trainable: Any) -> ShardLayout:
-        """How the trainable leaves are cut into per-device shards (ZeRO)."""
-        return ShardLayout(trainable, self.num_devices)
 
-    def init_opt_state(self, trainable: Any, dtype: Any, batch_stats: Any) -> Any:
-        """The optimizer state of ``TrainState.opt_state`` (one copy of any per-device part).
+# make_train_step's spellings before the groups (jaxdp 0.2), accepted with a warning.
+OLD_SPELLINGS = {
+    "strategy": ("parallel", "strategy"),
+    "zero_stage": ("parallel", "zero_stage"),
+    "comm_dtype": ("parallel", "comm_dtype"),
+    "skip_nonfinite": ("skips", "nonfinite"),
+    "max_consecutive_skips": ("skips", "max_consecutive"),
+    "skip_unused": ("skips", "unused"),
+}
 
-        ``fused``: the user's optimizer's. ``multisteps``: ``optax.MultiSteps``'
-        layout (:func:`jaxdp._accumulate.multisteps_init`): the user's
-        optimizer's state next to the last synchronized step's metrics, and the
-        gradient sums in the accumulator ``dtype``.
 
-        At ZeRO stages the optimizer's state is that of the whole mesh's padded
-        shards (:meth:`jaxdp._zero.ShardLayout.padded`), split over the mesh by
-        :meth:`opt_specs`; at stage 2 the gradient sums are one device's shard.
-        """
-        optimizer, sums = self.inner_optimizer(), trainable
-        if self.zero_stage:
-            layout = self.layout(trainable)
-            trainable = layout.padded(trainable)
-            sums = layout.shard_like(sums) if self.zero_stage == 2 else sums
-        if self.path == "fused":
-            return optimizer.init(trainable)
-        wire = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, wire_dtype(x.dtype, dtype)), batch_stats
-        )
-        return multisteps_init(optimizer, trainable, dtype=dtype, extra_like=wire, sums_like=sums)
+def fold(
+    options: dict[str, Any],
+    *,
+    parallel: dict[str, Any] | None = None,
+    skips: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """:func:`jaxdp.make_train_step`'s keywords from ``options`` in either spelling: the
+    spellings of jaxdp 0.2 (with a ``DeprecationWarning``) folded into the groups
+    ``parallel`` and ``skips``, over the group fields given here as defaults. A group
+    given whole in ``options`` is taken as it is; with an old spelling of its fields
+    too, a ``TypeError``."""
+    out = {k: v for k, v in options.items() if k not in OLD_SPELLINGS}
+    fields = {"parallel": dict(parallel or {}), "skips": dict(skips or {})}
+    moved: dict[str, list[str]] = {"parallel": [], "skips": []}
+    for name, value in options.items():
+        if name not in OLD_SPELLINGS:
+            continue
+        group, field = OLD_SPELLINGS[name]
+        if out.get(group) is not None:
+            raise TypeError(
+                f"make_train_step() got {name}= and {group}=; {name} is {group}.{field} "
+                f"since jaxdp 0.3: give it inside {group}= only"
+            )
+        fields[group][field] = value
+        moved[group].append(name)
+    for group, names in moved.items():
+        if names:
+            new = ", ".join(f"{OLD_SPELLINGS[n][1]}=..." for n in names)
+            warnings.warn(
+                f"make_train_step({', '.join(f'{n}=' for n in names)}) is deprecated since "
+                f"jaxdp 0.3 and goes in 0.4: write {group}=jaxdp.{group.capitalize()}({new})",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+    for group, kind in (("parallel", Parallel), ("skips", Skips)):
+        if out.get(group) is None and (fields[group] or group in out):
+            out[group] = kind(**fields[group])
+    return out
 
-    def opt_specs(self, opt_state: Any, trainable: Any) -> Any:
-        """Mesh layout of the optimizer state: replicated, but MultiSteps' per-device
-        ``acc_grads`` (a leading ``num_devices`` axis split over the mesh) and, at
-        ZeRO stages, the optimizer's per-parameter state (split over the mesh)."""
-        specs = jax.tree.map(lambda _: P(), opt_state)
-        inner = None
-        if self.zero_stage:
-            layout = self.layout(trainable)
-            flags = sharded_leaves(self.inner_optimizer().init, layout, trainable)
-            inner = specs_of(flags, self.axis_name)
-        if self.path == "fused":
-            return specs if inner is None else inner
-        if inner is not None:
-            specs = specs._replace(inner_opt_state=(specs.inner_opt_state[0], inner))
-        return specs._replace(
-            acc_grads=jax.tree.map(lambda _: P(self.axis_name), opt_state.acc_grads)
-        )
 
-    def state_specs(self, state: TrainState) -> TrainState:
-        """Mesh layout of every state leaf (the per-device accumulators split, the rest
-        replicated)."""
-
-        def replicated(tree: Any) -> Any:
-            return jax.tree.map(lambda _: P(), tree)
-
-        accum = state.accum
-        if accum is not None:
-            accum = jax.tree.map(lambda _: P(self.axis_name), accum)
-        trainable = split_trainable(state.params, trainable_mask(state.params, self.trainable))
-        return TrainState(
-            P(),
-            replicated(state.params),
-            self.opt_specs(state.opt_state, trainable),
-            accum,
-            state.graphdef,
-            replicated(state.model_state),
-            P(),
-            P(),
-        )
+def _dtype_or_none(value: Any) -> Any:
+    try:
+        return jnp.dtype(value)
+    except TypeError:
+        return None
 
 
 def _check_objects(loss_fn: Any, optimizer: Any, mesh: Any) -> None:
@@ -195,25 +257,4 @@ def _check_objects(loss_fn: Any, optimizer: Any, mesh: Any) -> None:
             got, fix = f"{got} of {len(mesh)} devices", "jaxdp.data_mesh(devices=those_devices)"
         raise TypeError(
             f"mesh= must be a jax.sharding.Mesh with one axis, got {got}; build it with {fix}"
-        )
-
-
-def _check_zero(o: StepOptions) -> None:
-    """``zero_stage`` and ``comm_dtype`` in range, and only where they apply."""
-    if o.zero_stage not in (0, 1, 2) or isinstance(o.zero_stage, bool):
-        raise ValueError(f"zero_stage={o.zero_stage!r} must be 0, 1 or 2")
-    if o.comm_dtype is not None and jnp.dtype(o.comm_dtype) != jnp.bfloat16:
-        raise ValueError(
-            f"comm_dtype={o.comm_dtype!r} must be None (gradients travel in the accumulator "
-            "dtype) or 'bfloat16'"
-        )
-    if o.zero_stage and o.strategy == "pmap":
-        raise ValueError(
-            f"zero_stage={o.zero_stage} needs strategy='shard_map' (the legacy pmap strategy "
-            "keeps the optimizer state replicated); use strategy='shard_map' or zero_stage=0"
-        )
-    if o.zero_stage and o.skip_unused:
-        raise ValueError(
-            f"zero_stage={o.zero_stage} cannot be combined with skip_unused=True (a shard "
-            "does not see whether its whole parameter's gradient is zero); use zero_stage=0"
         )

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ._guards import is_integer
+from ._checks import is_integer
 
 Permutation = Callable[[int, int], Sequence[int]]
 """``permutation(n, seed) -> a permutation of range(n)``."""

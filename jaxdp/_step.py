@@ -12,10 +12,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._accumulate import AccumState
-from ._device_step import global_step
 from ._forward import LossReduction, merge_model, split_model
-from ._frozen import Trainable, split_trainable
+from ._frozen import Trainable, split_trainable, trainable_mask
 from ._guards import (
     ResizeWatch,
     check_loader_batch,
@@ -28,11 +26,11 @@ from ._guards import (
 from ._layout import BatchSizes, call_sizes
 from ._mesh import place
 from ._model_state import BatchStats, check_batch_stats, split_state
-from ._options import AccumulationPath, StepOptions, Strategy, ZeroStage
+from ._options import OLD_SPELLINGS, AccumulationPath, Parallel, Skips, StepOptions, fold
+from ._pipeline import empty_window, fused_call, multisteps_call, state_specs
+from ._replicas import check_replicas
 from ._skip_watch import SkipWatch
-from ._sync import check_replicas
-from ._train_state import TrainState, check_live
-from ._zero_optim import check_shardable
+from ._train_state import TrainState, Window, check_live
 
 
 class TrainStep:
@@ -58,17 +56,21 @@ class TrainStep:
 
     def __init__(self, options: StepOptions):
         self.options = options
+        skips = options.skips
         self.watch = SkipWatch(
-            options.max_consecutive_skips if options.skip_nonfinite else None,
+            skips.max_consecutive if skips.nonfinite else None,
             bound=options.num_devices > 1 and options.mesh.devices.flat[0].platform == "cpu",
         )
         self._resize = ResizeWatch(options.path, options.accum_steps)
         donate = (0,) if options.donate else ()
+        body = fused_call if options.path == "fused" else multisteps_call
 
         def call(state: TrainState, batch: Any, micro_weights: jax.Array):
             # Runs only when JAX traces a new input structure: free on later calls.
-            check_state_layout(options, state)
-            return global_step(options, state, batch, micro_weights)
+            check_state_layout(
+                state, path=options.path, expected_opt_state=self._opt_state_like(state)
+            )
+            return body(options, state, batch, micro_weights)
 
         self._jitted = jax.jit(call, donate_argnums=donate)
         self._weights: dict[bytes, jax.Array] = {}
@@ -109,7 +111,8 @@ class TrainStep:
         its parameters; raises ``TypeError`` naming a leaf that is no array (a
         function, a string: split them off first) or a trainable leaf that is
         not floating-point (freeze it with ``trainable``). The optimizer state
-        covers trainable parameters only.
+        covers trainable parameters only; at ZeRO stages its leaves of a
+        parameter's shape are split over the mesh.
         """
         o = self.options
         check_batch_stats(params_or_module, o.batch_stats, o.axis_name)
@@ -121,44 +124,52 @@ class TrainStep:
         params = place(params, replicated, copy=o.donate)
         model_state = place(model_state, replicated, copy=o.donate)
         check_replicas(params, o.mesh, name="params")
+        trainable = split_trainable(params, mask)
+        if o.zero_stage and not jax.tree.leaves(trainable):
+            raise ValueError(
+                f"zero_stage={o.zero_stage} splits the trainable parameters' optimizer "
+                f"state over the devices, and params has no trainable leaf "
+                f"({len(jax.tree.leaves(params))} leaves in all): use zero_stage=0"
+            )
         dtype = o.accumulator_dtype(params)
         stats = split_state(model_state)[0]
-        # step, skipped_steps, consecutive_skips: three buffers, each donated once.
-        step, *counters = (jax.device_put(jnp.zeros([], jnp.int32), replicated) for _ in range(3))
 
-        def init_opt(params):
-            return o.init_opt_state(split_trainable(params, mask), dtype, stats)
+        def counter() -> jax.Array:  # three buffers, each donated once
+            return jax.device_put(jnp.zeros([], jnp.int32), replicated)
 
-        if o.zero_stage:
-            trainable = split_trainable(params, mask)
-            if not jax.tree.leaves(trainable):
-                raise ValueError(
-                    f"zero_stage={o.zero_stage} splits the trainable parameters' optimizer "
-                    f"state over the devices, and params has no trainable leaf "
-                    f"({len(jax.tree.leaves(params))} leaves in all): use zero_stage=0"
-                )
-            check_shardable(o.optimizer, trainable, o.num_devices, o.axis_name, o.zero_stage)
-        per_device = NamedSharding(o.mesh, P(o.axis_name))
-
-        def stack(tree):
-            return jax.tree.map(lambda x: jnp.zeros((o.num_devices, *x.shape), x.dtype), tree)
-
-        def init_state(params):
-            state = init_opt(params)
-            if o.path == "fused":
-                return state
-            return state._replace(acc_grads=stack(state.acc_grads))
-
-        specs = o.opt_specs(jax.eval_shape(init_state, params), split_trainable(params, mask))
-        shardings = jax.tree.map(lambda s: NamedSharding(o.mesh, s), specs)
-        opt_state = jax.jit(init_state, out_shardings=shardings)(params)
-        if o.path == "fused":
-            return TrainState(step, params, opt_state, None, graphdef, model_state, *counters)
-        accum = AccumState(
-            *(jax.device_put(jnp.zeros([o.num_devices], dtype), per_device) for _ in range(2)),
-            jax.jit(stack, out_shardings=per_device)(stats),
+        state = TrainState(
+            step=counter(),
+            params=params,
+            opt_state=None,
+            window=None,
+            graphdef=graphdef,
+            model_state=model_state,
+            skipped_steps=counter(),
+            consecutive_skips=counter(),
         )
-        return TrainState(step, params, opt_state, accum, graphdef, model_state, *counters)
+        like = jax.eval_shape(lambda t: self._fresh(t, stats, dtype), trainable)
+        specs = state_specs(o, state._replace(opt_state=like[0], window=like[1]))
+        shardings = jax.tree.map(
+            lambda s: NamedSharding(o.mesh, s), (specs.opt_state, specs.window)
+        )
+        opt_state, window = jax.jit(
+            lambda t: self._fresh(t, stats, dtype), out_shardings=shardings
+        )(trainable)
+        return state._replace(opt_state=opt_state, window=window)
+
+    def _fresh(self, trainable: Any, batch_stats: Any, dtype: Any) -> tuple[Any, Window | None]:
+        """A fresh optimizer state and window (None on the fused path)."""
+        o = self.options
+        window = None if o.path == "fused" else empty_window(o, trainable, batch_stats, dtype)
+        return o.applied_optimizer.init(trainable), window
+
+    def _opt_state_like(self, state: TrainState) -> Any:
+        """The optimizer state this step's ``init`` builds for ``state``'s parameters."""
+        mask = trainable_mask(state.params, self.options.trainable)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), split_trainable(state.params, mask)
+        )
+        return jax.eval_shape(self.options.applied_optimizer.init, abstract)
 
     def model(self, state: TrainState) -> Any:
         """The trained parameters, or the NNX module with them merged in."""
@@ -189,7 +200,10 @@ class TrainStep:
             check_state_devices(sharding, self._devices)
             self._seen_sharding = sharding
         if micro_weights is None and is_loader_batch(batch):
-            check_loader_batch(self.options, batch)
+            o = self.options
+            check_loader_batch(
+                batch, path=o.path, num_devices=o.num_devices, accum_steps=o.accum_steps
+            )
             batch, micro_weights = batch.data, batch.micro_weights
         sizes, inputs = self._prepare(batch, micro_weights)
         self._resize.before(state, sizes)
@@ -277,18 +291,15 @@ def make_train_step(
     mesh: Mesh,
     accum_steps: int = 1,
     path: AccumulationPath = "fused",
-    strategy: Strategy = "shard_map",
     loss_reduction: LossReduction = "mean",
+    batch_stats: BatchStats | None = None,
+    trainable: Trainable = None,
+    rng_seed: int | None = None,
     accum_dtype: Any = None,
     donate: bool = True,
-    batch_stats: BatchStats | None = None,
-    rng_seed: int | None = None,
-    trainable: Trainable = None,
-    skip_unused: bool = False,
-    skip_nonfinite: bool = True,
-    max_consecutive_skips: int | None = 10,
-    zero_stage: ZeroStage = 0,
-    comm_dtype: Any = None,
+    parallel: Parallel | None = None,
+    skips: Skips | None = None,
+    **deprecated: Any,
 ) -> TrainStep:
     """Builds a data-parallel step with gradient accumulation.
 
@@ -301,20 +312,14 @@ def make_train_step(
       mesh: a one-axis mesh (:func:`data_mesh`); the batch is split over it.
       accum_steps: micro-batches per device per optimizer step.
       path: ``"fused"`` (one call per step, ``lax.scan`` over micro-batches) or
-        ``"multisteps"`` (one call per micro-batch; the state an
-        ``optax.MultiStepsState``, the all-reduce and the optimizer only on the
-        call that ends the window).
-      strategy: ``"shard_map"`` or the legacy ``"pmap"``.
+        ``"multisteps"`` (one call per micro-batch; the open window in
+        ``state.window``, the all-reduce and the optimizer only on the call that
+        ends the window).
       loss_reduction: ``"mean"``: the update follows the mean of the
         ``num_devices * accum_steps`` micro-batch means (DDP with ``loss /
         accum_steps``). ``"weighted"``: it follows ``sum of loss_sum / sum of
         count`` over all micro-batches and devices, exact for unequal counts;
         a negative count makes the update non-finite (refused, never applied).
-      accum_dtype: accumulator dtype for gradients, loss and weights; default
-        float64 if any parameter is float64, else float32.
-      donate: donate the input state's buffers to the output (saves memory;
-        the state passed in must not be used again: a call given it again
-        raises ``ValueError``).
       batch_stats: how BatchNorm modules (``nnx.BatchStat`` variables and an
         ``axis_name``) compute statistics; required when the model has any.
         ``"local"``: each device normalizes with its own micro-batch's
@@ -324,47 +329,29 @@ def make_train_step(
         ``axis_name``), at the cost of collectives in every micro-batch's
         forward and backward. Either way the running statistics update once
         per micro-batch.
-      rng_seed: if set, ``loss_fn`` is called with the keyword ``rng``, a key
-        derived from this seed like the NNX streams' (below).
       trainable: which parameters train (default all): a pytree of bools, a
         predicate ``(path, value) -> bool`` or an NNX filter. Frozen ones get
         no gradient, no all-reduce bytes, no optimizer state and no update.
-      skip_unused: a parameter whose all-reduced gradient is exactly zero (not
-        used by any device's micro-batches) takes no optimizer step, like
-        torch skips parameters whose ``.grad`` is None; its momentum and
-        moments keep their values (state shared across parameters, such as
-        Adam's step count, still advances).
-      skip_nonfinite: if the all-reduced gradients or loss hold a NaN or Inf
-        (from any device), skip the update on every device: parameters,
-        optimizer state and batch statistics stay, the step count does not
-        advance, the accumulation window restarts; ``metrics["skipped"]``,
-        ``"skipped_steps"`` and ``"consecutive_skips"`` count them. Either
-        way ``metrics["finite"]`` says whether they were finite (no host
-        read: without skipping, a NaN on one device reaches every replica's
-        parameters, and this is its only report).
-      max_consecutive_skips: raise :class:`NonFiniteError`, before a call uses
-        its batch, once this many updates in a row were skipped (None: never).
-        Watched on the host by ``step.watch`` (:class:`SkipWatch`), two calls
-        behind, so the host is not synced every call; :meth:`TrainStep.check`
-        tests a state at once.
-      zero_stage: 0 keeps the optimizer state on every device. 1 (ZeRO-1,
-        torch's ``ZeroRedundancyOptimizer``) splits it over the mesh: after the
-        last micro-batch ONE reduce-scatter gives each device the global
-        gradient sum of its shard of every parameter, it updates that shard
-        with its shard of the state, and ONE all-gather returns the whole
-        parameters. 2 (ZeRO-2) also shards the gradient accumulator: every
-        micro-batch is reduce-scattered (``accum_steps`` reduce-scatters per
-        update). Elementwise optimizers update exactly as at stage 0; global-norm
-        clipping, the ``grad_norm`` metric and the non-finite check see the
-        global norm (a scalar psum); a transform that cannot run on shards is
-        refused by name at ``init``. ``shard_map`` strategy only.
-      comm_dtype: ``"bfloat16"`` sends the gradient sums in bfloat16 (torch's
-        ``bf16_compress_hook``: divided by ``num_devices``, cast, reduced, cast
-        back): half the bytes of float32; accumulation stays in ``accum_dtype``.
+      rng_seed: if set, ``loss_fn`` is called with the keyword ``rng``, a key
+        derived from this seed like the NNX streams' (below).
+      accum_dtype: accumulator dtype for gradients, loss and weights; default
+        float64 if any parameter is float64, else float32.
+      donate: donate the input state's buffers to the output (saves memory;
+        the state passed in must not be used again: a call given it again
+        raises ``ValueError``).
+      parallel: :class:`Parallel`: the ZeRO stage, the gradients' dtype on the
+        wire and the mapping strategy (default: stage 0, the accumulator dtype,
+        ``shard_map``).
+      skips: :class:`Skips`: non-finite updates skipped (default) and the limit
+        of them in a row, unused parameters left alone.
+      **deprecated: the spellings of jaxdp 0.2 (``strategy``, ``zero_stage``,
+        ``comm_dtype``, ``skip_nonfinite``, ``max_consecutive_skips``,
+        ``skip_unused``), accepted with a ``DeprecationWarning`` until 0.4.
 
     Gradients travel in one all-reduce per optimizer step, issued after the
     last micro-batch (``no_sync`` on the others), together with the loss and
-    weight sums and device 0's batch statistics.
+    weight sums and device 0's batch statistics (ZeRO stages: one
+    reduce-scatter, then one all-gather of the parameters).
 
     Randomness: each micro-batch re-keys every ``nnx.Rngs`` stream of the
     module as ``fold_in(fold_in(fold_in(stream_key, step), device),
@@ -373,24 +360,24 @@ def make_train_step(
     across devices and micro-batches and do not depend on how many processes
     share the mesh.
     """
+    unknown = sorted(set(deprecated) - set(OLD_SPELLINGS))
+    if unknown:
+        raise TypeError(f"make_train_step() got an unexpected keyword argument {unknown[0]!r}")
+    groups = fold({"parallel": parallel, "skips": skips, **deprecated})
     return TrainStep(
         StepOptions(
-            loss_fn,
-            optimizer,
-            mesh,
-            accum_steps,
-            path,
-            strategy,
-            loss_reduction,
-            accum_dtype,
-            donate,
-            batch_stats,
-            rng_seed,
-            trainable,
-            skip_unused,
-            skip_nonfinite,
-            max_consecutive_skips,
-            zero_stage,
-            comm_dtype,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            mesh=mesh,
+            accum_steps=accum_steps,
+            path=path,
+            loss_reduction=loss_reduction,
+            accum_dtype=accum_dtype,
+            donate=donate,
+            batch_stats=batch_stats,
+            rng_seed=rng_seed,
+            trainable=trainable,
+            parallel=groups.get("parallel") or Parallel(),
+            skips=groups.get("skips") or Skips(),
         )
     )

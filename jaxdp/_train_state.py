@@ -1,36 +1,76 @@
-"""The training state and how one call of the step advances it."""
+"""The training state: the records a step reads and writes, and the checks on them.
+
+The bottom of the step's modules: records only, no step logic. A multisteps
+window lives in ONE record, :class:`Window`; the optimizer state is the user's
+optimizer's own, untouched (its leaves split over the mesh at ZeRO stages).
+"""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
-from ._accumulate import AccumState, Update, learning_rate
-from ._model_state import split_state
+
+class LastUpdate(NamedTuple):
+    """What the last optimizer step reported: kept so that every call of the next
+    multisteps window reports it (those calls apply no update)."""
+
+    loss: jax.Array
+    grad_norm: jax.Array
+    finite: jax.Array  # gradients, loss and batch statistics free of NaN and Inf
+
+
+class Window(NamedTuple):
+    """The open accumulation window of the ``multisteps`` path: what the calls since
+    the last optimizer step added up.
+
+    ``grads``, ``loss_sum``, ``weight`` and ``batch_stats`` are per device (a
+    leading ``num_devices`` axis split over the mesh), except that at ZeRO
+    stage 2 the gradient leaves split over the mesh hold the window's global
+    sums (each device its block, reduce-scattered on every call). ``position``
+    (replicated) counts the micro-batches added since the last optimizer
+    step: 0 at a step boundary.
+    """
+
+    grads: Any  # gradient sums in the accumulator dtype, the trainable leaves only
+    loss_sum: jax.Array  # [num_devices]
+    weight: jax.Array  # [num_devices]: micro-batch weights (mean) or counts (weighted)
+    batch_stats: Any  # [num_devices, ...]: each device's running statistics in the window
+    position: jax.Array  # int32: micro-batches in the window so far
+    last: LastUpdate
 
 
 class TrainState(NamedTuple):
     """Everything one optimizer step reads and writes.
 
-    Replicated on every device, except the per-device accumulators of the
-    ``multisteps`` path (``accum``, with each device's batch statistics of the
-    open window, and the gradient sums, ``opt_state.acc_grads``), which carry a leading
-    ``num_devices`` axis split over the mesh. ``model_state`` holds the
-    committed batch statistics (device 0's in ``batch_stats="local"``) and the
-    rng streams' initial keys.
+    Replicated on every device, except the window (see :class:`Window`) and,
+    at ZeRO stages 1 and 2, the optimizer state's leaves that follow the
+    parameters' shapes, each split over the mesh along one of its dimensions.
+    ``model_state`` holds the committed batch statistics (device 0's in
+    ``batch_stats="local"``) and the rng streams' initial keys.
     """
 
     step: jax.Array  # optimizer updates applied so far (skipped ones not counted)
     params: Any  # all parameters, frozen ones included
-    opt_state: Any  # of the trainable parameters only
-    accum: AccumState | None  # multisteps only
+    opt_state: Any  # the user's optimizer's state, of the trainable parameters only
+    window: Window | None  # multisteps only
     graphdef: Any  # NNX graph definition (static), None for a plain pytree
     model_state: Any  # NNX non-parameter variables, None for a plain pytree
     skipped_steps: jax.Array  # updates skipped for NaN/Inf gradients or loss, in total
     consecutive_skips: jax.Array  # ... since the last applied update
+
+    @property
+    def accum(self) -> Window | None:
+        """Deprecated name of :attr:`window` (jaxdp 0.2)."""
+        warnings.warn(
+            "TrainState.accum is deprecated: the open window is TrainState.window "
+            "(a jaxdp.Window) since jaxdp 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.window
 
 
 class NonFiniteError(RuntimeError):
@@ -82,36 +122,3 @@ def _deleted(leaf: Any) -> bool:
     # A method lookup, not isinstance(leaf, jax.Array): an ABC check costs more than it.
     is_deleted = getattr(leaf, "is_deleted", None)
     return is_deleted is not None and is_deleted()
-
-
-def advance(
-    state: TrainState, update: Update, params: Any, accum: Any
-) -> tuple[TrainState, dict[str, jax.Array]]:
-    """The state after one call and its metrics: ``update``'s optimizer state and batch
-    statistics, the full ``params``, and the step and skip counters."""
-    metrics = dict(update.metrics)
-    lr = learning_rate(update.opt_state)
-    if lr is not None:
-        metrics["learning_rate"] = lr
-    count = state.step.dtype
-    consecutive = jnp.where(
-        update.skipped,
-        state.consecutive_skips + 1,
-        jnp.where(update.applied, 0, state.consecutive_skips),
-    ).astype(count)
-    skipped = state.skipped_steps + update.skipped.astype(count)
-    metrics.update(skipped=update.skipped, skipped_steps=skipped, consecutive_skips=consecutive)
-    model_state = state.model_state
-    if model_state is not None:
-        _, rngs, constants = split_state(model_state)
-        model_state = nnx.merge_state(update.batch_stats, rngs, constants)
-    new = state._replace(
-        step=state.step + update.applied.astype(count),
-        params=params,
-        opt_state=update.opt_state,
-        accum=accum,
-        model_state=model_state,
-        skipped_steps=skipped,
-        consecutive_skips=consecutive,
-    )
-    return new, metrics

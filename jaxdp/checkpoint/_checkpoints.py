@@ -7,11 +7,15 @@ written twice, so a stop inside an accumulation window, whose state has the
 step of the window's start, cannot be saved where that step is already
 checkpointed. orbax writes each into a temporary directory and renames it when
 complete, so a crash mid-save leaves no half checkpoint under a step number.
-Each holds three orbax items: ``replicated`` (step, params, optimizer
-state, model state), ``per_device`` (the ``multisteps`` path's accumulators,
-one row per device) and ``meta`` (JSON: sampler position, batch identity, seed,
-the shape and dtype of every leaf and a SHA-256 of its bytes, and a SHA-256 of
-the meta itself: :mod:`._meta`).
+Each holds up to four orbax items: ``replicated`` (step, params, optimizer
+state, model state), ``per_device`` (the ``multisteps`` path's window sums, one
+row per device), ``shards`` (leaves split over the mesh at ZeRO stages, each
+process writing its blocks) and ``meta`` (JSON: sampler position, batch
+identity, seed, the shape, dtype and placement of every leaf and a SHA-256 of
+its bytes, and a SHA-256 of the meta itself: :mod:`._meta`). A leaf is read
+into the layout of the run that restores it (another device count, another
+ZeRO stage); checkpoints of jaxdp 0.2 (format 2) are converted as they are
+read (:mod:`._format2`).
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import orbax.checkpoint as ocp
 from .._layout import BatchSizes
 from .._position import SamplerPosition
 from .._train_state import TrainState, check_live
+from . import _format2
 from ._agree import process_0s
 from ._data import DataPosition, check_data, from_data, restore_data, sizes_of
-from ._meta import FORMAT, array_sha256, check_sealed, sealed
+from ._meta import FORMAT, array_sha256, check_sealed, check_sha256, sealed
 from ._quiet import quiet_failed_read_noise
 from ._rules import (
     CheckpointError,
@@ -38,11 +43,10 @@ from ._rules import (
     check_position,
     describe,
     is_accumulator,
-    is_per_device,
-    is_shard,
+    leaf_name,
     named,
 )
-from ._tree import abstract, as_saved, join, relaid, saved_tree, split, state_from_tree, zeros
+from ._tree import abstract, join, kind, saved_tree, split, state_from_tree, zeros
 from ._write_failure import no_room, quiet_writer_thread_logs
 
 
@@ -167,19 +171,17 @@ class Checkpoints:
         if loader is not None:
             meta["data"] = loader
         meta = sealed(meta)
-        replicated, per_device, shards = split(tree)
-        items = {"replicated": ocp.args.StandardSave(replicated), "meta": ocp.args.JsonSave(meta)}
-        if jax.tree.leaves(per_device):
-            items["per_device"] = ocp.args.StandardSave(per_device)
-        if jax.tree.leaves(shards):  # every process writes its own shards
-            items["shards"] = ocp.args.StandardSave(shards)
+        items = {"meta": ocp.args.JsonSave(meta)}
+        for item, part in split(tree).items():  # every process writes its own blocks
+            if item == "replicated" or jax.tree.leaves(part):
+                items[item] = ocp.args.StandardSave(part)
         try:
             self._manager.save(number, args=ocp.args.Composite(**items), force=True)
         except Exception as e:
             raise self._write_failed(number, e) from e
         if self.verify:
             try:
-                self._read(number, meta, state, per_device=True)
+                self._read(number, meta, state, accumulators=True)
             except Exception as e:
                 raise CheckpointError(
                     f"checkpoint {self.directory / str(number)} does not read back intact "
@@ -208,13 +210,13 @@ class Checkpoints:
         - parameters must have the saved names, shapes and dtypes (else
           :class:`CheckpointError` naming each mismatch);
         - ``validate(extra)`` may refuse (e.g. another optimizer);
-        - the rest of the state must have the saved layout;
+        - the rest of the state must have the saved names, shapes and dtypes
+          (where a leaf lies may differ: another device count or ZeRO stage);
         - another ``global_batch_size`` is refused unless ``force``: the data
           order and the meaning of a step would change;
         - another ``num_devices``/``accum_steps``/``micro_batch_size`` needs a
-          checkpoint at an optimizer-step boundary: mid-cycle per-device
-          accumulators cannot be re-split. At a boundary they are zero and are
-          rebuilt for the current mesh.
+          checkpoint at an optimizer-step boundary, where the window's sums are
+          zero and rebuilt for this run: mid-window they cannot be re-split.
 
         An unreadable checkpoint (bad files, failed checksum) is skipped with a
         :class:`CorruptCheckpointWarning`, the next older one is tried, and once
@@ -233,19 +235,14 @@ class Checkpoints:
             here = {name: describe(x) for name, x in named(saved_tree(like))}
             if data is not None:  # first: other data explain most other differences
                 check_data(data, meta, path=path)
+            if meta["format"] == 2:
+                meta = _format2.upgraded_meta(meta, here)
             saved = check_compatible(meta, here, sizes, force=force, path=path, validate=validate)
             if data is not None:
                 restore_data(data, meta, force=force, path=path)
-            same_devices = saved.num_devices == sizes.num_devices
-            # Accumulators are read where they fit; at a step boundary they are zero.
-            fits = all(
-                meta["leaves"][n]["shape"] == d["shape"]
-                for n, d in here.items()
-                if is_accumulator(n)
-            )
-            try:
+            try:  # the window's sums: read mid-window (they fit), zero at a boundary
                 state = self._read(
-                    number, meta, like, per_device=same_devices and fits, same_devices=same_devices
+                    number, meta, like, accumulators=bool(meta["position"]["micro_batch"])
                 )
             except Exception as e:
                 failures.append((number, e))
@@ -328,37 +325,40 @@ class Checkpoints:
         return check_sealed(meta["meta"])
 
     def _read(
-        self,
-        number: int,
-        meta: dict[str, Any],
-        like: TrainState,
-        *,
-        per_device: bool,
-        same_devices: bool = True,
+        self, number: int, meta: dict[str, Any], like: TrainState, *, accumulators: bool
     ) -> TrainState:
-        """Reads arrays into ``like``'s shardings and checks them against the SHA-256s:
-        the accumulators if ``per_device`` (else zeros), the ZeRO shards re-laid out
-        unless ``same_devices``."""
-        replicated, devices, shards = split(saved_tree(like))
-        items = {"replicated": ocp.args.StandardRestore(abstract(replicated))}
-        read_devices = per_device and bool(jax.tree.leaves(devices))
-        if read_devices:
-            items["per_device"] = ocp.args.StandardRestore(abstract(devices))
-        if jax.tree.leaves(shards):
-            items["shards"] = ocp.args.StandardRestore(as_saved(shards, meta, same_devices))
-        out = self._manager.restore(number, args=ocp.args.Composite(**items))
-        # Not read: at an optimizer-step boundary the accumulators are zero.
-        devices = out["per_device"] if read_devices else jax.tree.map(zeros, devices)
-        read_shards = out["shards"] if jax.tree.leaves(shards) else shards
-        tree = join(out["replicated"], devices, read_shards)
-        for name, x in named(tree):
-            expected = meta["leaves"][name]["sha256"]
-            if (read_devices or not is_per_device(x) or is_shard(name)) and expected is not None:
-                actual = array_sha256(x)
-                if actual is not None and actual != expected:
-                    raise CheckpointError(f"{name} does not match its SHA-256")
-        if not same_devices:  # saved on another device count: re-shard for this mesh
-            tree = join(out["replicated"], devices, jax.tree.map(relaid, read_shards, shards))
+        """Reads arrays into ``like``'s shardings and checks them against the SHA-256s;
+        the window's sums only with ``accumulators`` (else zeros). A leaf is read from
+        the item it was saved in and laid out as this run keeps it (another device
+        count, another ZeRO stage)."""
+        if meta["format"] == 2:
+            tree = _format2.read(self._manager, number, meta, saved_tree(like), self.directory)
+            if not accumulators:
+                tree = jax.tree_util.tree_map_with_path(
+                    lambda p, x: zeros(x) if is_accumulator(leaf_name(p)) else x, tree
+                )
+            return state_from_tree(tree, like)
+        leaves = meta["leaves"]
+
+        def saved_kind(name: str, _: Any) -> str:
+            return kind(name, leaves[name]["per_device"])
+
+        parts = split(saved_tree(like), saved_kind)
+        if not accumulators:  # not read: at an optimizer-step boundary they are zero
+            parts["per_device"] = jax.tree.map(zeros, parts["per_device"])
+        wanted = {
+            item: part
+            for item, part in parts.items()
+            if jax.tree.leaves(part) and (item != "per_device" or accumulators)
+        }
+        out = self._manager.restore(
+            number,
+            args=ocp.args.Composite(
+                **{item: ocp.args.StandardRestore(abstract(part)) for item, part in wanted.items()}
+            ),
+        )
+        tree = join(*(out[item] if item in wanted else part for item, part in parts.items()))
+        check_sha256(tree, leaves, lambda name: accumulators or not is_accumulator(name))
         return state_from_tree(tree, like)
 
     def _set_aside(self, failures: list[tuple[int, Exception]], used: pathlib.Path) -> None:

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from ._rules import CheckpointError
+from ._rules import CheckpointError, named
 
-# The layout of ``meta``; bumped when it changes. 2: the meta's own SHA-256.
-FORMAT = 2
+# The layout of ``meta`` and of the state saved; bumped when either changes. 2: the
+# meta's own SHA-256 (jaxdp 0.2). 3: the window in ``window``, every leaf in its own
+# shape (jaxdp 0.3); format 2 is read and converted (:mod:`._format2`).
+FORMAT = 3
+READ = (2, 3)
 _SEAL = "meta_sha256"
 
 
@@ -31,11 +35,12 @@ def sealed(meta: dict[str, Any]) -> dict[str, Any]:
 
 def check_sealed(meta: Any) -> dict[str, Any]:
     """``meta`` if it is this format and matches its SHA-256; else :class:`CheckpointError`."""
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in READ:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointError(
-            f"meta is format {found!r}, not jaxdp checkpoint format {FORMAT} (format 1, "
-            "written before the metadata had a checksum, is not read)"
+            f"meta is format {found!r}; jaxdp {_version()} reads checkpoint formats 2 "
+            f"(written by jaxdp 0.2, converted as it is read) and {FORMAT}. Format 1, "
+            "written before the metadata had a checksum, is not read"
         )
     body = {k: v for k, v in meta.items() if k != _SEAL}
     if meta.get(_SEAL) != _digest(body):
@@ -44,6 +49,12 @@ def check_sealed(meta: Any) -> dict[str, Any]:
             "holds changed after it was written"
         )
     return body
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
 
 
 def _digest(meta: dict[str, Any]) -> str:
@@ -60,3 +71,14 @@ def array_sha256(x: jax.Array) -> str | None:
     else:
         return None  # another process holds part of it; orbax's own checks apply
     return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+
+
+def check_sha256(tree: Any, leaves: dict[str, Any], read: Callable[[str], bool]) -> None:
+    """Raises :class:`CheckpointError` for the first leaf of ``tree`` that was ``read``
+    and does not match the SHA-256 in ``leaves`` (meta's)."""
+    for name, x in named(tree):
+        expected = leaves.get(name, {}).get("sha256")
+        if read(name) and expected is not None:
+            actual = array_sha256(x)
+            if actual is not None and actual != expected:
+                raise CheckpointError(f"{name} does not match its SHA-256")

@@ -9,7 +9,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding
 
 from .._layout import BatchSizes
@@ -58,14 +57,10 @@ def check_compatible(
         )
     if validate is not None:
         validate(meta["extra"])
-    _check_zero(saved_leaves, here, path)
-    # At a step boundary the accumulators are zero and rebuilt for this run's layout.
-    boundary = meta["position"]["micro_batch"] == 0
+    # The window's sums are compared by dtype: their shapes follow the mesh, and at a
+    # step boundary they are zero and rebuilt for this run's (below: mid-window).
     mismatches = _mismatches(
-        saved_leaves,
-        here,
-        lambda name: not name.startswith("params/"),
-        loose=lambda name: boundary and is_accumulator(name),
+        saved_leaves, here, lambda name: not name.startswith("params/"), loose=is_accumulator
     )
     if mismatches:
         raise CheckpointError(
@@ -91,24 +86,14 @@ def check_compatible(
             "the saved batch identity (its next checkpoint at a step boundary can then move), "
             f"or move {path} aside to resume from the checkpoint before it"
         )
-    return saved
-
-
-def _check_zero(saved: dict[str, Any], here: dict[str, Any], path: pathlib.Path) -> None:
-    """The optimizer state split over the mesh (ZeRO stage 1 or 2) or replicated (stage 0)
-    on both sides: between the two the leaves' shapes differ, and jaxdp does not convert."""
-
-    def split(leaves: dict[str, Any]) -> bool:
-        return any(is_shard(n) and d["per_device"] for n, d in leaves.items())
-
-    if split(saved) != split(here):
-        kinds = ("replicated (zero_stage=0)", "split over the devices (zero_stage 1 or 2)")
+    mismatches = _mismatches(saved_leaves, here, is_accumulator, shapes=micro != 0)
+    if mismatches:
         raise CheckpointError(
-            f"checkpoint {path} holds the optimizer state {kinds[split(saved)]}; this run "
-            f"keeps it {kinds[split(here)]}. Resume with the checkpoint's zero stage: jaxdp "
-            "re-shards a split state onto another device count, but does not convert between "
-            "replicated and split ones"
+            f"checkpoint {path} was taken in the middle of an accumulation cycle (micro-batch "
+            f"{micro}) with its window laid out otherwise (another ZeRO stage?): "
+            f"{'; '.join(mismatches)}. Resume with the saved options, or move {path} aside"
         )
+    return saved
 
 
 def _mismatches(
@@ -116,9 +101,11 @@ def _mismatches(
     here: dict[str, Any],
     selected: Callable[[str], bool],
     loose: Callable[[str], bool] = lambda name: False,
+    shapes: bool = True,
 ) -> list[str]:
-    """Human-readable differences between two ``name -> description`` maps; ``loose``
-    names are compared by dtype and placement only."""
+    """Human-readable differences between two ``name -> description`` maps, by shape and
+    dtype (``loose`` names and, without ``shapes``, every name: by dtype only). Where a
+    leaf lies (replicated or split) may differ: restoring re-lays it out."""
     out = []
     for name in sorted(n for n in {*saved, *here} if selected(n)):
         a, b = saved.get(name), here.get(name)
@@ -126,31 +113,26 @@ def _mismatches(
             out.append(f"{name} missing in the checkpoint")
         elif b is None:
             out.append(f"{name} missing in this run")
-        elif loose(name) and (a["dtype"], a["per_device"]) == (b["dtype"], b["per_device"]):
-            continue
-        elif _layout(a) != _layout(b):
+        elif loose(name) or not shapes:
+            if a["dtype"] != b["dtype"]:
+                out.append(f"{name} {a['dtype']} vs {b['dtype']}")
+        elif (a["shape"], a["dtype"]) != (b["shape"], b["dtype"]):
             out.append(f"{name} {_layout_str(a)} vs {_layout_str(b)}")
     return out
 
 
-def _layout(d: dict[str, Any]) -> tuple[Any, ...]:
-    # A per-device leaf's leading axis is num_devices, which may change.
-    shape = d["shape"][1:] if d["per_device"] else d["shape"]
-    return tuple(shape), d["dtype"], d["per_device"]
-
-
 def _layout_str(d: dict[str, Any]) -> str:
-    return f"{tuple(d['shape'])} {d['dtype']}" + (" per device" if d["per_device"] else "")
+    return f"{tuple(d['shape'])} {d['dtype']}"
 
 
 def check_position(state: TrainState, position: SamplerPosition) -> None:
     """Raises unless ``position.micro_batch`` is the state's place in its accumulation cycle."""
-    if isinstance(state.opt_state, optax.MultiStepsState):
-        mini_step = int(state.opt_state.mini_step)
-        if position.micro_batch != mini_step:
+    if state.window is not None:
+        done = int(state.window.position)
+        if position.micro_batch != done:
             raise ValueError(
                 f"position.micro_batch={position.micro_batch} must equal the state's "
-                f"MultiSteps mini_step={mini_step} (micro-batches into the open cycle)"
+                f"window.position={done} (micro-batches into the open cycle)"
             )
     elif position.micro_batch != 0:
         raise ValueError(
@@ -160,7 +142,7 @@ def check_position(state: TrainState, position: SamplerPosition) -> None:
 
 
 def is_per_device(x: Any) -> bool:
-    """Whether ``x`` is split over the mesh (one row per device), like MultiSteps' acc_grads."""
+    """Whether ``x`` is split over the mesh (the window's per-device sums, ZeRO's leaves)."""
     sharding = getattr(x, "sharding", None)
     return isinstance(sharding, NamedSharding) and any(a is not None for a in sharding.spec)
 
@@ -177,14 +159,8 @@ def named(tree: Any) -> list[tuple[str, Any]]:
 
 
 def is_accumulator(name: str) -> bool:
-    """The open window's per-device sums (multisteps): zero at an optimizer-step boundary."""
-    return name.startswith(("accum/", "opt_state/acc_grads/"))
-
-
-def is_shard(name: str) -> bool:
-    """A per-device leaf of the optimizer state other than the gradient sums: the optimizer
-    state split over the mesh at a ZeRO stage (flat, padded, one chunk per device)."""
-    return name.startswith("opt_state/") and not name.startswith("opt_state/acc_grads/")
+    """The open window's sums (multisteps): zero at an optimizer-step boundary."""
+    return name.startswith("window/") and not name.startswith(("window/position", "window/last/"))
 
 
 def describe(x: Any) -> dict[str, Any]:

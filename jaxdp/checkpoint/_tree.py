@@ -1,17 +1,18 @@
-"""A training state as orbax saves it: a tree of arrays, split into replicated and per-device
-leaves, and back."""
+"""A training state as orbax saves it: a tree of arrays in three items by where each leaf
+lies (replicated, the window's per-device sums, leaves split over the mesh), and back."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from .._train_state import TrainState
-from ._rules import is_per_device, is_shard, leaf_name
+from ._rules import is_accumulator, is_per_device, leaf_name
+
+ITEMS = ("replicated", "per_device", "shards")
 
 
 def saved_tree(state: TrainState) -> dict[str, Any]:
@@ -20,7 +21,7 @@ def saved_tree(state: TrainState) -> dict[str, Any]:
         "step": state.step,
         "params": state.params,
         "opt_state": state.opt_state,
-        "accum": state.accum,
+        "window": state.window,
         "model_state": jax.tree.map(_key_data, state.model_state),
         "skipped_steps": state.skipped_steps,
         "consecutive_skips": state.consecutive_skips,
@@ -43,33 +44,40 @@ def _like_key(x: Any, like: Any) -> Any:
 def state_from_tree(tree: dict[str, Any], like: TrainState) -> TrainState:
     """The state of a saved tree read back, with ``like``'s NNX graph and rng key types."""
     return TrainState(
-        tree["step"],
-        tree["params"],
-        tree["opt_state"],
-        tree["accum"],
-        like.graphdef,
-        jax.tree.map(_like_key, tree["model_state"], like.model_state),
-        tree["skipped_steps"],
-        tree["consecutive_skips"],
+        step=tree["step"],
+        params=tree["params"],
+        opt_state=tree["opt_state"],
+        window=tree["window"],
+        graphdef=like.graphdef,
+        model_state=jax.tree.map(_like_key, tree["model_state"], like.model_state),
+        skipped_steps=tree["skipped_steps"],
+        consecutive_skips=tree["consecutive_skips"],
     )
 
 
-def split(tree: Any) -> tuple[Any, Any, Any]:
-    """``(replicated, per_device, shards)``: ``tree`` three times, the other kinds of leaf
-    set to None. ``per_device``: the accumulators (one row per device, zero at a step
-    boundary); ``shards``: the optimizer state split over the mesh at a ZeRO stage."""
+def kind(name: str, split: bool) -> str:
+    """The item a leaf is saved in: ``per_device`` for the window's per-device sums (zero
+    at a step boundary, not read there), ``shards`` for other leaves split over the mesh
+    (ZeRO; every process writes its own blocks), ``replicated`` for the rest."""
+    if not split:
+        return "replicated"
+    return "per_device" if is_accumulator(name) else "shards"
 
-    def kind(path: Any, x: Any) -> str:
-        if not is_per_device(x):
-            return "replicated"
-        return "shards" if is_shard(leaf_name(path)) else "per_device"
+
+def own_kind(name: str, x: Any) -> str:
+    """:func:`kind` of a leaf of this run's state."""
+    return kind(name, is_per_device(x))
+
+
+def split(tree: Any, kind_of: Callable[[str, Any], str] = own_kind) -> dict[str, Any]:
+    """``{item: tree}`` for each of :data:`ITEMS`, the leaves of other items set to None."""
 
     def keep(which: str) -> Any:
         return jax.tree_util.tree_map_with_path(
-            lambda path, x: x if kind(path, x) == which else None, tree
+            lambda path, x: x if kind_of(leaf_name(path), x) == which else None, tree
         )
 
-    return keep("replicated"), keep("per_device"), keep("shards")
+    return {item: keep(item) for item in ITEMS}
 
 
 def join(*trees: Any) -> Any:
@@ -81,32 +89,9 @@ def join(*trees: Any) -> Any:
     return jax.tree.map(first, *trees, is_leaf=lambda x: x is None)
 
 
-def relaid(x: jax.Array, like: Any) -> jax.Array:
-    """A ZeRO shard leaf saved on another device count, laid out as ``like``: the leaf's
-    elements lead its flat array and zeros pad it, so cutting or padding zeros keeps them."""
-    flat = x.reshape(-1)[: like.size]
-    flat = jnp.pad(flat, (0, like.size - flat.size))
-    return jax.device_put(flat.reshape(like.shape), like.sharding)
-
-
 def abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def zeros(x: Any) -> jax.Array:
     return jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
-
-
-def as_saved(shards: Any, meta: dict[str, Any], same_devices: bool) -> Any:
-    """What to read the ZeRO shards into: this run's layout on the same device count;
-    else the saved shapes, replicated on this mesh, to be re-laid out (:func:`relaid`)."""
-    if same_devices:
-        return abstract(shards)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.ShapeDtypeStruct(
-            tuple(meta["leaves"][leaf_name(path)]["shape"]),
-            x.dtype,
-            sharding=NamedSharding(x.sharding.mesh, P()),
-        ),
-        shards,
-    )

@@ -199,7 +199,7 @@ class _Run:
         if self.last_checkpoint:
             newest = f"the newest checkpoint is {self.last_checkpoint}"
         if record.get("skipped"):
-            limit = self.step.options.max_consecutive_skips
+            limit = self.step.options.skips.max_consecutive
             skips = int(record["consecutive_skips"])
             self._tell(
                 f"optimizer step {record['step'] + 1} (epoch {record['epoch']}): non-finite "

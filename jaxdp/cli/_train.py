@@ -33,6 +33,7 @@ from .._distributed import ENV_RESTART_COUNT
 from .._forward import merge_model
 from .._layout import BatchSizes, batch_sizes, epoch_schedule, process_share
 from .._mesh import data_mesh
+from .._options import Parallel, Skips
 from .._position import SamplerPosition
 from .._step import TrainStep, make_train_step
 from .._train_state import TrainState
@@ -162,10 +163,10 @@ def make_step(config: TrainConfig) -> tuple[TrainStep, BatchSizes]:
         mesh=mesh,
         accum_steps=sizes.accum_steps,
         path=config.path,
-        strategy=config.strategy,
-        skip_nonfinite=config.skip_nonfinite,
-        zero_stage=config.zero_stage,
-        comm_dtype=config.comm_dtype,
+        parallel=Parallel(
+            zero_stage=config.zero_stage, comm_dtype=config.comm_dtype, strategy=config.strategy
+        ),
+        skips=Skips(nonfinite=config.skip_nonfinite),
     )
     return step, sizes
 

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._guards import is_integer
+from .._checks import is_integer
 from .._layout import BatchSizes, EpochSchedule, LastWindow, epoch_schedule, process_share
 from .._mesh import DATA_AXIS, place
 from .._position import SamplerPosition, resume_position

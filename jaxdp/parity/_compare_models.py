@@ -9,7 +9,7 @@ import numpy as np
 import optax
 
 from .._layout import LastWindow
-from .._step import AccumulationPath, Strategy
+from .._options import AccumulationPath, Strategy
 from ._locate import locate as _locate
 from ._mapping import Mapping_
 from ._optim import OptimizerSpec

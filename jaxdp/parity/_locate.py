@@ -192,7 +192,6 @@ class _Locator:
             mesh=data_mesh(config.num_devices),
             accum_steps=config.accum_steps,
             path=config.path,
-            strategy=config.strategy,
             **port.step_kwargs(),
         )
         state = train_step.init(self.jax_module(self.before(step)))

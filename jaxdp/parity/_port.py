@@ -21,7 +21,8 @@ from flax import nnx
 
 from .._mesh import data_mesh
 from .._model_state import batch_norm_modules
-from .._step import AccumulationPath, make_train_step
+from .._options import AccumulationPath, fold
+from .._step import make_train_step
 from ._mapping import Mapping_, WeightMap, build_weight_map, jax_leaves
 from ._optim import OPTIMIZERS, OptimizerSpec, optax_like_torch
 from ._runner import (
@@ -77,14 +78,15 @@ class Port:
         return config, self.data, self.initial
 
     def step_kwargs(self) -> dict[str, Any]:
-        """make_train_step's options: BatchNorm as DDP's, torch's frozen tensors, the user's."""
+        """make_train_step's options: the configured strategy, BatchNorm as DDP's, torch's
+        frozen tensors, the user's (either spelling) over them."""
         kwargs: dict[str, Any] = {}
         if batch_norm_modules(self.jax_module):
             kwargs["batch_stats"] = "local"  # DDP's per-rank statistics, rank 0's buffers
         if self.weights.frozen:
             frozen = self.weights.frozen
             kwargs["trainable"] = lambda path, value: ".".join(path) not in frozen
-        return {**kwargs, **self.step_options}
+        return fold({**kwargs, **self.step_options}, parallel={"strategy": self.config.strategy})
 
 
 def prepare(
@@ -163,7 +165,6 @@ def run_jax_port(port: Port, path: AccumulationPath | None = None) -> Trajectory
             mesh=data_mesh(config.num_devices),
             accum_steps=config.accum_steps,
             path=config.path,
-            strategy=config.strategy,
             **port.step_kwargs(),
         )
         state = step.init(port.jax_module)

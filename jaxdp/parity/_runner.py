@@ -28,8 +28,9 @@ from .._layout import (
 )
 from .._mesh import data_mesh
 from .._model_state import batch_norm_modules
+from .._options import AccumulationPath, Strategy, fold
 from .._sampler import Permutation
-from .._step import AccumulationPath, Strategy, make_train_step
+from .._step import make_train_step
 from ..models._reference import TRAINABLE, build_model, model_loss
 from ._locate_text import Divergence
 from ._optim import OPTIMIZERS, OptimizerSpec, optax_like_torch
@@ -205,11 +206,14 @@ def _run_jaxdp(
         mesh=mesh,
         accum_steps=config.accum_steps,
         path=config.path,
-        strategy=config.strategy,
         batch_stats=batch_stats,
         trainable=TRAINABLE.get(config.model),
         # torch's optimizers skip the parameters DDP leaves without a gradient.
-        **{"skip_unused": config.model in UNUSED_BRANCH, **options},
+        **fold(
+            options,
+            parallel={"strategy": config.strategy},
+            skips={"unused": config.model in UNUSED_BRANCH},
+        ),
     )
     state = step.init(torch_to_params(initial, model))
     return train_steps(config, step, state, data, permutation, params_to_torch)

@@ -19,8 +19,9 @@ def public(module_name):
     return [(name, getattr(module, name)) for name in module.__all__]
 
 
-def test_the_core_exports_at_most_35_names_each_once():
-    assert len(jaxdp.__all__) <= 35
+def test_the_core_exports_at_most_37_names_each_once():
+    # 37: the option groups Parallel and Skips took six of make_train_step's keywords.
+    assert len(jaxdp.__all__) <= 37
     assert len(set(jaxdp.__all__)) == len(jaxdp.__all__)
     core = {id(obj) for _, obj in public("jaxdp") if not isinstance(obj, str)}
     for sub in SUBPACKAGES:

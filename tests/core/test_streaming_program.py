@@ -13,7 +13,6 @@ from models import mlp_params, mse_loss, regression_data
 
 import jaxdp
 from jaxdp._inspect import instructions
-from jaxdp._sync import SyncState
 
 # Parameter shapes ([8, 24], [24], [24, 5], [5]) that no activation of a 2-row
 # micro-batch shares, so a parameter-sized instruction is one over parameters.
@@ -67,10 +66,10 @@ def multisteps(**options):
     "options",
     [
         {},
-        {"strategy": "pmap"},
+        {"parallel": jaxdp.Parallel(strategy="pmap")},
         {"num_devices": 1},
-        {"skip_nonfinite": False},
-        {"skip_unused": True},
+        {"skips": jaxdp.Skips(nonfinite=False)},
+        {"skips": jaxdp.Skips(unused=True)},
         {"trainable": {"b0": True, "b1": False, "w0": False, "w1": True}},
     ],
     ids=["shard_map", "pmap", "one_device", "no_skip", "skip_unused", "frozen"],
@@ -115,48 +114,33 @@ def test_optax_multisteps_alone_masks_every_call():
     assert {"sqrt", "select"} <= found
 
 
-def test_the_state_keeps_optax_multisteps_layout():
-    """The optimizer state is what optax.MultiSteps(chain(sync, optimizer)) builds (so
-    checkpoints of earlier versions load), and optax.MultiSteps reads it."""
+def test_the_window_is_one_record_that_restarts_at_zero():
+    """The open window lives in state.window: its position counts the micro-batches
+    added, ``metrics["emitted"]`` marks the call that ends it, and the sums restart at
+    exactly +0 after each update (they are written in place, see test above)."""
     num_devices, accum_steps = 2, 3
-    optimizer = optax.adamw(1e-2, weight_decay=1e-2)
     step = jaxdp.make_train_step(
         mse_loss,
-        optimizer,
+        optax.adamw(1e-2, weight_decay=1e-2),
         mesh=jaxdp.data_mesh(num_devices),
         accum_steps=accum_steps,
         path="multisteps",
     )
     params = jax.tree.map(jnp.asarray, mlp_params(sizes=SIZES))
     state = step.init(params)
-    sync = optax.GradientTransformation(
-        lambda _: SyncState(*jnp.zeros([2]), jnp.ones([], bool), None), None
-    )
-    expected = optax.MultiSteps(
-        optax.chain(sync, optimizer),
-        accum_steps,
-        use_grad_mean=False,
-        accumulator_dtype=jnp.float64,
-    ).init(params)
-    per_device = state.opt_state._replace(
-        acc_grads=jax.tree.map(lambda x: x[0], state.opt_state.acc_grads)
-    )
-    assert jax.tree.structure(per_device) == jax.tree.structure(expected)
-    for a, b in zip(jax.tree.leaves(per_device), jax.tree.leaves(expected), strict=True):
-        assert (a.shape, a.dtype) == (b.shape, b.dtype)
-    has_updated, sums = [], []
+    assert isinstance(state.window, jaxdp.Window)
+    for x, p in zip(jax.tree.leaves(state.window.grads), jax.tree.leaves(params), strict=True):
+        assert x.shape == (num_devices, *p.shape)  # one row of sums per device
+    emitted, positions, sums = [], [], []
     batch = regression_data(num_devices * MICRO, sizes=SIZES)
     for _ in range(2 * accum_steps):
-        state, _ = step(state, batch)
-        has_updated.append(
-            bool(optax.MultiSteps(optimizer, accum_steps).has_updated(state.opt_state))
-        )
-        sums.append(
-            max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(state.opt_state.acc_grads))
-        )
-    assert has_updated == [False, False, True] * 2
-    assert int(state.opt_state.gradient_step) == 2
-    # The sums restart at exactly +0 after each update, and are not zero within a window.
-    assert [s == 0 for s in sums] == has_updated
-    for x in jax.tree.leaves(state.opt_state.acc_grads):
+        state, metrics = step(state, batch)
+        emitted.append(bool(metrics["emitted"]))
+        positions.append(int(state.window.position))
+        sums.append(max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(state.window.grads)))
+    assert emitted == [False, False, True] * 2
+    assert positions == [1, 2, 0] * 2
+    assert int(state.step) == 2
+    assert [s == 0 for s in sums] == emitted
+    for x in jax.tree.leaves(state.window.grads):
         assert not np.signbit(np.asarray(x)).any()

@@ -39,7 +39,7 @@ def make(stage, num_devices=4, accum_steps=2, path="fused", optimizer="adamw_cli
         mesh=jaxdp.data_mesh(num_devices),
         accum_steps=accum_steps,
         path=path,
-        zero_stage=stage,
+        parallel=jaxdp.Parallel(zero_stage=stage, **kw.pop("parallel", {})),
         **kw,
     )
 
@@ -73,7 +73,7 @@ if FULL_GRID:
             mesh=jaxdp.data_mesh(num_devices),
             accum_steps=accum_steps,
             path=path,
-            zero_stage=stage,
+            parallel=jaxdp.Parallel(zero_stage=stage),
         )
         state, history = train(step, mlp_params(), data)
         assert int(state.step) == 10 and all(m["finite"] for m in history)
@@ -89,8 +89,9 @@ def per_device_bytes(tree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-def padded_bytes(params, num_devices) -> int:
-    return sum(8 * num_devices * -(-np.size(x) // num_devices) for x in jax.tree.leaves(params))
+# mlp_params on 4 devices: w0 (8, 16), b0 (16,) and w1 (16, 3) split along their first
+# dimension (192 elements: 48 per device); b1 (3,) kept whole, 4 does not divide 3.
+SPLIT, WHOLE = 8 * 16 + 16 + 16 * 3, 3
 
 
 def kinds(compiled):
@@ -126,25 +127,29 @@ def test_stages_1_and_2_train_as_one_big_batch(num_devices, accum_steps, path, o
 
 
 def test_stage_1_optimizer_state_is_a_quarter_per_device():
-    """AdamW's two moments: a quarter of the parameters' bytes each per device on 4
-    devices, plus the padding of leaves whose size 4 does not divide (b1: 3 -> 4)."""
+    """AdamW's two moments: a quarter of the split leaves' bytes each per device on 4
+    devices, plus the leaves kept whole (b1); every leaf in its own shape."""
     params = mlp_params()
     full = make(0).init(params)
     sharded = make(1).init(params)
+    assert SPLIT + WHOLE == 195
     assert per_device_bytes(full.opt_state) == 2 * 8 * 195 + 4  # mu, nu; Adam's count
-    assert per_device_bytes(sharded.opt_state) == 2 * padded_bytes(params, 4) // 4 + 4
-    assert padded_bytes(params, 4) == 8 * 196
+    assert per_device_bytes(sharded.opt_state) == 2 * 8 * (SPLIT // 4 + WHOLE) + 4
+    shapes = jax.tree.map(np.shape, full.opt_state)
+    assert jax.tree.map(np.shape, sharded.opt_state) == shapes
+    assert sharded.opt_state[1][0].mu["w0"].sharding.spec == jax.sharding.PartitionSpec("data")
     multi = make(2, path="multisteps").init(params)
-    # Stage 2: the gradient sums too, a [1, shard] block per device.
-    assert per_device_bytes(multi.opt_state.acc_grads) == padded_bytes(params, 4) // 4
+    # Stage 2: the gradient sums too: each device its block of the split leaves' global
+    # sums, and its own [1, 3] row of b1's.
+    assert per_device_bytes(multi.window.grads) == 8 * (SPLIT // 4 + WHOLE)
     # XLA's memory analysis of the compiled step agrees: its per-device arguments
-    # shrink by the moments' three quarters, nothing else.
+    # shrink by the moments' three quarters of the split leaves, nothing else.
     memory = [
         jaxdp.plan.compiled_memory(make(s).compile(state, one_call(make(s))))
         for s, state in ((0, full), (1, sharded))
     ]
     saved = per_device_bytes(full.opt_state) - per_device_bytes(sharded.opt_state)
-    assert memory[0].arguments - memory[1].arguments == saved == 2 * 8 * (195 - 49)
+    assert memory[0].arguments - memory[1].arguments == saved == 2 * 8 * SPLIT * 3 // 4
 
 
 @pytest.mark.parametrize("accum_steps", [1, 2, 4])
@@ -152,14 +157,15 @@ def test_stage_1_sends_one_reduce_scatter_and_one_all_gather(accum_steps):
     step = make(1, accum_steps=accum_steps)
     found = kinds(step.compile(step.init(mlp_params()), one_call(step)))
     (scatter,), (gather,) = found["reduce-scatter"], found["all-gather"]
-    grads = padded_bytes(mlp_params(), 4)
+    grads = 8 * SPLIT
     assert scatter.bytes == gather.bytes == grads
     assert scatter.executions == (1, 1) and not scatter.in_loop
     assert gather.executions[1] == 1  # in the applied update's branch
     # Together, what one ring all-reduce of the gradients sends: 2 (n-1)/n of them.
     assert scatter.ring_bytes + gather.ring_bytes == 2 * 3 / 4 * grads
-    # The rest are scalars: the norm, loss and weight sums, the clip's norm.
-    assert all(r.bytes <= 3 * 8 for r in found["all-reduce"]), jaxdp.format_report(
+    # The rest: the leaf kept whole with the loss and weight sums and the blocks' sum
+    # of squares (one all-reduce), and the scalars of the clip's norm (XLA's).
+    assert all(r.bytes <= 8 * (WHOLE + 3) for r in found["all-reduce"]), jaxdp.format_report(
         jaxdp.collectives(step.compile(step.init(mlp_params()), one_call(step)))
     )
 
@@ -170,7 +176,7 @@ def test_stage_2_reduce_scatters_every_micro_batch(accum_steps):
     found = kinds(step.compile(step.init(mlp_params()), one_call(step)))
     (scatter,), (gather,) = found["reduce-scatter"], found["all-gather"]
     assert scatter.executions == (accum_steps, accum_steps)
-    assert scatter.bytes == gather.bytes == padded_bytes(mlp_params(), 4)
+    assert scatter.bytes == gather.bytes == 8 * SPLIT
     assert gather.executions[1] == 1 and not gather.in_loop
 
 
@@ -183,7 +189,7 @@ def test_multisteps_communicates_as_the_fused_path(stage):
     assert gather.in_conditional and gather.executions == (0, 1)
     assert scatter.in_conditional == (stage == 1)
     assert scatter.executions == ((0, 1) if stage == 1 else (1, 1))
-    assert all(r.in_conditional and r.bytes <= 3 * 8 for r in found["all-reduce"])
+    assert all(r.in_conditional and r.bytes <= 8 * (WHOLE + 3) for r in found["all-reduce"])
 
 
 def test_bf16_communication_halves_the_bytes_and_stays_close():
@@ -194,7 +200,7 @@ def test_bf16_communication_halves_the_bytes_and_stays_close():
     x, y = regression_data(GLOBAL_BATCH * STEPS, dtype=np.float32)
     data = [(x[i::STEPS], y[i::STEPS]) for i in range(STEPS)]
     exact, _ = train(make(0, optimizer="sgd_momentum"), params, data)
-    step = make(1, optimizer="sgd_momentum", comm_dtype="bfloat16")
+    step = make(1, optimizer="sgd_momentum", parallel={"comm_dtype": "bfloat16"})
     state, _ = train(step, params, data)
     leaves = (jax.tree.leaves(t) for t in (state.params, exact.params, params))
     for a, b, p in zip(*leaves, strict=True):
@@ -207,8 +213,8 @@ def test_bf16_communication_halves_the_bytes_and_stays_close():
         "reduce-scatter"
     ]
     assert scatter.shapes[0].startswith("bf16[")
-    assert scatter.bytes == 2 * padded_bytes(params, 4) // 8  # float32 would be 4 bytes
-    step = make(0, optimizer="sgd_momentum", comm_dtype="bfloat16")
+    assert scatter.bytes == 2 * SPLIT  # float32 would be 4 bytes
+    step = make(0, optimizer="sgd_momentum", parallel={"comm_dtype": "bfloat16"})
     state = step.init(params)
     found = kinds(step.lower(state, one_call(step)).compiler_ir("hlo").as_hlo_text())
     wide = [r for r in found["all-reduce"] if r.shapes != ("f32[]",)]
@@ -262,7 +268,7 @@ def test_local_batch_statistics_and_weighted_loss_at_stage_1():
             mesh=jaxdp.data_mesh(4),
             accum_steps=3,
             batch_stats="local",
-            zero_stage=stage,
+            parallel=jaxdp.Parallel(zero_stage=stage),
         )
         state, metrics = step(step.init(TinyBatchNorm()), (x, y))
         stats = nnx.state(step.model(state), nnx.BatchStat)
@@ -287,7 +293,7 @@ def test_local_batch_statistics_and_weighted_loss_at_stage_1():
             mesh=jaxdp.data_mesh(4),
             accum_steps=3,
             loss_reduction="weighted",
-            zero_stage=stage,
+            parallel=jaxdp.Parallel(zero_stage=stage),
         )
         weighted.append(step(step.init(mlp_params()), (x, y, mask))[0].params)
     assert_trees_close(weighted[1], weighted[0], rtol=RTOL["float64"], atol=ATOL["float64"])
@@ -298,17 +304,35 @@ def test_bad_zero_options_are_refused_naming_them():
     for kw, match in [
         ({"zero_stage": 3}, "zero_stage=3 must be 0, 1 or 2"),
         ({"zero_stage": 1, "strategy": "pmap"}, "needs strategy='shard_map'"),
-        ({"zero_stage": 2, "skip_unused": True}, "skip_unused=True"),
         ({"comm_dtype": "float16"}, "comm_dtype='float16' must be None"),
     ]:
         with pytest.raises(ValueError, match=match):
-            jaxdp.make_train_step(mse_loss, optax.sgd(0.1), mesh=mesh, **kw)
-    blocky = optax.chain(optax.clip_by_block_rms(0.1), optax.sgd(0.1))
-    step = jaxdp.make_train_step(mse_loss, blocky, mesh=mesh, zero_stage=1)
-    with pytest.raises(ValueError, match="zero_stage=1: the optimizer's clip_by_block_rms"):
-        step.init(mlp_params())
-    # A mask from the leaves' rank: a shard is flat, so it would decay no weight at all.
-    by_rank = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
-    step = jaxdp.make_train_step(mse_loss, by_rank, mesh=mesh, zero_stage=2)
-    with pytest.raises(ValueError, match="zero_stage=2: the optimizer's masked transform"):
-        step.init(mlp_params())
+            jaxdp.make_train_step(
+                mse_loss, optax.sgd(0.1), mesh=mesh, parallel=jaxdp.Parallel(**kw)
+            )
+
+
+def test_skip_unused_at_stage_2_as_at_stage_0():
+    """A parameter no micro-batch uses takes no step at any stage: the check of its
+    all-reduced gradient reads the whole leaf (XLA's scalar sum over the blocks)."""
+
+    def unused_w1(params, batch):
+        x, y = batch
+        return jnp.mean((jnp.tanh(x @ params["w0"] + params["b0"])[:, :3] - y) ** 2)
+
+    results = []
+    for stage in (0, 2):
+        step = jaxdp.make_train_step(
+            unused_w1,
+            optax.sgd(0.1, momentum=0.9),
+            mesh=jaxdp.data_mesh(4),
+            accum_steps=2,
+            parallel=jaxdp.Parallel(zero_stage=stage),
+            skips=jaxdp.Skips(unused=True),
+        )
+        state, _ = train(step, mlp_params(), batches())
+        results.append(state)
+    np.testing.assert_array_equal(results[1].params["w1"], mlp_params()["w1"])
+    assert_trees_close(
+        results[1].params, results[0].params, rtol=RTOL["float64"], atol=ATOL["float64"]
+    )

@@ -35,6 +35,7 @@ def jaxdp_stepper(
     ``facts`` are XLA's per-device figures (:func:`.zero.memory_facts`); the
     step compiled for them is the one the stepper calls."""
     from ..._mesh import data_mesh
+    from ..._options import Parallel
     from ..._step import make_train_step
 
     mesh = data_mesh(num_devices)
@@ -44,8 +45,7 @@ def jaxdp_stepper(
         optimizer(),
         mesh=mesh,
         accum_steps=accum_steps,
-        zero_stage=zero_stage,
-        comm_dtype=comm_dtype,
+        parallel=Parallel(zero_stage=zero_stage, comm_dtype=comm_dtype),
     )
     batch = _placed(bm, num_devices * accum_steps * bm.micro_batch_size, mesh)
     box = [step.init(spec.make())]

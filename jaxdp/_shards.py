@@ -1,0 +1,187 @@
+"""ZeRO stages 1 and 2: which dimension of each leaf is split over the mesh, and the two
+packed collectives that bring the gradients in and the parameters back.
+
+A leaf keeps its shape at every stage. At stages 1 and 2 it is split over the data
+axis along its first dimension whose size divides by ``num_devices``, or kept whole
+(replicated) when none does (a scalar, a bias of 10 on 4 devices). The rule reads the
+shape alone, so a parameter, its gradient and every optimizer-state leaf of its shape
+(momentum, Adam's moments) lie alike, and an elementwise update needs no
+communication. The user's optimizer runs on these logical arrays, outside the mesh
+map: anything that reads beyond an element (a global-norm clip, a trust ratio, a
+factored moment) is partitioned by XLA, which inserts the collectives it needs, so the
+update is the one of stage 0 up to the order of sums (docs/decisions.md, "One
+pipeline"). Stage 0 is the plan that splits nothing.
+
+On the wire the split leaves are packed: ONE reduce-scatter carries every gradient
+(each leaf's rows side by side) and one all-gather per parameter dtype every
+updated block, so a step sends one all-reduce's bytes however many leaves there are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def split_dim(shape: tuple[int, ...], num_devices: int) -> int | None:
+    """The dimension a leaf of ``shape`` is split along: the first that divides by
+    ``num_devices``; None keeps it whole."""
+    if num_devices == 1:
+        return None
+    return next((k for k, d in enumerate(shape) if d >= num_devices and d % num_devices == 0), None)
+
+
+def spec(dim: int | None, axis_name: str) -> P:
+    return P() if dim is None else P(*(None,) * dim, axis_name)
+
+
+def split_specs(tree: Any, num_devices: int, axis_name: str) -> Any:
+    """:func:`split_dim`'s spec for every leaf of ``tree`` (arrays or shape structs)."""
+    return jax.tree.map(lambda x: spec(split_dim(x.shape, num_devices), axis_name), tree)
+
+
+def compress(x: jax.Array, wire: Any, num_devices: int) -> jax.Array:
+    """``x / num_devices`` in ``wire`` (no-op without one), as torch's
+    ``bf16_compress_hook`` divides before it casts, so large sums do not overflow."""
+    if wire is None:
+        return x
+    return (x / jnp.asarray(num_devices, x.dtype)).astype(wire)
+
+
+def decompress(x: jax.Array, dtype: Any, wire: Any, num_devices: int) -> jax.Array:
+    """Back in ``dtype``, times ``num_devices``: the sum again, to the wire's precision."""
+    if wire is None:
+        return x
+    return x.astype(dtype) * jnp.asarray(num_devices, dtype)
+
+
+class ShardPlan:
+    """Where the trainable leaves lie on a mesh: split along :func:`split_dim` at
+    ZeRO stages 1 and 2, whole at stage 0.
+
+    Built from the trainable tree (frozen leaves are ``optax.MaskedNode()``: no
+    leaves); shapes are read, never values.
+    """
+
+    def __init__(self, trainable: Any, mesh: Mesh, stage: int):
+        leaves, self.treedef = jax.tree.flatten(trainable)
+        self.mesh, self.axis_name = mesh, mesh.axis_names[0]
+        self.num_devices = mesh.devices.size
+        self.shapes = [tuple(x.shape) for x in leaves]
+        self.dims = [split_dim(s, self.num_devices) if stage else None for s in self.shapes]
+        self.split = any(d is not None for d in self.dims)
+
+    def specs(self, whole: P | None = None) -> Any:
+        """The trainable tree's specs (a gradient's, a parameter block's); ``whole`` for
+        the leaves kept whole."""
+        whole = P() if whole is None else whole
+        return self.treedef.unflatten(
+            [whole if d is None else spec(d, self.axis_name) for d in self.dims]
+        )
+
+    def state_specs(self, opt_state: Any) -> Any:
+        """The optimizer state's specs: split by its leaves' own shapes when the plan
+        splits anything (stages 1 and 2), else replicated."""
+        if not self.split:
+            return jax.tree.map(lambda _: P(), opt_state)
+        return split_specs(opt_state, self.num_devices, self.axis_name)
+
+    def _split_leaves(self, tree: Any) -> list[Any]:
+        return self.treedef.flatten_up_to(tree)
+
+    def whole(self, tree: Any) -> list[Any]:
+        """The leaves the plan keeps whole, in order."""
+        leaves = self._split_leaves(tree)
+        return [x for x, d in zip(leaves, self.dims, strict=True) if d is None]
+
+    def with_whole(self, tree: Any, whole: list[Any]) -> Any:
+        """``tree`` with its whole leaves replaced by ``whole`` (as :meth:`whole` lists them)."""
+        it = iter(whole)
+        leaves = self._split_leaves(tree)
+        return self.treedef.unflatten(
+            [next(it) if d is None else x for x, d in zip(leaves, self.dims, strict=True)]
+        )
+
+    def blocks(self, tree: Any) -> list[Any]:
+        """The split leaves, in order (inside the map: this device's blocks)."""
+        leaves = self._split_leaves(tree)
+        return [x for x, d in zip(leaves, self.dims, strict=True) if d is not None]
+
+    # ---- inside the mesh map -----------------------------------------------------------
+
+    def reduce_scatter(self, tree: Any, wire: Any = None) -> Any:
+        """ONE reduce-scatter of every split leaf of this device's ``tree``: each device
+        gets its block of the global sum. Whole leaves come back as they were."""
+        if not self.split:
+            return tree
+        n, leaves = self.num_devices, self._split_leaves(tree)
+        which = [i for i, d in enumerate(self.dims) if d is not None]
+        dtype = leaves[which[0]].dtype
+        rows = [jnp.moveaxis(leaves[i], self.dims[i], 0).reshape(n, -1) for i in which]
+        buffer = compress(jnp.concatenate(rows, axis=1), wire, n)
+        summed = jax.lax.psum_scatter(buffer, self.axis_name, scatter_dimension=0, tiled=False)
+        summed = decompress(summed, dtype, wire, n)
+        bounds = np.cumsum([r.shape[1] for r in rows])[:-1]
+        for i, part in zip(which, jnp.split(summed, bounds), strict=True):
+            leaves[i] = self._block(part, i)
+        return self.treedef.unflatten(leaves)
+
+    def _block(self, flat: jax.Array, i: int) -> jax.Array:
+        """A split leaf's block from its packed row (the inverse of moving its split
+        dimension first and flattening)."""
+        shape, dim = list(self.shapes[i]), self.dims[i]
+        moved = [shape[dim] // self.num_devices, *shape[:dim], *shape[dim + 1 :]]
+        return jnp.moveaxis(flat.reshape(moved), 0, dim)
+
+    # ---- on the logical arrays, outside the map ----------------------------------------
+
+    def local(self, tree: Any) -> Any:
+        """``tree`` (replicated) constrained to the plan's layout: each device keeps its
+        block of a split leaf, a slice, no communication."""
+        if not self.split:
+            return tree
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs())
+        return jax.lax.with_sharding_constraint(tree, shardings)
+
+    def constrain(self, opt_state: Any) -> Any:
+        """The optimizer state held in :meth:`state_specs`' layout."""
+        if not self.split:
+            return opt_state
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs(opt_state))
+        return jax.lax.with_sharding_constraint(opt_state, shardings)
+
+    def gather(self, tree: Any) -> Any:
+        """The whole leaves from every device's block: one all-gather per dtype."""
+        if not self.split:
+            return tree
+        leaves = self._split_leaves(tree)
+        specs = [spec(d, self.axis_name) for d in self.dims]
+        # check_vma=False: the all-gather's result is the same on every device, which
+        # jax 0.10 cannot express without a private function (all_gather_invariant).
+        gathered = jax.shard_map(
+            self._gather_blocks,
+            mesh=self.mesh,
+            in_specs=(specs,),
+            out_specs=[P() for _ in specs],
+            check_vma=False,
+        )(leaves)
+        return self.treedef.unflatten(gathered)
+
+    def _gather_blocks(self, leaves: list[Any]) -> list[Any]:
+        out = list(leaves)
+        which = [i for i, d in enumerate(self.dims) if d is not None]
+        for dtype in sorted({str(leaves[i].dtype) for i in which}):
+            group = [i for i in which if str(leaves[i].dtype) == dtype]
+            flat = [jnp.moveaxis(leaves[i], self.dims[i], 0).reshape(-1) for i in group]
+            rows = jax.lax.all_gather(jnp.concatenate(flat), self.axis_name)  # [n, total]
+            bounds = np.cumsum([f.size for f in flat])[:-1]
+            for i, part in zip(group, jnp.split(rows, bounds, axis=1), strict=True):
+                shape, dim = list(self.shapes[i]), self.dims[i]
+                moved = [shape[dim], *shape[:dim], *shape[dim + 1 :]]
+                out[i] = jnp.moveaxis(part.reshape(moved), 0, dim)
+        return out
