@@ -62,7 +62,7 @@ def main(inputs: str, out: str) -> None:
     for label, path, stage in RUNS:
         x, y = Counting(given["x"]), Counting(given["y"])
         config = dataclasses.replace(MULTI_PROCESS, path=path)
-        options = {"zero_stage": stage} if stage else {}
+        options = {"parallel": jaxdp.Parallel(zero_stage=stage)} if stage else {}
         run = run_jaxdp(
             config, (x, y), initial, permutation=lambda n, seed: orders[seed], **options
         )

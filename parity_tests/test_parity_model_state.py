@@ -44,5 +44,7 @@ def test_without_skip_unused_momentum_moves_the_unused_branch(torch_runs):
     """The difference skip_unused removes: optax steps a zero-gradient leaf by momentum."""
     config = UNUSED[0]
     data, initial, theirs = torch_runs[cell_id(config)]
-    report = compare(config, run_jaxdp(config, data, initial, skip_unused=False), theirs)
+    report = compare(
+        config, run_jaxdp(config, data, initial, skips=jaxdp.Skips(unused=False)), theirs
+    )
     assert report.first_failure == 3, jaxdp.parity.format_parity(report)

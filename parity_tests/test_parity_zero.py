@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from cells import BF16, ZERO, cell_id, torch_key
 
+import jaxdp
 from jaxdp.parity import compare, format_parity, run_jaxdp
 
 # Both sides round the same float32 gradient sums to bfloat16, except where their float32
@@ -29,7 +30,9 @@ BF16_PARITY_REL = 2**-12
 def test_zero_stage_matches_zero_redundancy_optimizer(config, stage, torch_runs):
     data, initial, theirs = torch_runs[torch_key(config, "zero")]
     assert len(theirs.states) == config.steps
-    report = compare(config, run_jaxdp(config, data, initial, zero_stage=stage), theirs)
+    report = compare(
+        config, run_jaxdp(config, data, initial, parallel=jaxdp.Parallel(zero_stage=stage)), theirs
+    )
     assert report.passed, format_parity(report)
 
 
@@ -44,7 +47,7 @@ def relative_distance(ours, theirs, initial, step):
 @pytest.mark.parametrize("config", BF16, ids=cell_id)
 def test_bf16_communication_matches_the_bf16_hook(config, torch_runs):
     data, initial, theirs = torch_runs[torch_key(config, "bf16")]
-    ours = run_jaxdp(config, data, initial, comm_dtype="bfloat16")
+    ours = run_jaxdp(config, data, initial, parallel=jaxdp.Parallel(comm_dtype="bfloat16"))
     assert ours.losses[0] == pytest.approx(theirs.losses[0], rel=1.3e-6)  # before any update
     for step in range(config.steps):
         assert relative_distance(ours, theirs, initial, step) <= BF16_PARITY_REL, step

@@ -86,7 +86,7 @@ def test_a_loaders_batch_of_the_steps_split_trains_as_data_and_weights_do():
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_without_trainable_parameters_is_refused_at_init(stage):
-    step = make_step(2, zero_stage=stage)
+    step = make_step(2, parallel=jaxdp.Parallel(zero_stage=stage))
     with pytest.raises(
         ValueError,
         match=f"zero_stage={stage} splits the trainable parameters' "

@@ -22,7 +22,7 @@ def make(stage, num_devices, accum_steps):
         adamw_clip(),
         mesh=jaxdp.data_mesh(num_devices),
         accum_steps=accum_steps,
-        zero_stage=stage,
+        parallel=jaxdp.Parallel(zero_stage=stage),
     )
     sizes = jaxdp.batch_sizes(
         num_devices=num_devices, accum_steps=accum_steps, global_batch_size=GLOBAL_BATCH

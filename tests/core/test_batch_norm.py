@@ -77,8 +77,8 @@ def run(mode, path, strategy, x, weights=None):
         mesh=jaxdp.data_mesh(NUM_DEVICES),
         accum_steps=ACCUM,
         path=path,
-        strategy=strategy,
         batch_stats=mode,
+        parallel=jaxdp.Parallel(strategy=strategy),
     )
     state = step.init(Normalized())
     batch = (x, x.sum(axis=1, keepdims=True))

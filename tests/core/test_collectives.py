@@ -26,7 +26,7 @@ def compiled_step(path, strategy, accum_steps, params):
         mesh=jaxdp.data_mesh(NUM_DEVICES),
         accum_steps=accum_steps,
         path=path,
-        strategy=strategy,
+        parallel=jaxdp.Parallel(strategy=strategy),
     )
     state = step.init(params)
     rows = NUM_DEVICES * MICRO * (accum_steps if path == "fused" else 1)

@@ -53,7 +53,7 @@ def test_data_parallel_accumulation_equals_big_batch(
         mesh=jaxdp.data_mesh(num_devices),
         accum_steps=accum_steps,
         path=path,
-        strategy=strategy,
+        parallel=jaxdp.Parallel(strategy=strategy),
     )
     state, _ = train(step, mlp_params(), batches)
     assert int(state.step) == STEPS

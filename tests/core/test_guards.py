@@ -255,7 +255,7 @@ def test_a_new_micro_batch_size_is_announced_once(path):
 @pytest.mark.parametrize("path", ["fused", "multisteps"])
 @pytest.mark.parametrize("skip_nonfinite", [False, True])
 def test_the_finite_metric_reports_a_nan_on_one_device(path, skip_nonfinite):
-    step = make(path=path, skip_nonfinite=skip_nonfinite)
+    step = make(path=path, skips=jaxdp.Skips(nonfinite=skip_nonfinite))
     state = step.init(mlp_params())
     x, y = regression_data(rows(step))
     bad = x.copy()

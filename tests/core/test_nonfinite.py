@@ -54,8 +54,8 @@ def make(path, strategy="shard_map", **kw):
         mesh=jaxdp.data_mesh(NUM_DEVICES),
         accum_steps=ACCUM,
         path=path,
-        strategy=strategy,
         batch_stats="local",
+        parallel=jaxdp.Parallel(strategy=strategy),
         **kw,
     )
 
@@ -148,7 +148,7 @@ def skip_twice(step, data):
 
 def test_consecutive_skips_stop_training_with_the_last_good_state():
     data = batches(4)
-    step = make("fused", max_consecutive_skips=2)
+    step = make("fused", skips=jaxdp.Skips(max_consecutive=2))
     state, good = skip_twice(step, data)
     # The step watches two calls behind (no host sync every call): the next call
     # sees the limit's call still running or just done, and goes on ...
@@ -165,7 +165,7 @@ def test_consecutive_skips_stop_training_with_the_last_good_state():
 
 def test_a_finite_step_after_the_limit_ends_the_run_of_skips():
     data = batches(4)
-    step = make("fused", max_consecutive_skips=2)
+    step = make("fused", skips=jaxdp.Skips(max_consecutive=2))
     state, _ = skip_twice(step, data)
     state, metrics = step(state, data[3])  # finite: applied, the run is over
     assert int(metrics["consecutive_skips"]) == 0
@@ -175,7 +175,7 @@ def test_a_finite_step_after_the_limit_ends_the_run_of_skips():
 
 def test_check_reports_a_limit_reached_by_the_last_call():
     data = batches(2)
-    step = make("fused", max_consecutive_skips=1)
+    step = make("fused", skips=jaxdp.Skips(max_consecutive=1))
     state = step.init(Net())
     step.check(state)  # nothing skipped yet
     state, _ = step(state, poisoned(data[0], 0, 0))
@@ -185,7 +185,7 @@ def test_check_reports_a_limit_reached_by_the_last_call():
 
 def test_skip_nonfinite_false_lets_nan_through():
     data = batches(1)
-    step = make("fused", skip_nonfinite=False)
+    step = make("fused", skips=jaxdp.Skips(nonfinite=False))
     state, metrics = step(step.init(Net()), poisoned(data[0], 1, 0))
     assert not bool(metrics["skipped"]) and int(state.step) == 1
     assert np.isnan(np.asarray(state.params["fc"]["kernel"][...])).all()

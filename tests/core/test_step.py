@@ -27,7 +27,7 @@ def test_compiled_once_over_steps(path, strategy):
         mesh=jaxdp.data_mesh(4),
         accum_steps=2,
         path=path,
-        strategy=strategy,
+        parallel=jaxdp.Parallel(strategy=strategy),
     )
     rows = 16 if path == "fused" else 8
     state = step.init(mlp_params())

@@ -112,7 +112,7 @@ def test_unused_parameter_needs_no_flag_and_skip_unused_holds_it_like_torch(skip
         unused_loss,
         optax.sgd(0.1, momentum=0.9),
         mesh=jaxdp.data_mesh(2),
-        skip_unused=skip,
+        skips=jaxdp.Skips(unused=skip),
     )
     used, unused = regression_data(4, seed=0), regression_data(4, seed=0)
     used[1][::2, 0], unused[1][::2, 0] = 1.0, -1.0  # each device's first row decides

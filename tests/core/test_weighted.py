@@ -88,8 +88,8 @@ def test_weighted_mode_equals_global_token_mean(num_devices, accum_steps, path, 
         mesh=jaxdp.data_mesh(num_devices),
         accum_steps=accum_steps,
         path=path,
-        strategy=strategy,
         loss_reduction="weighted",
+        parallel=jaxdp.Parallel(strategy=strategy),
     )
     state, _ = train(step, mlp_params(), batches)
     assert_trees_close(
