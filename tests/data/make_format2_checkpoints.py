@@ -7,87 +7,24 @@ Run once with jaxdp 0.2 (commit 5a621d9) on the path, from a checkout of it:
 """
 
 import json
+import pathlib
 import shutil
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
-import jaxdp
-from jaxdp.checkpoint import Checkpoints
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from format2_cases import CASES, SIZES, Net, batches, calls, mlp, mse, net_loss, optimizer  # noqa: E402
+
+import jaxdp  # noqa: E402
+from jaxdp.checkpoint import Checkpoints  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 assert jaxdp.__version__ == "0.2.0", jaxdp.__file__
 OUT = sys.argv[1]
-N, K, MICRO = 4, 3, 2
-SIZES = jaxdp.batch_sizes(num_devices=N, accum_steps=K, micro_batch_size=MICRO)
-
-
-def mlp(seed=0):
-    rng = np.random.default_rng(seed)
-    return {
-        "w0": rng.normal(size=(8, 16)) / 3,
-        "b0": np.zeros(16),
-        "w1": rng.normal(size=(16, 3)) / 4,
-        "b1": np.zeros(3),
-    }
-
-
-def mse(p, batch):
-    x, y = batch
-    return jnp.mean((jnp.tanh(x @ p["w0"] + p["b0"]) @ p["w1"] + p["b1"] - y) ** 2)
-
-
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.fc = nnx.Linear(8, 16, rngs=rngs, param_dtype=jnp.float64)
-        self.bn = nnx.BatchNorm(16, rngs=rngs, param_dtype=jnp.float64, dtype=jnp.float64)
-        self.out = nnx.Linear(16, 3, rngs=rngs, param_dtype=jnp.float64)
-
-
-def net_loss(model, batch):
-    x, y = batch
-    return jnp.mean((model.out(jax.nn.relu(model.bn(model.fc(x)))) - y) ** 2)
-
-
-def batches(count, seed=1):
-    rng = np.random.default_rng(seed)
-    return [
-        (
-            rng.normal(size=(SIZES.global_batch_size, 8)),
-            rng.normal(size=(SIZES.global_batch_size, 3)),
-        )
-        for _ in range(count)
-    ]
-
-
-CASES = {
-    "fused_stage0": dict(path="fused", zero_stage=0, optimizer="adamw"),
-    "multisteps_stage0": dict(path="multisteps", zero_stage=0, optimizer="inject"),
-    "fused_stage1": dict(path="fused", zero_stage=1, optimizer="adamw"),
-    "multisteps_stage2": dict(path="multisteps", zero_stage=2, optimizer="adamw"),
-    "multisteps_batchnorm": dict(path="multisteps", zero_stage=0, optimizer="adamw", nnx=True),
-}
-
-
-def optimizer(name):
-    if name == "inject":
-        return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=1e-2)
-    return optax.adamw(1e-2, weight_decay=1e-2)
-
-
-def calls(step, state, data):
-    """Every call of the run: one per global batch (fused) or micro-batch (multisteps)."""
-    out = []
-    for batch in data:
-        parts = [batch] if step.path == "fused" else jaxdp.micro_batches(batch, SIZES)
-        for part in parts:
-            state, metrics = step(state, part)
-            out.append({k: float(v) for k, v in metrics.items() if np.ndim(v) == 0})
-    return state, out
+N, K = SIZES.num_devices, SIZES.accum_steps
 
 
 def main():
