@@ -240,9 +240,9 @@ def collectives(compiled_or_hlo: Any) -> list[Collective]:
     the bytes of its whole buffer and its executions per call.
 
     Accepts what :func:`all_reduces` accepts. For a jaxdp step at ZeRO stage 1:
-    one reduce-scatter and one all-gather of the gradients' and parameters'
-    bytes (their ring bytes add up to one all-reduce's), and a scalar all-reduce
-    of the norm and the loss and weight sums.
+    one reduce-scatter and one all-gather of the split leaves' gradient and
+    parameter bytes (their ring bytes add up to one all-reduce's), and one small
+    all-reduce of the leaves kept whole with the norm's, loss and weight sums.
     """
     hlo = compiled_or_hlo if isinstance(compiled_or_hlo, str) else compiled_or_hlo.as_text()
     entry, computations = _parse(hlo)

@@ -325,26 +325,46 @@ def _map(o: StepOptions, fn: Callable[..., Any], in_specs: Any, out_specs: Any):
         )
     n = o.num_devices
 
-    def axes(specs):
-        return jax.tree.map(lambda s: None if s == P() else 0, specs, is_leaf=_is_spec)
+    def call(*args):
+        # pmap is given flat leaves and an axis per leaf: with an empty pytree (a None
+        # model state) among its arguments, jax 0.10.2's pmap misaligned the in_axes of
+        # the arguments after it (the batch's first leaf went unsplit).
+        outputs = jax.shard_map(
+            fn, mesh=o.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
+        like = jax.eval_shape(outputs, *args)
+        leaves, tree = jax.tree.flatten(args)
+        split_in = jax.tree.leaves(_split(in_specs, args))
+        out_tree = jax.tree.structure(like)
+        split_out = jax.tree.leaves(_split(out_specs, like))
 
-    def rows(specs, tree, fn):
-        return jax.tree.map(
-            lambda s, x: x if s == P() else jax.tree.map(fn, x), specs, tree, is_leaf=_is_spec
+        def flat(*xs):
+            return out_tree.flatten_up_to(fn(*tree.unflatten(xs)))
+
+        mapped = jax.pmap(
+            flat,
+            o.axis_name,
+            in_axes=tuple(0 if s else None for s in split_in),
+            out_axes=[0 if s else None for s in split_out],
+            devices=list(o.mesh.devices.flat),
+        )
+        leaves = [
+            x.reshape(n, -1, *x.shape[1:]) if s else x
+            for x, s in zip(leaves, split_in, strict=True)
+        ]
+        out = mapped(*leaves)
+        return out_tree.unflatten(
+            [x.reshape(-1, *x.shape[2:]) if s else x for x, s in zip(out, split_out, strict=True)]
         )
 
-    def call(*args):
-        args = rows(in_specs, args, lambda x: x.reshape(n, -1, *x.shape[1:]))
-        out = jax.pmap(
-            fn,
-            o.axis_name,
-            in_axes=axes(in_specs),
-            out_axes=axes(out_specs),
-            devices=list(o.mesh.devices.flat),
-        )(*args)
-        return rows(out_specs, out, lambda x: x.reshape(-1, *x.shape[2:]))
-
     return call
+
+
+def _split(specs: Any, tree: Any) -> Any:
+    """Per leaf of ``tree``: whether its spec (a prefix of it) splits it over the mesh."""
+    return jax.tree.map(
+        lambda s, x: jax.tree.map(lambda _: s != P(), x), specs, tree, is_leaf=_is_spec
+    )
 
 
 def _is_spec(x: Any) -> bool:

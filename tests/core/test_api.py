@@ -1,6 +1,7 @@
 """The public API: a small core, tools as subpackages, every name documented and tested,
 and ``import jaxdp`` light enough to configure devices after it."""
 
+import ast
 import importlib
 import pathlib
 import re
@@ -70,3 +71,34 @@ def test_modules_are_small_and_their_names_do_not_collide():
     stems = {p.stem for p in (ROOT / "jaxdp").glob("_*.py")}
     # Names that once sat side by side and read alike.
     assert not stems & {"_model", "_models", "_state", "_trainable", "_plan", "_plan_cli"}
+
+
+def test_the_core_is_under_4000_lines_and_its_imports_point_one_way():
+    """The core (jaxdp/*.py) stays small, and its modules import each other without a
+    cycle, TYPE_CHECKING imports included (issue 24): state and primitives at the
+    bottom, the step on top."""
+    core = {p.stem: p for p in (ROOT / "jaxdp").glob("*.py")}
+    assert sum(len(p.read_text().splitlines()) for p in core.values()) < 4000
+    imports = {}
+    for name, path in core.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module in core:
+                found.add(node.module)
+        imports[name] = found
+    order, state = [], {}
+
+    def visit(name, trail):
+        if state.get(name) == "done":
+            return
+        assert state.get(name) != "open", f"import cycle: {' -> '.join([*trail, name])}"
+        state[name] = "open"
+        for other in sorted(imports[name]):
+            visit(other, [*trail, name])
+        state[name] = "done"
+        order.append(name)
+
+    for name in sorted(core):
+        visit(name, [])
+    # The step is built last: nothing in the core imports it but the package's __init__.
+    assert [n for n, deps in imports.items() if "_step" in deps] == ["__init__"]

@@ -30,21 +30,26 @@ def test_epoch_schedule_returns_rows_and_weights_per_step():
     np.testing.assert_array_equal(schedule.micro_weights, [[1, 1], [1, 1], [1, 0]])
 
 
+def strategy(value):
+    return {"parallel": jaxdp.Parallel(strategy=value)}
+
+
 @pytest.mark.parametrize(
-    "alias,argument",
+    "alias,argument,options",
     [
-        (jaxdp.AccumulationPath, "path"),
-        (jaxdp.Strategy, "strategy"),
-        (jaxdp.LossReduction, "loss_reduction"),
-        (jaxdp.BatchStats, "batch_stats"),
+        (jaxdp.AccumulationPath, "path", None),
+        (jaxdp.Strategy, "strategy", strategy),
+        (jaxdp.LossReduction, "loss_reduction", None),
+        (jaxdp.BatchStats, "batch_stats", None),
     ],
 )
-def test_each_string_alias_lists_what_make_train_step_accepts(alias, argument):
+def test_each_string_alias_lists_what_make_train_step_accepts(alias, argument, options):
     mesh = jaxdp.data_mesh(1)
+    options = options or (lambda value: {argument: value})
     for value in typing.get_args(alias):
-        jaxdp.make_train_step(loss, optax.sgd(0.1), mesh=mesh, **{argument: value})
+        jaxdp.make_train_step(loss, optax.sgd(0.1), mesh=mesh, **options(value))
     with pytest.raises(ValueError, match=rf"{argument}='other' must be"):
-        jaxdp.make_train_step(loss, optax.sgd(0.1), mesh=mesh, **{argument: "other"})
+        jaxdp.make_train_step(loss, optax.sgd(0.1), mesh=mesh, **options("other"))
 
 
 def test_last_window_lists_what_epoch_schedule_accepts():
@@ -61,17 +66,55 @@ def test_trainable_is_the_type_of_make_train_step_trainable():
 
 
 @pytest.mark.parametrize("path", ["fused", "multisteps"])
-def test_init_gives_a_train_state_and_multisteps_an_accum_state(path):
+def test_init_gives_a_train_state_and_multisteps_a_window(path):
     step = jaxdp.make_train_step(
         loss, optax.sgd(0.1), mesh=jaxdp.data_mesh(2), accum_steps=2, path=path
     )
     state = step.init({"w": np.ones((3, 1), np.float32)})
     assert isinstance(state, jaxdp.TrainState)
     if path == "fused":
-        assert state.accum is None
+        assert state.window is None
     else:
-        assert isinstance(state.accum, jaxdp.AccumState)
-        assert state.accum.loss_sum.shape == (2,)  # one per device
+        assert isinstance(state.window, jaxdp.Window)
+        assert state.window.loss_sum.shape == (2,)  # one per device
+        assert int(state.window.position) == 0
+
+
+def test_the_names_of_jaxdp_0_2_warn_and_still_work():
+    mesh = jaxdp.data_mesh(2)
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"write parallel=jaxdp\.Parallel\(zero_stage=\.\.\., strategy=\.\.\.\)",
+    ):
+        old = jaxdp.make_train_step(
+            loss, optax.sgd(0.1), mesh=mesh, zero_stage=1, strategy="shard_map"
+        )
+    assert old.options.parallel == jaxdp.Parallel(zero_stage=1)
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"write skips=jaxdp\.Skips\(max_consecutive=\.\.\., unused=\.\.\.\)",
+    ):
+        old = jaxdp.make_train_step(
+            loss, optax.sgd(0.1), mesh=mesh, max_consecutive_skips=3, skip_unused=True
+        )
+    assert old.options.skips == jaxdp.Skips(max_consecutive=3, unused=True)
+    with pytest.raises(
+        TypeError, match="got zero_stage= and parallel=; zero_stage is parallel.zero_stage"
+    ):
+        jaxdp.make_train_step(
+            loss, optax.sgd(0.1), mesh=mesh, zero_stage=1, parallel=jaxdp.Parallel()
+        )
+    with pytest.raises(TypeError, match="unexpected keyword argument 'zero'"):
+        jaxdp.make_train_step(loss, optax.sgd(0.1), mesh=mesh, zero=1)
+    with pytest.raises(TypeError, match=r"parallel=1 must be a jaxdp\.Parallel"):
+        jaxdp.make_train_step(loss, optax.sgd(0.1), mesh=mesh, parallel=1)
+    state = jaxdp.make_train_step(loss, optax.sgd(0.1), mesh=mesh, path="multisteps").init(
+        {"w": np.ones((3, 1), np.float32)}
+    )
+    with pytest.warns(DeprecationWarning, match="TrainState.accum is deprecated"):
+        assert state.accum is state.window
+    with pytest.warns(DeprecationWarning, match="jaxdp.AccumState is deprecated"):
+        assert jaxdp.AccumState is jaxdp.Window
 
 
 def test_all_reduces_describes_each_as_an_all_reduce():
