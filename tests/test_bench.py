@@ -257,9 +257,9 @@ def test_without_matplotlib_one_line_names_it_before_anything_runs(monkeypatch, 
     assert not (tmp_path / "out").exists()
 
 
-def test_the_benchmarks_import_only_public_modules_and_names_of_jaxdp():
-    """Tools out of the core's way: the benchmarks use jaxdp as a user does (names
-    without a leading underscore, from modules without one)."""
+def test_the_benchmarks_import_only_public_modules_and_names_of_jaxdp_and_torch_ref():
+    """Tools out of the core's way: the benchmarks use jaxdp and torch_ref as a user does
+    (names without a leading underscore, from modules without one)."""
     private = []
     for path in sorted((ROOT / "benchmarks").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -270,7 +270,7 @@ def test_the_benchmarks_import_only_public_modules_and_names_of_jaxdp():
             else:
                 continue
             for module in modules:
-                if module.partition(".")[0] != "jaxdp":
+                if module.partition(".")[0] not in {"jaxdp", "torch_ref"}:
                     continue
                 if any(part.startswith("_") for part in [*module.split("."), *names]):
                     private.append(f"{path.relative_to(ROOT)}:{node.lineno}: {module} {names}")
