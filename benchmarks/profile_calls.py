@@ -5,8 +5,8 @@ Run from the repository root (about a minute for the GPT)::
     .venv/bin/python benchmarks/profile_calls.py gpt 8     # or: mlp 8
     .venv/bin/python benchmarks/profile_calls.py gpt 8 --counts-only   # the kernels, no timing
 
-For the bench's model (``jaxdp bench``'s), the two hand-written floors of
-``jaxdp/cli/bench/_hand_written.py``: the fused step (one program, a
+For the bench's model (``bin/jaxdp bench``'s), the two hand-written floors of
+``benchmarks/harness/_hand_written.py``: the fused step (one program, a
 ``lax.scan`` over ``K`` micro-batches, then the update) and the streaming one
 (``K`` calls adding one micro-batch's gradients each, then one applying
 them). Prints:
@@ -53,11 +53,11 @@ def _setup(bm):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdp._mesh import data_mesh
-    from jaxdp.cli.bench._common import micro_loss
+    from benchmarks.harness._common import micro_loss
+    from jaxdp import data_mesh
 
     mesh = data_mesh(1)
-    loss, params = micro_loss(bm, bm.spec().make())
+    loss, params = micro_loss(bm, bm.make())
     copy = jax.jit(lambda tree: jax.tree.map(jax.numpy.copy, tree))  # the steps donate
     return mesh, NamedSharding(mesh, P(mesh.axis_names[0])), loss, params, copy
 
@@ -66,9 +66,9 @@ def _fused(bm, k: int):
     """One optimizer step of the hand-written fused floor over ``k`` micro-batches."""
     import jax
 
-    from jaxdp.cli.bench._common import optimizer
-    from jaxdp.cli.bench._hand_written import hand_written_step
-    from jaxdp.cli.bench.overhead import _chained
+    from benchmarks.harness._common import optimizer
+    from benchmarks.harness._hand_written import hand_written_step
+    from benchmarks.harness.overhead import _chained
 
     mesh, rows, loss, params, copy = _setup(bm)
     window = jax.device_put(bm.data(k * bm.micro_batch_size), rows)
@@ -81,9 +81,9 @@ def _streaming(bm, k: int, *, apply: bool):
     one applying), or (``apply=False``) its ``k`` accumulating calls alone."""
     import jax
 
-    from jaxdp.cli.bench._common import optimizer
-    from jaxdp.cli.bench._hand_written import hand_written_streaming
-    from jaxdp.cli.bench.overhead import _streamed
+    from benchmarks.harness._common import optimizer
+    from benchmarks.harness._hand_written import hand_written_streaming
+    from benchmarks.harness.overhead import _streamed
 
     mesh, rows, loss, params, copy = _setup(bm)
     micro = jax.device_put(bm.data(bm.micro_batch_size), rows)
@@ -103,7 +103,7 @@ def _streaming(bm, k: int, *, apply: bool):
 
 def _timing(model: str, k: int, rows: int) -> dict[str, float]:
     """Milliseconds per optimizer step of both floors at ``rows`` rows a micro-batch."""
-    from jaxdp.cli.bench._common import MODELS, interleaved, median
+    from benchmarks.harness._common import MODELS, interleaved, median
 
     (bm,) = [dataclasses.replace(m, micro_batch_size=rows) for m in MODELS if m.name == model]
     floors = {"fused": _fused(bm, k), "streamed": _streaming(bm, k, apply=True)}
@@ -120,9 +120,9 @@ def _report(label: str, k: int, ms: dict[str, float]) -> None:
 
 
 def main() -> int:
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # a checkout's jaxdp
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # the checkout
     model, k = sys.argv[1], int(sys.argv[2])
-    from jaxdp.cli.bench._common import MODELS
+    from benchmarks.harness._common import MODELS
 
     (bm,) = [m for m in MODELS if m.name == model]
     if "--timing-only" in sys.argv:  # the child with other XLA flags

@@ -11,7 +11,7 @@ the bench's micro-batch loss; the time of each XLA thunk, summed by kind (the
 thunk's name without its number: ``ynn_fusion`` is a dot fused by XLA's YNNPACK
 backend, ``copy_bitcast_fusion`` a transpose written out). ``torch``:
 ``torch.profiler`` over 20 calls of torch_ref's forward and ``backward`` on 2
-threads, self time by aten op. Models: ``gpt`` or ``mlp``, as in ``jaxdp bench``.
+threads, self time by aten op. Models: ``gpt`` or ``mlp``, as in ``bin/jaxdp bench``.
 """
 
 import collections
@@ -51,9 +51,9 @@ def kernel_kind(name: str) -> str:
 def profile_jax(bm) -> collections.Counter:
     import jax
 
-    from jaxdp.cli.bench._common import micro_loss
+    from benchmarks.harness._common import micro_loss
 
-    loss, params = micro_loss(bm, bm.spec().make())
+    loss, params = micro_loss(bm, bm.make())
     grad = jax.jit(jax.value_and_grad(loss))
     micro = jax.device_put(bm.data(bm.micro_batch_size))
     for _ in range(5):
@@ -68,7 +68,7 @@ def profile_jax(bm) -> collections.Counter:
 def profile_torch(bm) -> collections.Counter:
     from torch.profiler import ProfilerActivity, profile
 
-    from jaxdp.cli.bench._torch_side import component_steppers
+    from benchmarks.harness._torch_side import component_steppers
 
     micro = component_steppers(bm, threads=2)["micro"]
     for _ in range(5):
@@ -82,8 +82,8 @@ def profile_torch(bm) -> collections.Counter:
 
 
 def main() -> int:
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # a checkout's jaxdp
-    from jaxdp.cli.bench._common import MODELS
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # the checkout
+    from benchmarks.harness._common import MODELS
 
     framework, model = sys.argv[1:3]
     (bm,) = [m for m in MODELS if m.name == model]

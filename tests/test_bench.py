@@ -1,10 +1,11 @@
-"""jaxdp bench --quick: well-formed outputs, and the figures that are deterministic.
+"""bin/jaxdp bench --quick: well-formed outputs, and the figures that are deterministic.
 
 One quick run (a subprocess: each measurement sets its own emulated device
 count before JAX starts) feeds every test here, so they share one xdist
 worker. Timings are checked for shape only, never against a threshold.
 """
 
+import ast
 import json
 import pathlib
 import re
@@ -13,9 +14,9 @@ import sys
 
 import pytest
 
-from jaxdp.cli.bench import _render, gpu
-from jaxdp.cli.bench import overhead as overhead_module
-from jaxdp.cli.bench import zero as zero_module
+from benchmarks.harness import _render, gpu
+from benchmarks.harness import overhead as overhead_module
+from benchmarks.harness import zero as zero_module
 
 ROOT = pathlib.Path(__file__).parent.parent
 MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory", "zero")
@@ -33,7 +34,7 @@ def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     markdown = out / "BENCHMARKS.md"
     markdown.write_text(HAND_WRITTEN)
-    command = [sys.executable, "-m", "jaxdp.cli.bench", "--quick", "--out", str(out)]
+    command = [sys.executable, "benchmarks/run.py", "--quick", "--out", str(out)]
     command += ["--markdown", str(markdown)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -203,8 +204,8 @@ def test_gpu_script_imports_without_a_gpu_and_counts_gpt2_small(tmp_path):
 
 
 def test_loader_targets_and_section_from_a_result():
-    """`jaxdp bench --only loader`'s verdicts and tables (the timings here are made up)."""
-    from jaxdp.cli.bench._render_loader import loader_section, loader_targets
+    """`bin/jaxdp bench --only loader`'s verdicts and tables (the timings here are made up)."""
+    from benchmarks.harness._render_loader import loader_section, loader_targets
 
     ratios = {"fused": 1.03, "multisteps": 1.08}
     rows = [
@@ -246,6 +247,36 @@ def test_loader_targets_and_section_from_a_result():
     assert "| 2 | 2 | 4 | 400 B (4.0 batches) | 6 |" in section
 
 
+def test_without_matplotlib_one_line_names_it_before_anything_runs(monkeypatch, capsys, tmp_path):
+    from benchmarks.harness import _runner
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert _runner.main(["--quick", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err == "jaxdp bench: error: needs matplotlib (for the figures): pip install matplotlib\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_benchmarks_import_only_public_modules_and_names_of_jaxdp_and_torch_ref():
+    """Tools out of the core's way: the benchmarks use jaxdp and torch_ref as a user does
+    (names without a leading underscore, from modules without one)."""
+    private = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules, names = [node.module], [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                modules, names = [a.name for a in node.names], []
+            else:
+                continue
+            for module in modules:
+                if module.partition(".")[0] not in {"jaxdp", "torch_ref"}:
+                    continue
+                if any(part.startswith("_") for part in [*module.split("."), *names]):
+                    private.append(f"{path.relative_to(ROOT)}:{node.lineno}: {module} {names}")
+    assert private == []
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_the_hand_written_floors_make_jaxdps_step(name):
     """The floors the overhead ratios divide by train what jaxdp's fused step trains:
@@ -258,21 +289,21 @@ def test_the_hand_written_floors_make_jaxdps_step(name):
     from jax.sharding import PartitionSpec as P
 
     import jaxdp
-    from jaxdp.cli.bench._common import BenchModel, micro_loss, optimizer
-    from jaxdp.cli.bench._hand_written import hand_written_step, hand_written_streaming
+    from benchmarks.harness._common import BenchModel, micro_loss, optimizer
+    from benchmarks.harness._hand_written import hand_written_step, hand_written_streaming
 
     if name == "sgd":
         optimizer = lambda: optax.sgd(0.5)  # noqa: E731  (the name the steps below call)
     bm, k, n = BenchModel("mlp", "mlp", {}, 8), 2, 2
     mesh = jaxdp.data_mesh(n)
     rows = NamedSharding(mesh, P(mesh.axis_names[0]))
-    module = bm.spec().make()
+    module = bm.make()
     loss, params = micro_loss(bm, module)
     # device-major rows: device d's K micro-batches are rows [d*K*m, (d+1)*K*m)
     window = bm.data(n * k * bm.micro_batch_size, seed=3)
     copy = jax.jit(lambda t: jax.tree.map(jax.numpy.copy, t))
 
-    fused = jaxdp.make_train_step(bm.spec().loss, optimizer(), mesh=mesh, accum_steps=k)
+    fused = jaxdp.make_train_step(bm.loss, optimizer(), mesh=mesh, accum_steps=k)
     state, _ = fused(fused.init(module), window)
 
     hand = hand_written_step(loss, optimizer(), mesh, k)

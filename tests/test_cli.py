@@ -366,7 +366,7 @@ def option_entries(text):
     return entries
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["parity"], ["plan"], ["launch"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["train"], ["parity"], ["plan"], ["launch"]])
 def test_help_is_plain_text_with_every_default(capsys, command):
     with pytest.raises(SystemExit) as exit_:
         main([*command, "--help"])
@@ -380,6 +380,15 @@ def test_help_is_plain_text_with_every_default(capsys, command):
         takes_value = any(" " in alternative for alternative in invocation.split(", "))
         if takes_value:
             assert "(default: " in help_text or "required" in help_text, invocation
+
+
+def test_bench_is_not_installed_and_says_where_it_runs(capsys):
+    """The benchmarks live in the repository (benchmarks/), not in the package."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--quick"])
+    assert exit_.value.code == 2  # as argparse's for an unknown command
+    err = capsys.readouterr().err
+    assert err.endswith("jaxdp: error: jaxdp bench runs from a source checkout: bin/jaxdp bench\n")
 
 
 BLOCK_AND_RUN = """
@@ -408,7 +417,6 @@ def run_without(blocked, argv):
         (["train"], {"sklearn", "tqdm", "matplotlib"}, "scikit-learn, tqdm, matplotlib"),
         (["train", "--steps", "5"], {"tqdm"}, "tqdm"),
         (["train", "--tensorboard", "tb"], {"tensorboardX"}, "tensorboardX"),
-        (["bench", "--quick"], {"sklearn", "tqdm", "matplotlib"}, "matplotlib"),
     ],
 )
 def test_without_the_cli_extra_one_line_names_what_is_missing(argv, blocked, missing):

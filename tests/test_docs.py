@@ -270,6 +270,9 @@ def check_command(words: list[str], seen: Counter) -> None:
         seen["pip"] += 1
         return
     for i, word in enumerate(words):
+        if word.endswith("bin/jaxdp") and words[i + 1 : i + 2] == ["bench"]:  # a checkout's
+            check_bench(words[i + 2 :], seen)
+            return
         if word == "jaxdp" or word.endswith("/jaxdp"):  # also `python -m jaxdp`
             check_jaxdp(words[i + 1 :], seen)
             return
@@ -286,6 +289,21 @@ def check_jaxdp(argv: list[str], seen: Counter) -> None:
     if args is not None and hasattr(args, "nprocs"):  # jaxdp launch ... -- COMMAND
         (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         check_command(child_argv(args.command, set(sub.choices)), seen)
+
+
+def check_bench(argv: list[str], seen: Counter) -> None:
+    """`bin/jaxdp bench`'s arguments parse with benchmarks/run.py's parser."""
+    from benchmarks.harness._runner import parser
+
+    bench = parser()
+    bench.allow_abbrev = False  # a renamed flag must not pass as an abbreviation
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            bench.parse_args(argv)
+        except SystemExit as e:  # --help exits 0; a bad flag or value exits 2
+            assert e.code == 0, f"bin/jaxdp bench {shlex.join(argv)}: {err.getvalue()}"
+    seen["jaxdp"] += 1
 
 
 def check_pip(words: list[str]) -> None:

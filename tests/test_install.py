@@ -58,6 +58,14 @@ def test_the_wheel_declares_the_core_plain_and_the_command_line_as_an_extra(whee
         assert "jaxdp/py.typed" in z.namelist()
 
 
+def test_the_wheel_ships_no_benchmarks(wheel):
+    """The benchmark harness stays in the repository (benchmarks/), out of the package."""
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+    assert any(n.startswith("jaxdp/cli/") for n in names)  # the command line is there
+    assert [n for n in names if "bench" in n] == []
+
+
 def test_installing_the_wheel_without_extras_pulls_no_command_line_or_torch(wheel, tmp_path):
     report = tmp_path / "report.json"
     subprocess.run(

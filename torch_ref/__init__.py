@@ -6,6 +6,7 @@ reference models it trains a user's own (``TrainConfig(model=..., loss=...)``,
 see ``torch_ref.user``).
 """
 
+from ._launch import launch as launch
 from ._launch import load_results as load_results
 from ._launch import save_jobs as save_jobs
 from .comm_hooks import COMM_HOOKS as COMM_HOOKS
@@ -31,6 +32,7 @@ from .train import torch_permutation as torch_permutation
 from .train import train_ddp as train_ddp
 from .train import train_ddp_many as train_ddp_many
 from .train import train_ga as train_ga
+from .train import train_window as train_window
 from .user import LOSSES as LOSSES
 from .user import load_attr as load_attr
 
@@ -49,6 +51,7 @@ __all__ = [
     "build_optimizer",
     "check_job",
     "compute_loss",
+    "launch",
     "load_attr",
     "load_results",
     "make_data",
@@ -62,4 +65,5 @@ __all__ = [
     "train_ddp",
     "train_ddp_many",
     "train_ga",
+    "train_window",
 ]

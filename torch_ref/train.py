@@ -287,7 +287,7 @@ def _run(
     sampler, loader = _loader(config, data, dtype, rank=rank, world_size=world_size)
     result = Result(states=[], losses=[], final={})
     for window in _windows(config, sampler, loader):
-        loss = _train_window(config, model, optimizer, window, device)
+        loss = train_window(config, model, optimizer, window, device)
         if ddp:  # for logging only: the mean over ranks, one all_reduce after the step
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)
             loss /= world_size
@@ -347,14 +347,18 @@ def _windows(
             yield window
 
 
-def _train_window(
+def train_window(
     config: TrainConfig,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     window: list[Batch],
     device: torch.device,
 ) -> torch.Tensor:
-    """One optimizer step on a window of ``k`` micro-batches; returns ``sum_j loss_j / k``."""
+    """One optimizer step on a window of ``k`` micro-batches, as DDP with gradient
+    accumulation is written: ``loss / k`` and ``backward`` per micro-batch (under DDP
+    inside ``no_sync`` for all but the last, so one all-reduce per step), the gradient
+    clip if configured, ``optimizer.step()``, ``zero_grad``. Returns ``sum_j loss_j / k``
+    (this rank's; a tensor, not synchronized)."""
     k = len(window)
     total = torch.zeros((), dtype=torch_dtype(config.dtype), device=device)
     for j, (x, y) in enumerate(window):

@@ -1,4 +1,4 @@
-"""The ``jaxdp`` command line: ``train``, ``launch``, ``parity``, ``plan``, ``bench``.
+"""The ``jaxdp`` command line: ``train``, ``launch``, ``parity``, ``plan``.
 
 Its own dependencies (scikit-learn for the digits images, tqdm, matplotlib) come
 with the ``cli`` extra: ``pip install 'jaxdp[cli]'``.

@@ -1,4 +1,4 @@
-"""The ``cli`` extra: what ``jaxdp train`` and ``jaxdp bench`` need beyond jaxdp's own."""
+"""The ``cli`` extra: what ``jaxdp train`` needs beyond jaxdp's own."""
 
 from __future__ import annotations
 

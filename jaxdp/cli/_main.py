@@ -23,7 +23,6 @@ from ._help import Parser
 from ._launch import add_launch_command
 from ._parity import add_parity_command
 from ._plan import add_parser as plan_parser
-from .bench._runner import add_bench_command
 
 DEFAULT_CPU_DEVICES = 4
 
@@ -360,8 +359,9 @@ SUBCOMMANDS = (
     add_parity_command,
     plan_parser,
     add_launch_command,
-    add_bench_command,
 )
+# Commands of earlier releases that the installed package no longer has: where they went.
+MOVED = {"bench": "jaxdp bench runs from a source checkout: bin/jaxdp bench"}
 
 
 DESCRIPTION = """\
@@ -392,6 +392,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_parser in SUBCOMMANDS:
         add_parser(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in MOVED:  # exit status 2, as argparse's for an unknown command
+        parser.error(MOVED[argv[0]])
     args = parser.parse_args(argv)
     return args.run(args)
 

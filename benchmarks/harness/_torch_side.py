@@ -1,6 +1,6 @@
 """The torch half of ``vs_torch``: torch_ref's models and its own optimizer-step code, timed.
 
-The timed step is ``torch_ref.train._train_window``, the function torch_ref
+The timed step is ``torch_ref.train_window``, the function torch_ref
 trains with (``loss / K`` per micro-batch, ``no_sync`` on all but the last
 under DDP, ``optimizer.step()``, ``zero_grad``), followed by ``loss.item()``.
 Batches are prepared tensors, as the jaxdp side's are device arrays: data
@@ -71,11 +71,9 @@ def window(data: tuple[np.ndarray, np.ndarray], micro: int, accum_steps: int) ->
 
 def stepper(config: Any, model: nn.Module, rows: Window) -> Callable[[], float]:
     """One optimizer step of torch_ref's loop on ``rows``, returning the loss (a sync point)."""
-    from torch_ref.train import _train_window
-
     optimizer = torch_ref.build_optimizer(model.parameters(), config.optimizer)
     device = torch.device("cpu")
-    return lambda: _train_window(config, model, optimizer, rows, device).item()
+    return lambda: torch_ref.train_window(config, model, optimizer, rows, device).item()
 
 
 def _on_threads(threads: int, step: Callable[[], float]) -> Callable[[], float]:
@@ -100,15 +98,13 @@ def ga_stepper(bm: BenchModel, accum_steps: int, threads: int) -> Callable[[], f
 def component_steppers(bm: BenchModel, threads: int) -> dict[str, Callable[[], float]]:
     """torch_ref's parts of a step: one micro-batch's forward and backward (``.grad``
     accumulating, as within a window), and one ``optimizer.step()``."""
-    from torch_ref.models import compute_loss
-
     config = train_config(bm, num_devices=1, accum_steps=1)
     model = torch_model(bm)
     optimizer = torch_ref.build_optimizer(model.parameters(), config.optimizer)
     ((x, y),) = window(bm.data(bm.micro_batch_size), bm.micro_batch_size, 1)
 
     def micro() -> float:
-        loss = compute_loss(config.model, model, x, y)
+        loss = torch_ref.compute_loss(config.model, model, x, y)
         loss.backward()
         return loss.item()
 
@@ -131,8 +127,6 @@ def run_ddp(
 ) -> list[dict[str, Any]]:
     """torch_ref's DDP step on ``num_devices`` gloo ranks (real processes), timed inside
     them; one start of the ranks runs every model (starting them costs seconds)."""
-    from torch_ref._launch import launch
-
     jobs = []
     for bm in models:
         config = train_config(bm, num_devices=num_devices, accum_steps=accum_steps)
@@ -144,7 +138,7 @@ def run_ddp(
             "sample_seconds": sample_seconds,
         }
         jobs.append((config, data, options))
-    return launch(_ddp_rank, jobs, world_size=num_devices, launcher="spawn")
+    return torch_ref.launch(_ddp_rank, jobs, world_size=num_devices, launcher="spawn")
 
 
 def _ddp_rank(rank: int, world_size: int, jobs: Sequence[Any]) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ state, which carries it between calls, less the fused path's). Stage 1 should
 hold 1/N of stage 0's optimizer state, stage 2 also 1/N of the accumulator,
 each plus the padding of leaves whose size N does not divide.
 
-Run: ``python -m jaxdp.cli.bench.zero --out DIR [--quick]``.
+Run: ``python -m benchmarks.harness.zero --out DIR [--quick]``.
 """
 
 from __future__ import annotations
@@ -104,28 +104,29 @@ def _xla_bytes(tree: Any) -> int:
     """Per-device bytes of ``tree``'s arrays as XLA counts a compiled program's arguments."""
     import jax
 
-    from ...plan._xla import compiled_memory
+    from jaxdp.plan import compiled_memory
 
     program = jax.jit(lambda tree: 0, keep_unused=True).lower(tree).compile()
     return compiled_memory(program).arguments
 
 
 def memory_facts(
-    bm: BenchModel, step: Any, state: Any, batch: Any, mesh: Any, k: int, opts: dict[str, Any]
+    bm: BenchModel, step: Any, state: Any, batch: Any, mesh: Any, k: int, parallel: Any
 ) -> dict[str, Any]:
     """XLA's per-device figures for a timing worker's fused ``step`` (compiled here: the
     calls that follow reuse the program), and its state's parts."""
     import jax
     import numpy as np
 
-    from ..._step import make_train_step
-    from ...plan._xla import compiled_memory
+    from jaxdp import make_train_step
+    from jaxdp.plan import compiled_memory
+
     from ._common import optimizer
 
     compiled = compiled_memory(step.compile(state, batch))
     multi = make_train_step(
-        bm.spec().loss, optimizer(), mesh=mesh, accum_steps=k, path="multisteps", **opts
-    ).init(bm.spec().make())
+        bm.loss, optimizer(), mesh=mesh, accum_steps=k, path="multisteps", parallel=parallel
+    ).init(bm.make())
     return {
         "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params)),
         "params_bytes": _xla_bytes(state.params),

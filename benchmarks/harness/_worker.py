@@ -3,7 +3,7 @@
 Timing PyTorch and XLA in turns inside ONE process is biased: after torch's
 turn its OpenMP threads keep spinning, and an XLA step timed next measured
 about 1.3x slower than in a process of its own. So ``vs_torch`` runs jaxdp in
-a worker (``python -m jaxdp.cli.bench._worker jaxdp JOBS``) and torch in
+a worker (``python -m benchmarks.harness._worker jaxdp JOBS``) and torch in
 itself, a process that runs no XLA computation, and times them in turns: the
 one not timed waits meanwhile (the worker on its pipe). A turn that follows
 the other framework's starts after a pause (its threads stop spinning), and
@@ -77,7 +77,7 @@ def serve(framework: str, jobs: list[dict[str, Any]]) -> None:
     """Answers ``{"key", "samples", "sample_seconds"}`` lines with :class:`Timer`'s
     figures, until stdin closes."""
     if framework == "jaxdp":
-        from ..._mesh import emulate_cpu_devices
+        from jaxdp import emulate_cpu_devices
 
         emulate_cpu_devices(max(job["num_devices"] for job in jobs))
     built = steppers(framework, jobs)

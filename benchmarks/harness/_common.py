@@ -16,25 +16,30 @@ from typing import Any
 
 import numpy as np
 
-from ...parity._runner import OptimizerSpec, optax_like_torch
-from ...plan._xla import ModelSpec, reference_model
+from jaxdp.parity import OptimizerSpec, optax_like_torch
 
 # AdamW in torch's terms, so torch_ref builds the same optimizer (eps_root=0, same decay).
 OPTIMIZER = OptimizerSpec("adamw", 1e-3, weight_decay=1e-2)
 
 
-def micro_loss(bm: BenchModel, module: Any) -> tuple[Callable[[Any, Any], Any], Any]:
-    """``(loss(params, micro_batch), params)``: one micro-batch's mean loss as the
-    step computes it (jaxdp's own ``loss_parts``), differentiable in params."""
-    from ..._forward import loss_parts, split_model
-    from ..._model_state import split_state
+def split_params(module: Any) -> tuple[Any, Any, Any]:
+    """``(graphdef, params, rest)``: the module's ``nnx.Param`` variables apart, as jaxdp
+    trains them (the same pytree as ``TrainState.params``)."""
+    from flax import nnx
 
-    graphdef, params, rest = split_model(module)
-    parts = loss_parts(bm.spec().loss, "mean", graphdef)
-    groups = split_state(rest)
+    return nnx.split(module, nnx.Param, ...)
+
+
+def micro_loss(bm: BenchModel, module: Any) -> tuple[Callable[[Any, Any], Any], Any]:
+    """``(loss(params, micro_batch), params)``: one micro-batch's mean loss, the model's
+    loss on the module rebuilt from ``params`` (its other state held fixed: the bench's
+    models have no batch statistics or dropout), differentiable in params."""
+    from flax import nnx
+
+    graphdef, params, rest = split_params(module)
 
     def loss(params: Any, batch: Any) -> Any:
-        return parts(params, batch, *groups, None)[0]
+        return bm.loss(nnx.merge(graphdef, params, rest), batch)
 
     return loss, params
 
@@ -48,8 +53,21 @@ class BenchModel:
     kwargs: dict[str, int]  # constructor sizes (empty: the reference defaults)
     micro_batch_size: int
 
-    def spec(self) -> ModelSpec:
-        return reference_model(self.kind, **self.kwargs)
+    def make(self) -> Any:
+        """The :mod:`jaxdp.models` reference model at these sizes (float32, seed 0)."""
+        from flax import nnx
+
+        from jaxdp.models import MODELS
+
+        cls, _ = MODELS[self.kind]
+        return cls(**self.kwargs, rngs=nnx.Rngs(0))
+
+    @property
+    def loss(self) -> Callable[[Any, Any], Any]:
+        """``loss(module, (x, y))``: the reference model's micro-batch mean loss."""
+        from jaxdp.models import MODELS
+
+        return MODELS[self.kind][1]
 
     def sizes(self) -> dict[str, int]:
         """Constructor sizes, defaults filled in."""

@@ -1,6 +1,7 @@
-"""``jaxdp bench``: runs the measurements in fresh processes, then draws and writes the results.
+"""``bin/jaxdp bench`` (``benchmarks/run.py``): runs the measurements in fresh processes,
+then draws and writes the results.
 
-Each measurement runs as ``python -m jaxdp.cli.bench.<name>``: it must set its
+Each measurement runs as ``python -m benchmarks.harness.<name>``: it must set its
 own emulated device count before JAX starts, and a fresh process keeps one
 measurement's threads, caches and memory from touching the next one's.
 """
@@ -8,30 +9,30 @@ measurement's threads, caches and memory from touching the next one's.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from .._extra import require_extra
 
 CPU_MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory", "zero")
 # Only when named: gpu needs a GPU; loader (the input pipeline, issue 13) is its own run.
 ALL_MEASUREMENTS = (*CPU_MEASUREMENTS, "loader", "gpu")
+DEFAULT_OUT = Path("benchmarks/results")
 
 
-def add_bench_command(sub: argparse._SubParsersAction) -> None:
-    """``jaxdp bench``: registered in ``jaxdp.cli._main.SUBCOMMANDS``."""
-    p = sub.add_parser(
-        "bench",
-        help="measure accumulation overhead, speed against torch_ref, communication, memory, ZeRO",
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bin/jaxdp bench",
         description="Runs jaxdp's benchmarks (each in a fresh process), writes "
         "<out>/<name>.json and PNG figures, and fills the generated tables of the "
         "markdown file (BENCHMARKS.md). The CPU measurements run by default, about "
-        "8 minutes on 2 cores; the GPU one only when named (--only gpu).",
+        "8 minutes on 2 cores; the GPU one only when named (--only gpu). Run from the "
+        "repository root.",
     )
     p.add_argument(
         "--quick", action="store_true", help="smoke sizes, for the tests (no figures to trust)"
@@ -39,9 +40,9 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path("benchmarks/results"),
+        default=DEFAULT_OUT,
         metavar="DIR",
-        help="results directory",
+        help=f"results directory (default: {DEFAULT_OUT})",
     )
     p.add_argument(
         "--only",
@@ -57,25 +58,35 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=Path("BENCHMARKS.md"),
         metavar="FILE",
-        help="file whose generated parts are rewritten; created if missing",
+        help="file whose generated parts are rewritten; created if missing "
+        "(default: BENCHMARKS.md)",
     )
     p.add_argument("--no-markdown", action="store_true", help="write JSON and PNG only")
-    p.set_defaults(run=_run_command)
+    return p
 
 
-def _run_command(args: argparse.Namespace) -> int:
-    require_extra("bench", ["matplotlib"])  # the figures; before the measurements run
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``bin/jaxdp bench`` on ``argv`` (default: ``sys.argv[1:]``); the exit status."""
+    args = parser().parse_args(argv)
+    # The figures need matplotlib: one line before the measurements run, not a
+    # traceback after them.
+    if importlib.util.find_spec("matplotlib") is None:
+        print(
+            "jaxdp bench: error: needs matplotlib (for the figures): pip install matplotlib",
+            file=sys.stderr,
+        )
+        return 1
     names = tuple(dict.fromkeys(args.only)) if args.only else CPU_MEASUREMENTS
     command = "bin/jaxdp bench" + " --quick" * args.quick
     command += "".join(f" --only {name}" for name in args.only or ())
-    command += f" --out {args.out}" if args.out != Path("benchmarks/results") else ""
+    command += f" --out {args.out}" if args.out != DEFAULT_OUT else ""
     markdown = None if args.no_markdown else args.markdown
     return run(names, out=args.out, quick=args.quick, markdown=markdown, command=command)
 
 
 def _env(name: str) -> dict[str, str]:
     env = dict(os.environ)
-    # The measurements import this very jaxdp, installed or not.
+    # The measurements import the harness and jaxdp of this checkout, whatever is installed.
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     if name != "gpu":
@@ -84,10 +95,10 @@ def _env(name: str) -> dict[str, str]:
 
 
 def _run_batch(names: tuple[str, ...], *, out: Path, quick: bool) -> int:
-    """Starts ``names`` together, each ``python -m jaxdp.cli.bench.<name>``; waits for all."""
+    """Starts ``names`` together, each ``python -m benchmarks.harness.<name>``; waits for all."""
     running = {}
     for name in names:
-        argv = [sys.executable, "-m", f"jaxdp.cli.bench.{name}", "--out", str(out)]
+        argv = [sys.executable, "-m", f"benchmarks.harness.{name}", "--out", str(out)]
         argv += ["--quick"] if quick and name != "gpu" else []
         print(f"jaxdp bench: {name} ...", flush=True)
         running[name] = (subprocess.Popen(argv, env=_env(name)), time.perf_counter())

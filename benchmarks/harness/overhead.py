@@ -11,7 +11,7 @@ process on one device (accumulation, not emulated communication), batches
 already on the device. Also timed, to explain the ratios: one micro-batch's
 forward and backward, one optimizer update and one pass ``acc += grads``.
 
-Run: ``python -m jaxdp.cli.bench.overhead --out DIR [--quick]``.
+Run: ``python -m benchmarks.harness.overhead --out DIR [--quick]``.
 """
 
 from __future__ import annotations
@@ -148,10 +148,10 @@ def _variants(bm: BenchModel, k: int, mesh: Any, module: Any) -> dict[str, Calla
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..._step import make_train_step
+    from jaxdp import make_train_step
+
     from ._hand_written import hand_written_step
 
-    spec = bm.spec()
     rows = NamedSharding(mesh, P(mesh.axis_names[0]))
     window = jax.device_put(bm.data(k * bm.micro_batch_size), rows)
     micro = jax.device_put(bm.data(bm.micro_batch_size), rows)
@@ -162,7 +162,7 @@ def _variants(bm: BenchModel, k: int, mesh: Any, module: Any) -> dict[str, Calla
     hand_params = copy(params)
     variants["hand-written"] = _chained(hand, hand_params, optimizer().init(hand_params), window, 1)
     for path, batch, calls in (("fused", window, 1), ("multisteps", micro, k)):
-        step = make_train_step(spec.loss, optimizer(), mesh=mesh, accum_steps=k, path=path)
+        step = make_train_step(bm.loss, optimizer(), mesh=mesh, accum_steps=k, path=path)
         variants[path] = _stepper(step, step.init(module), batch, calls)
     variants[STREAMING] = _streamed(loss, k, mesh, copy(params), micro)
     optax_step, opt_state = _optax_multisteps(loss, copy(params), k)
@@ -180,10 +180,10 @@ def _ratio(samples: dict[str, list[float]], name: str, baseline: str) -> dict[st
 def measure_model(
     bm: BenchModel, accum_steps: Sequence[int], *, repeats: int, sample_seconds: float
 ) -> dict[str, Any]:
-    from ..._mesh import data_mesh
+    from jaxdp import data_mesh
 
     mesh = data_mesh(1)
-    module = bm.spec().make()
+    module = bm.make()
     variants = {f"unit/{name}": fn for name, fn in _units(bm, module).items()}
     for k in accum_steps:
         for path, fn in _variants(bm, k, mesh, module).items():
@@ -214,7 +214,7 @@ def measure_model(
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = standard_args(__doc__.split("\n")[0], argv)
-    from ..._mesh import emulate_cpu_devices
+    from jaxdp import emulate_cpu_devices
 
     emulate_cpu_devices(1)
     started = time.perf_counter()

@@ -11,7 +11,7 @@
    has read ahead and the placed batches alive on the devices
    (``jax.live_arrays``), against its ``prefetch`` depth.
 
-Run: ``python -m jaxdp.cli.bench.loader --out DIR [--quick]``.
+Run: ``python -m benchmarks.harness.loader --out DIR [--quick]``.
 """
 
 from __future__ import annotations
@@ -64,30 +64,31 @@ class SlowArray:
 
 def _setup(bm: BenchModel, path: str, mesh: Any) -> tuple[Any, Any, Any]:
     """The step, its batch identity and a source of ``STEPS_OF_DATA`` global batches."""
-    from ..._layout import batch_sizes
-    from ..._step import make_train_step
+    from jaxdp import batch_sizes, make_train_step
 
     sizes = batch_sizes(
         num_devices=NUM_DEVICES, accum_steps=ACCUM_STEPS, micro_batch_size=bm.micro_batch_size
     )
-    step = make_train_step(
-        bm.spec().loss, optimizer(), mesh=mesh, accum_steps=ACCUM_STEPS, path=path
-    )
+    step = make_train_step(bm.loss, optimizer(), mesh=mesh, accum_steps=ACCUM_STEPS, path=path)
     return step, sizes, bm.data(STEPS_OF_DATA * sizes.global_batch_size)
 
 
 def _preplaced(step: Any, sizes: Any, data: Any, module: Any) -> Callable[[], Any]:
     """One optimizer step over batches already on the mesh (cycling over a few)."""
+    import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..._mesh import DATA_AXIS, place
+    from jaxdp import DATA_AXIS
 
     calls = 1 if step.path == "fused" else ACCUM_STEPS
     rows = sizes.global_batch_size // calls
     sharding = NamedSharding(step.mesh, P(DATA_AXIS))
     batches = itertools.cycle(
-        [place(tuple(x[i * rows : (i + 1) * rows] for x in data), sharding) for i in range(4)]
+        [
+            jax.device_put(tuple(x[i * rows : (i + 1) * rows] for x in data), sharding)
+            for i in range(4)
+        ]
     )
     box = [step.init(module)]
 
@@ -120,9 +121,9 @@ def _ratios(samples: dict[str, list[float]], name: str, baseline: str) -> dict[s
 
 
 def overhead(bm: BenchModel, mesh: Any, *, repeats: int, seconds: float) -> list[dict]:
-    from ...data import Loader
+    from jaxdp.data import Loader
 
-    module, variants = bm.spec().make(), {}
+    module, variants = bm.make(), {}
     for path in PATHS:
         step, sizes, data = _setup(bm, path, mesh)
         loader = Loader(data, sizes, mesh=mesh, path=path, epochs=None)
@@ -141,9 +142,9 @@ def slow_source(
 ) -> dict[str, Any]:
     """The prefetch curve on the fused path: the delay per row makes one global batch
     read on one thread cost about one pre-placed step."""
-    from ...data import Loader
+    from jaxdp.data import Loader
 
-    module = bm.spec().make()
+    module = bm.make()
     step, sizes, data = _setup(bm, "fused", mesh)
     baseline = _preplaced(step, sizes, data, module)
     probe, _ = interleaved({"step": baseline}, repeats=3, sample_seconds=seconds)
@@ -169,7 +170,7 @@ def held(bm: BenchModel, mesh: Any, *, prefetch: int, workers: int) -> dict[str,
     next call) and one waiting to enter the full queue, so at most ``prefetch + 2``."""
     import jax
 
-    from ...data import Loader
+    from jaxdp.data import Loader
 
     _, sizes, data = _setup(bm, "fused", mesh)
     # The other measurements' arrays, held (so that no new array takes one's id).
@@ -198,7 +199,7 @@ def held(bm: BenchModel, mesh: Any, *, prefetch: int, workers: int) -> dict[str,
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = standard_args(__doc__.split("\n")[0], argv)
-    from ..._mesh import data_mesh, emulate_cpu_devices
+    from jaxdp import data_mesh, emulate_cpu_devices
 
     emulate_cpu_devices(NUM_DEVICES)
     started, load_start = time.perf_counter(), load_average()

@@ -34,27 +34,24 @@ def jaxdp_stepper(
     communication dtype: the ``zero`` measurement). ``memory``: the stepper's
     ``facts`` are XLA's per-device figures (:func:`.zero.memory_facts`); the
     step compiled for them is the one the stepper calls."""
-    from ..._mesh import data_mesh
-    from ..._options import Parallel
-    from ..._step import make_train_step
+    from jaxdp import Parallel, data_mesh, make_train_step
 
     mesh = data_mesh(num_devices)
-    spec = bm.spec()
     step = make_train_step(
-        spec.loss,
+        bm.loss,
         optimizer(),
         mesh=mesh,
         accum_steps=accum_steps,
         parallel=Parallel(zero_stage=zero_stage, comm_dtype=comm_dtype),
     )
     batch = _placed(bm, num_devices * accum_steps * bm.micro_batch_size, mesh)
-    box = [step.init(spec.make())]
+    box = [step.init(bm.make())]
     facts = None
     if memory:
         from .zero import memory_facts
 
-        opts = {"zero_stage": zero_stage, "comm_dtype": comm_dtype}
-        facts = memory_facts(bm, step, box[0], batch, mesh, accum_steps, opts)
+        parallel = Parallel(zero_stage=zero_stage, comm_dtype=comm_dtype)
+        facts = memory_facts(bm, step, box[0], batch, mesh, accum_steps, parallel)
 
     def run() -> float:
         box[0], metrics = step(box[0], batch)
@@ -72,11 +69,12 @@ def hand_written_stepper(
     """The hand-written floor (:mod:`._hand_written`) on the same batch."""
     import jax
 
-    from ..._mesh import data_mesh
+    from jaxdp import data_mesh
+
     from ._hand_written import hand_written_step
 
     mesh = data_mesh(num_devices)
-    loss, params = micro_loss(bm, bm.spec().make())
+    loss, params = micro_loss(bm, bm.make())
     step = hand_written_step(loss, optimizer(), mesh, accum_steps)
     batch = _placed(bm, num_devices * accum_steps * bm.micro_batch_size, mesh)
     params = jax.tree.map(jax.numpy.copy, params)
@@ -96,7 +94,7 @@ def component_steppers(bm: BenchModel) -> dict[str, Callable[[], float]]:
     import jax.numpy as jnp
     import optax
 
-    loss, params = micro_loss(bm, bm.spec().make())
+    loss, params = micro_loss(bm, bm.make())
     opt = optimizer()
 
     def accumulate(acc, params, batch):

@@ -1,7 +1,7 @@
 """GPU: a GPT-2-small-sized model in bf16 on one GPU, jaxdp's fused step against torch.compile.
 
-Not in ``jaxdp bench``'s default run and never in CI: it needs a GPU. Run it
-there with ``jaxdp bench --only gpu`` or ``python benchmarks/gpu_gpt2.py``;
+Not in ``bin/jaxdp bench``'s default run and never in CI: it needs a GPU. Run it
+there with ``bin/jaxdp bench --only gpu`` or ``python benchmarks/gpu_gpt2.py``;
 ``--tiny`` runs the same code at toy sizes on any machine (a check, no figures).
 
 1. The peak: a large bf16 ``jnp.dot`` (8192 x 8192 x 8192), median of timed runs.
@@ -197,8 +197,7 @@ def jaxdp_run(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..._mesh import data_mesh
-    from ..._step import make_train_step
+    from jaxdp import data_mesh, make_train_step
 
     mesh = data_mesh(1)
     step = make_train_step(

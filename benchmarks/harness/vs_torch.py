@@ -20,7 +20,7 @@ with ``taskset -c 0-3 ...``). XLA sizes its CPU thread pools from it; torch
 runs on as many threads (``torch.set_num_threads``) and, single-device, also
 on one, and its faster setting is the one compared.
 
-Run: ``python -m jaxdp.cli.bench.vs_torch --out DIR [--quick]``.
+Run: ``python -m benchmarks.harness.vs_torch --out DIR [--quick]``.
 """
 
 from __future__ import annotations

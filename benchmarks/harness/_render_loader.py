@@ -1,4 +1,4 @@
-"""The loader measurement (``jaxdp bench --only loader``): its BENCHMARKS.md section,
+"""The loader measurement (``bin/jaxdp bench --only loader``): its BENCHMARKS.md section,
 target rows and figure (the slow source's prefetch curve)."""
 
 from __future__ import annotations

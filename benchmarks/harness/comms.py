@@ -8,7 +8,7 @@ in a conditional branch taken only on the emitting call; which calls emit is
 observed by running ``2 K`` calls. The ring model turns payloads into time at
 named link bandwidths. Deterministic: no timing.
 
-Run: ``python -m jaxdp.cli.bench.comms --out DIR [--quick]``.
+Run: ``python -m benchmarks.harness.comms --out DIR [--quick]``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._common import BenchModel, bench_models, micro_loss, optimizer, param_bytes, standard_args
+from ._common import (
+    BenchModel,
+    bench_models,
+    micro_loss,
+    optimizer,
+    param_bytes,
+    split_params,
+    standard_args,
+)
 
 NUM_DEVICES = 4
 ACCUM_STEPS = (1, 2, 4, 8, 16)
@@ -77,34 +85,35 @@ def _per_call(reduces: list[Any]) -> tuple[int, int, int, int]:
 
 def measure_model(bm: BenchModel, accum_steps: Sequence[int], mesh: Any) -> dict[str, Any]:
     import jax
+    import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ..._forward import split_model
-    from ..._inspect import all_reduces
-    from ..._step import make_train_step
+    from jaxdp import all_reduces, make_train_step
 
-    module = bm.spec().make()
+    module = bm.make()
     n = mesh.devices.size
-    grad_bytes = param_bytes(split_model(module)[1])  # float32 gradients
+    by_rows = NamedSharding(mesh, P(mesh.axis_names[0]))
+    grad_bytes = param_bytes(split_params(module)[1])  # float32 gradients
     rows = []
     fused_state = None  # one state serves every K: compiling does not consume it
     for k in accum_steps:
-        fused = make_train_step(bm.spec().loss, optimizer(), mesh=mesh, accum_steps=k)
+        fused = make_train_step(bm.loss, optimizer(), mesh=mesh, accum_steps=k)
         fused_state = fused_state or fused.init(module)
         runs, plain, _, _ = _per_call(all_reduces(fused.compile(fused_state, bm.data(n * k))))
         rows.append(_row("fused", k, runs, plain, grad_bytes))
 
-        multi = make_train_step(
-            bm.spec().loss, optimizer(), mesh=mesh, accum_steps=k, path="multisteps"
-        )
-        state, micro = multi.init(module), bm.data(n)
-        compiled = multi.compile(state, micro)
+        multi = make_train_step(bm.loss, optimizer(), mesh=mesh, accum_steps=k, path="multisteps")
+        # The call's inputs placed here, as the step places them (rows split over the
+        # mesh, the micro-batch weight replicated), so the compiled program takes them.
+        micro = jax.device_put(bm.data(n), by_rows)
+        weight = jax.device_put(np.float32(1.0), NamedSharding(mesh, P()))
+        state = multi.init(module)
+        compiled = multi.compile(state, micro, weight)
         runs, plain, branch_runs, branch = _per_call(all_reduces(compiled))
-        inputs = multi._inputs(micro, None)
         emitted = 0
         for _ in range(2 * k):  # two optimizer steps; count the calls that emit
-            state, metrics = compiled(state, *inputs)  # the very program inspected
+            state, metrics = compiled(state, micro, weight)  # the very program inspected
             emitted += bool(metrics["emitted"])
         steps = int(state.step)
         per_step = (2 * k * plain + emitted * branch) / steps
@@ -112,9 +121,9 @@ def measure_model(bm: BenchModel, accum_steps: Sequence[int], mesh: Any) -> dict
         rows.append(_row("multisteps", k, executions, per_step, grad_bytes))
 
         naive = naive_step(bm, module, mesh, k)
-        _, params, _ = split_model(module)
+        _, params, _ = split_params(module)
         params = jax.device_put(params, NamedSharding(mesh, P()))
-        batch = jax.device_put(bm.data(n * k), NamedSharding(mesh, P(mesh.axis_names[0])))
+        batch = jax.device_put(bm.data(n * k), by_rows)
         compiled = naive.lower(params, optimizer().init(params), batch).compile()
         runs, plain, _, _ = _per_call(all_reduces(compiled))
         rows.append(_row("naive", k, runs, plain, grad_bytes))
@@ -139,7 +148,7 @@ def _row(path: str, k: int, runs: float, per_step: float, grad_bytes: int) -> di
 
 def ring_seconds(payload_bytes: float, num_devices: int, bandwidth: float) -> float:
     """Bandwidth term of a ring all-reduce: ``2 (N - 1) / N * bytes / bandwidth`` (no latency)."""
-    from ...plan._memory import ring_all_reduce_bytes
+    from jaxdp.plan import ring_all_reduce_bytes
 
     return ring_all_reduce_bytes(payload_bytes, num_devices) / bandwidth
 
@@ -166,7 +175,7 @@ def ring_table(payloads: dict[str, int], naive_factor: int) -> list[dict[str, An
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = standard_args(__doc__.split("\n")[0], argv)
-    from ..._mesh import data_mesh, emulate_cpu_devices
+    from jaxdp import data_mesh, emulate_cpu_devices
 
     emulate_cpu_devices(NUM_DEVICES)
     started = time.perf_counter()

@@ -9,7 +9,7 @@ micro-batch grows) and with it (the micro-batch fixed, ``K`` grows). Figures
 are per device from ``compiled.memory_analysis()`` (compiled with abstract
 batches: nothing is allocated). Deterministic: no timing.
 
-Run: ``python -m jaxdp.cli.bench.memory --out DIR [--quick]``.
+Run: ``python -m benchmarks.harness.memory --out DIR [--quick]``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,66 @@ QUICK_ACCUM_STEPS = (1, 2)
 BUDGET = 2**28  # 256 MiB per device: small enough that the CPU search stays quick
 QUICK_BUDGET = 2**22
 MAX_COMPILES = 12  # per search
+
+
+class FusedSteps:
+    """jaxdp's fused step for ``bm`` under AdamW (``optax.adamw(1e-3)``, as ``jaxdp plan``
+    compiles it), compiled for any micro-batch size and ``K`` with abstract batches:
+    nothing but the one state is allocated, so large sizes cost only compile time."""
+
+    def __init__(self, bm: BenchModel, mesh: Any):
+        import optax
+
+        self.bm, self.mesh, self.optimizer = bm, mesh, optax.adamw(1e-3)
+        self._steps: dict[int, Any] = {}
+        self._memory: dict[tuple[int, int], Any] = {}
+        self._state = None
+
+    def step(self, accum_steps: int) -> Any:
+        from jaxdp import make_train_step
+
+        if accum_steps not in self._steps:
+            self._steps[accum_steps] = make_train_step(
+                self.bm.loss, self.optimizer, mesh=self.mesh, accum_steps=accum_steps
+            )
+        return self._steps[accum_steps]
+
+    def memory(self, micro_batch_size: int, accum_steps: int = 1) -> Any:
+        """XLA's per-device figures (:class:`jaxdp.plan.CompiledMemory`) of the step over
+        ``accum_steps`` micro-batches of ``micro_batch_size`` rows per device."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from jaxdp.plan import compiled_memory
+
+        key = (micro_batch_size, accum_steps)
+        if key not in self._memory:
+            step = self.step(accum_steps)
+            if self._state is None:  # one state for every K: lowering does not consume it
+                self._state = self.step(1).init(self.bm.make())
+            rows = self.mesh.devices.size * accum_steps * micro_batch_size
+            by_rows = NamedSharding(self.mesh, P(self.mesh.axis_names[0]))
+            batch = tuple(
+                jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype, sharding=by_rows)
+                for x in self.bm.data(1)
+            )
+            weights = jax.ShapeDtypeStruct(
+                (accum_steps,), jnp.float32, sharding=NamedSharding(self.mesh, P())
+            )
+            compiled = step.lower(self._state, batch, weights).compile()
+            self._memory[key] = compiled_memory(compiled)
+        return self._memory[key]
+
+
+def param_count(bm: BenchModel) -> int:
+    """Parameters of the model (built abstractly: nothing is allocated)."""
+    import jax
+    from flax import nnx
+
+    params = nnx.state(nnx.eval_shape(bm.make), nnx.Param)
+    return sum(x.size for x in jax.tree.leaves(params))
 
 
 def largest_fitting(total: Callable[[int], int], budget: int, *, limit: int = 2**30) -> dict:
@@ -69,14 +129,14 @@ def largest_fitting(total: Callable[[int], int], budget: int, *, limit: int = 2*
 def measure_model(
     bm: BenchModel, accum_steps: Sequence[int], mesh: Any, budget: int
 ) -> dict[str, Any]:
-    from ..._step import make_train_step
-    from ...plan._xla import CompiledSteps, compiled_memory, input_bytes_per_sample, param_count
+    from jaxdp import make_train_step
+    from jaxdp.plan import compiled_memory
 
     n = mesh.devices.size
-    steps = CompiledSteps(bm.spec(), "adamw", mesh)
+    steps = FusedSteps(bm, mesh)
     per_device = bm.micro_batch_size * max(accum_steps)  # fixed global batch: n * per_device
-    accumulator = 4 * param_count(bm.spec())  # jaxdp's float32 gradient sum
-    row_bytes = input_bytes_per_sample(bm.spec())
+    accumulator = 4 * param_count(bm)  # jaxdp's float32 gradient sum
+    row_bytes = sum(x.nbytes for x in bm.data(1))  # one row: inputs and labels
     rows = []
     for k in accum_steps:
         micro = per_device // k
@@ -98,10 +158,8 @@ def measure_model(
     without = largest_fitting(lambda b: steps.memory(b, 1).total, budget)
     m = bm.micro_batch_size
     with_accum = largest_fitting(lambda k: steps.memory(m, k).total, budget)
-    multi = make_train_step(
-        bm.spec().loss, steps.step(1).options.optimizer, mesh=mesh, path="multisteps"
-    )
-    multisteps = compiled_memory(multi.compile(multi.init(bm.spec().make()), bm.data(n * m)))
+    multi = make_train_step(bm.loss, steps.optimizer, mesh=mesh, path="multisteps")
+    multisteps = compiled_memory(multi.compile(multi.init(bm.make()), bm.data(n * m)))
     return {
         "model": bm.name,
         "describe": bm.describe(),
@@ -122,7 +180,7 @@ def measure_model(
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = standard_args(__doc__.split("\n")[0], argv)
-    from ..._mesh import data_mesh, emulate_cpu_devices
+    from jaxdp import data_mesh, emulate_cpu_devices
 
     emulate_cpu_devices(NUM_DEVICES)
     started = time.perf_counter()
