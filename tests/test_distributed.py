@@ -25,8 +25,9 @@ import pytest
 from helpers import RTOL, assert_trees_close
 
 import jaxdp
+from jaxdp._failure_record import ENV_FAILURE_FILE, FailureRecord, read_failure, record_failure
 from jaxdp.cli import main
-from jaxdp.cli._group import Group
+from jaxdp.cli._group import RECORD_WAIT_S, Exit, Group, first_to_fail
 from jaxdp.cli._launch import child_argv
 from jaxdp.cli._train import TrainConfig, build, make_step, train
 
@@ -281,6 +282,9 @@ def test_a_sys_exit_on_one_rank_ends_the_launch_at_once_with_its_status(tmp_path
     )
     took = time.monotonic() - start
     assert done.returncode == 3, done.stderr[-2000:]
+    # Rank 0's collective failed when rank 1 ended; the launcher may reap it first, but
+    # rank 1 recorded the start of its failure before it ended (jaxdp._failure_record).
+    assert re.search(r"^jaxdp launch: rank 1 \(pid \d+\) exited with status 3", done.stderr, re.M)
     assert "jaxdp launch: failed: rank 1 exited with status 3" in done.stderr
     assert took < 60  # about 12 s on 2 busy cores; the barrier alone would take 300
 
@@ -432,23 +436,54 @@ def children(pid):
     return found
 
 
+def seen(*exits):
+    """Exits as the launcher saw them, in this order, at 10 s, 11 s, ..."""
+    return [Exit(rank, status, 10.0 + i) for i, (rank, status) in enumerate(exits)]
+
+
 @pytest.mark.parametrize(
-    ("exits", "named"),
+    ("exits", "records", "named"),
     [
-        ([(0, 1), (1, 137)], (1, 137)),  # killed, then its peer failed; recorded the other way
-        ([(1, 143), (0, 1)], (1, 143)),
-        ([(0, 1), (1, 134)], (0, 1)),  # SIGABRT can be a reaction to a peer: order decides
-        ([(1, 0), (0, 2), (2, 1)], (0, 2)),
-        ([(0, 0)], None),
+        # CI: rank 1's sys.exit(3) failed rank 0's gloo all-reduce; rank 0 was reaped first.
+        (seen((0, 1), (1, 3)), {1: (9.1, 3), 0: (9.2, 1)}, (1, 3)),
+        (seen((0, 1)), {1: (9.1, 3), 0: (9.2, 1)}, (1, 3)),  # rank 1 recorded, not yet ended
+        (seen((0, 1), (1, 134)), {}, (0, 1)),  # nothing recorded (a program): the order seen
+        (seen((1, 139), (0, 1)), {0: (10.5, 1)}, (1, 139)),  # a crash seen before any record
+        (seen((1, 139), (0, 1)), {0: (9.5, 1)}, (0, 1)),  # ... after a peer recorded its own
+        # A rank killed from outside cannot have died of a peer's failure, whatever the times.
+        (seen((0, 1), (1, 137)), {0: (9.0, 1)}, (1, 137)),
+        (seen((1, 143), (0, 1)), {}, (1, 143)),
+        (seen((1, 0), (0, 2), (2, 1)), {}, (0, 2)),
+        (seen((1, 2), (0, 2)), {0: (9.0, 2), 1: (9.0, 2)}, (0, 2)),  # a tie: the lower rank
+        (seen((0, 0)), {1: (9.0, 3)}, None),  # no error exit seen yet: nothing to name
     ],
 )
-def test_a_rank_killed_from_outside_is_named_over_a_peer_seen_exiting_with_it(exits, named):
-    """On a busy machine the launcher can wake to find a killed rank and the peer that
-    then failed both gone, recorded in either order (this failed one CI run in three)."""
-    group = Group(io.BytesIO(), io.BytesIO())
-    group.exits = exits
-    failure = group._first_failure()
-    assert (failure and failure[:2]) == named
+def test_the_rank_whose_failure_began_first_is_named(exits, records, named):
+    """The ordering rule of jaxdp launch (issue 23.6): a rank's own record of when its
+    failure began decides over the order the launcher reaped the exits in."""
+    records = {rank: FailureRecord(*record) for rank, record in records.items()}
+    assert first_to_fail(exits, records) == named
+
+
+def test_the_launcher_reads_the_ranks_records_and_waits_briefly_for_them(tmp_path, monkeypatch):
+    """Records written by record_failure (the first of a process stands) are read from
+    the files the launcher names; with a rank neither ended nor recorded, the launcher
+    waits up to RECORD_WAIT_S after the first error exit before naming one."""
+    group = Group(io.BytesIO(), io.BytesIO(), tmp_path, watch=False)
+    group.procs = [None, None, None]  # stand-ins: only counted, never signalled
+    monkeypatch.setenv(ENV_FAILURE_FILE, str(group.failure_file(2)))
+    record_failure(3)
+    record_failure(1)  # a later failure of the same process: the first stands
+    assert read_failure(group.failure_file(2)).status == 3
+    now = time.monotonic()  # after rank 2's record
+    group.exits = [Exit(0, 1, now)]  # rank 1: neither ended nor recorded
+    assert group._first_failure() is None  # waiting for its record
+    assert group._first_failure(final=True)[:2] == (2, 3)  # every rank ended: no wait
+    group.exits = [Exit(0, 1, now), Exit(1, 0, now)]
+    assert group._first_failure()[:2] == (2, 3)  # every rank ended or recorded: no wait
+    group.exits = [Exit(0, 1, now - 2 * RECORD_WAIT_S)]  # before rank 2's record
+    assert group._first_failure()[:2] == (0, 1)  # waited long enough for rank 1
+    assert read_failure(tmp_path / "absent") is None
 
 
 def test_killing_a_rank_mid_training_ends_the_launch_naming_it(tmp_path):
