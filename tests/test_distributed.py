@@ -212,6 +212,29 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_nothing_a_rank_started_outlives_the_launch(tmp_path):
+    """A process a rank started (in the rank's process group: a data server, a shell's
+    child) ends with the launch, also when the rank itself exited 0; the ranks are
+    reaped before the launcher exits."""
+    done = run_script(
+        tmp_path,
+        """
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print("child", child.pid, flush=True)
+        """,
+        ["--nprocs", "2"],
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    pids = [int(line.split()[-1]) for line in done.stdout.splitlines() if " child " in line]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10  # SIGKILL is sent before the launcher exits
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"{pids} outlived the launch"
+        time.sleep(0.05)
+
+
 def test_process_local_batches_and_an_uncaught_exception_on_two_processes(tmp_path):
     # Without jaxdp.initialize's excepthook, rank 1 would sit in JAX's shutdown
     # barrier for timeout_s (300 s here) while rank 0 blocks in its collective.

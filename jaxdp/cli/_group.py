@@ -116,7 +116,10 @@ class Group:
         threading.Thread(target=self._wait, args=(rank, proc), daemon=True).start()
 
     def _wait(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        status = _status(proc.wait())
+        try:
+            status = _wait_unreaped(proc)
+        except ChildProcessError:  # reaped by kill_all after the start ended
+            return
         with self.lock:
             self.exits.append(Exit(rank, status, time.monotonic()))
 
@@ -161,6 +164,9 @@ class Group:
                 self.signal_all(signal.SIGKILL)
                 kill_at = float("inf")
             time.sleep(_POLL_S)
+        # Every rank has ended; what one left running in its process group would
+        # outlive the launch and hold the rank's output open.
+        self.signal_all(signal.SIGKILL)
         for pump in self.pumps:
             pump.join(timeout=5)
         if failed is None and forwarded is None:
@@ -264,9 +270,11 @@ class Group:
                 os.killpg(proc.pid, signum)
 
     def kill_all(self) -> None:
-        """Leaves nothing running: SIGKILL to every group still there, then reap."""
-        if any(p.poll() is None for p in self.procs):
-            self.signal_all(signal.SIGKILL)
+        """Leaves nothing running: SIGKILL to every rank's process group (what a rank
+        started there ends with it, even after the rank itself exited), then reaps the
+        ranks. Until then an ended rank is a zombie, so its pid, which names its
+        group, cannot have been reused."""
+        self.signal_all(signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
 
@@ -306,6 +314,16 @@ def first_to_fail(
 
 def _failure(rank: int, status: int, cause: str) -> Failure:
     return Failure(rank, status, cause, time.monotonic(), time.time())
+
+
+def _wait_unreaped(proc: subprocess.Popen[bytes]) -> int:
+    """Waits for ``proc`` to end and returns its status, leaving it unreaped where the
+    system allows (``waitid`` with WNOWAIT): :meth:`Group.kill_all` reaps it."""
+    if not hasattr(os, "waitid"):
+        return _status(proc.wait())
+    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+    assert info is not None  # None only with WNOHANG
+    return info.si_status if info.si_code == os.CLD_EXITED else 128 + info.si_status
 
 
 def _status(returncode: int) -> int:

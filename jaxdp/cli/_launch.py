@@ -87,7 +87,8 @@ def launch(
     failure's (``128 + n`` for a process ended by signal ``n``; 137 for a rank
     killed for not answering). A SIGINT or SIGTERM sent to the launcher is
     forwarded to every process and waited for, and never restarts the group; a
-    second one kills them (status ``128 + signal``).
+    second one kills them (status ``128 + signal``). Every rank is reaped, and
+    what it left in its process group killed, before a start ends.
     """
     _check(
         nprocs,
