@@ -623,16 +623,19 @@ def test_the_loader_on_two_processes_reads_only_each_process_rows():
 STEPS = 10
 TRAIN_FLAGS = ["--steps", str(STEPS), "--checkpoint-every", "2"]
 LAUNCH_2X2 = [*LAUNCH, "--nprocs", "2", "--devices-per-process", "2", "--timeout-s", "60"]
-# Run by every rank instead of `train`: jaxdp train, with a SIGKILL of this rank at the
-# start and place $KILLS names, {"restart": [rank, step, "step" | "save"]}: after the
-# update of that optimizer step, or while its checkpoint is being written (this rank's
-# part written, the checkpoint not yet committed: before orbax's "save" barrier).
-INJECT = """
+# Run by every rank of `launched`: appends the coordinator address the launcher gave it
+# to $COORDINATORS, then runs jaxdp train, with a SIGKILL of this rank at the start and
+# place $KILLS names, {"restart": [rank, step, "step" | "save"]}: after the update of
+# that optimizer step, or while its checkpoint is being written (this rank's part
+# written, the checkpoint not yet committed: before orbax's "save" barrier).
+RANK = """
 import json, os, signal, sys
 from orbax.checkpoint._src.multihost import multihost
 from jaxdp.checkpoint._checkpoints import Checkpoints
 from jaxdp.cli import _run, main
 
+with open(os.environ["COORDINATORS"], "a") as f:
+    f.write(os.environ["JAXDP_COORDINATOR_ADDRESS"] + "\\n")
 kill = json.loads(os.environ["KILLS"]).get(os.environ["JAXDP_RESTART_COUNT"])
 if kill and int(os.environ["JAXDP_PROCESS_ID"]) == kill[0]:
     _, at, where = kill
@@ -662,20 +665,28 @@ sys.exit(main(["train", *sys.argv[1:]]))
 """
 
 
-def launched(tmp_path, name, launch_flags=(), command=("train",), mark=None, **popen):
-    """A ``jaxdp launch`` of TRAIN_FLAGS writing to ``tmp_path / name`` (checkpoints)
-    and ``name.jsonl`` (metrics); a Popen."""
+def launched(tmp_path, name, launch_flags=(), *, resume=False, kills=None):
+    """A ``jaxdp launch`` of TRAIN_FLAGS (ranks: RANK) writing to ``tmp_path / name``
+    (checkpoints) and ``name.jsonl`` (metrics); a Popen. Its ``mark`` is in the
+    environment of the launcher and every rank (:func:`left_behind`), and its ranks'
+    coordinator addresses go to ``name.coordinators`` (:func:`assert_ports_free`)."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(RANK)
     flags = [*TRAIN_FLAGS, "--checkpoint-dir", str(tmp_path / name)]
-    flags += ["--metrics-out", str(tmp_path / f"{name}.jsonl")]
-    env = {**os.environ, "JAXDP_TEST_MARK": mark or name, **popen.pop("env", {})}
-    return subprocess.Popen(
-        [*LAUNCH_2X2, *launch_flags, "--", *command, *flags],
+    flags += ["--metrics-out", str(tmp_path / f"{name}.jsonl")] + ["--resume"] * resume
+    # tmp_path is this test's own, also among pytest-xdist's workers running at once.
+    mark = str(tmp_path / name)
+    env = {**os.environ, "JAXDP_TEST_MARK": mark, "KILLS": json.dumps(kills or {})}
+    env["COORDINATORS"] = str(tmp_path / f"{name}.coordinators")
+    launcher = subprocess.Popen(
+        [*LAUNCH_2X2, *launch_flags, "--", str(rank), *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
-        **popen,
     )
+    launcher.mark = mark
+    return launcher
 
 
 def metrics(path):
@@ -693,7 +704,8 @@ def newest_leaves(directory):
 
 def left_behind(mark):
     """Pids of processes started under ``JAXDP_TEST_MARK=mark`` still running: a rank or
-    a launcher left behind, and with it any port it holds."""
+    a launcher of that launch left behind (the mark is unique per launch, so a launch
+    of another test running at the same time is never counted)."""
     found = []
     for environ in pathlib.Path("/proc").glob("[0-9]*/environ"):
         try:
@@ -702,6 +714,25 @@ def left_behind(mark):
         except OSError:
             continue
     return [pid for pid in found if alive(pid)]
+
+
+def assert_ports_free(tmp_path, name):
+    """Every coordinator port of launch ``name`` can be bound and listened on again, as a
+    new coordinator would (SO_REUSEADDR, as gRPC sets: connections of the dead
+    coordinator in TIME_WAIT do not hold the port); fails while anything holds it: a
+    coordinator, the launcher's reservation, any socket bound there. Returns the
+    addresses the ranks got, one per rank and start."""
+    addresses = (tmp_path / f"{name}.coordinators").read_text().split()
+    for port in sorted({int(address.rsplit(":", 1)[1]) for address in addresses}):
+        for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "127.0.0.1")):
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((host, port))
+                except OSError as e:
+                    raise AssertionError(f"port {port} ({host}) is still held: {e}") from None
+                s.listen()
+    return addresses
 
 
 @pytest.fixture(scope="module")
@@ -733,14 +764,7 @@ def test_max_restarts_survives_two_kills_and_ends_bitwise_as_an_uninterrupted_ru
     ranks = [int(r) for r in rng.integers(0, 2, size=2)]
     kills = {"0": [ranks[0], first, "step"], "1": [ranks[1], second, "save"]}
     print(f"seed {seed}: kills {kills}")
-    (tmp_path / "inject.py").write_text(INJECT)
-    launcher = launched(
-        tmp_path,
-        "run",
-        ["--max-restarts", "3"],
-        [str(tmp_path / "inject.py")],
-        env={"KILLS": json.dumps(kills)},
-    )
+    launcher = launched(tmp_path, "run", ["--max-restarts", "3"], kills=kills)
     _, err = launcher.communicate(timeout=400)
     assert launcher.returncode == 0, (kills, err[-4000:])
     for restart, (rank, _, _) in enumerate(kills.values(), 1):
@@ -752,7 +776,8 @@ def test_max_restarts_survives_two_kills_and_ends_bitwise_as_an_uninterrupted_ru
         ), (kills, err[-4000:])
     assert metrics(tmp_path / "run.jsonl") == uninterrupted[0]
     assert newest_leaves(tmp_path / "run") == uninterrupted[1]
-    assert left_behind("run") == []
+    assert left_behind(launcher.mark) == []
+    assert len(assert_ports_free(tmp_path, "run")) == 2 * 3  # 2 ranks, 3 starts
 
 
 class Lines:
@@ -786,6 +811,7 @@ def test_a_stopped_rank_is_found_named_and_the_group_restarted(tmp_path, uninter
     try:
         wait_for_records(launcher, tmp_path / "run.jsonl", 3)
         ranks = children(launcher.pid)
+        assert {launcher.pid, *ranks.values()} <= set(left_behind(launcher.mark))
         victim = int(np.random.default_rng().integers(0, 2))
         stopped = time.monotonic()
         os.kill(ranks[victim], signal.SIGSTOP)
@@ -807,7 +833,46 @@ def test_a_stopped_rank_is_found_named_and_the_group_restarted(tmp_path, uninter
     print(f"SIGSTOP of rank {victim}: found in {detection:.1f} s, restarted {down:.1f} s later")
     assert metrics(tmp_path / "run.jsonl") == uninterrupted[0]
     assert newest_leaves(tmp_path / "run") == uninterrupted[1]
-    assert left_behind("run") == []
+    assert left_behind(launcher.mark) == []
+    assert len(assert_ports_free(tmp_path, "run")) == 2 * 2
+
+
+def test_a_hang_past_max_restarts_ends_the_launch_naming_the_stopped_rank(tmp_path):
+    """Acceptance 3 and 5 of issue 25 for a hang: a rank SIGSTOPped when no restart is
+    left ends the launch with 137 (a rank killed for not answering), naming it, once
+    --hang-timeout-s has passed, and leaves no process or port behind."""
+    hang_timeout_s = 5
+    launcher = launched(tmp_path, "run", ["--hang-timeout-s", str(hang_timeout_s)])
+    try:
+        wait_for_records(launcher, tmp_path / "run.jsonl", 3)
+        ranks = children(launcher.pid)
+        assert {launcher.pid, *ranks.values()} <= set(left_behind(launcher.mark))
+        victim = int(np.random.default_rng().integers(0, 2))
+        stopped = time.monotonic()
+        os.kill(ranks[victim], signal.SIGSTOP)
+        _, err = launcher.communicate(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGKILL, err[-4000:]
+    cause = rf"rank {victim} \(pid {ranks[victim]}\) stopped answering: no heartbeat for [\d.]+ s"
+    assert re.search(
+        rf"^jaxdp launch: {cause} \(stopped by a signal\); stopping the other 1 rank\(s\) "
+        r"\(SIGKILL\)$",
+        err,
+        re.M,
+    ), err[-4000:]
+    assert re.search(
+        rf"\njaxdp launch: failed: rank {victim} stopped answering: no heartbeat for [\d.]+ s "
+        r"\(stopped by a signal\)\n\Z",
+        err,
+    ), err[-4000:]
+    # Its last beat came up to a second before the stop. The upper bound is far from
+    # JAX's own heartbeat (60 s), the other way this run could end.
+    assert hang_timeout_s - 1.5 <= took < hang_timeout_s + 20, took
+    assert left_behind(launcher.mark) == []
+    assert len(assert_ports_free(tmp_path, "run")) == 2
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_at_one_checkpointed_step(tmp_path, uninterrupted):
@@ -817,6 +882,8 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_checkpointed_step(tmp_p
     launcher = launched(tmp_path, "run")
     try:
         wait_for_records(launcher, tmp_path / "run.jsonl", 3)
+        ranks = children(launcher.pid)
+        assert {launcher.pid, *ranks.values()} <= set(left_behind(launcher.mark))
         launcher.send_signal(signal.SIGTERM)
         _, err = launcher.communicate(timeout=120)
     finally:
@@ -834,9 +901,12 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_checkpointed_step(tmp_p
     step, _, checkpoint = stops[0][1:]
     assert newest_leaves(tmp_path / "run")[0] == int(step) < STEPS
     assert pathlib.Path(checkpoint) == tmp_path / "run" / step
-    again = launched(tmp_path, "run", command=["train", "--resume"])
+    assert left_behind(launcher.mark) == []
+    assert len(assert_ports_free(tmp_path, "run")) == 2
+    again = launched(tmp_path, "run", resume=True)
     _, err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-4000:]
     assert metrics(tmp_path / "run.jsonl") == uninterrupted[0]
     assert newest_leaves(tmp_path / "run") == uninterrupted[1]
-    assert left_behind("run") == []
+    assert left_behind(again.mark) == []
+    assert len(assert_ports_free(tmp_path, "run")) == 2 * 2
