@@ -40,6 +40,9 @@ ENV_HEARTBEAT_TIMEOUT = "JAXDP_HEARTBEAT_TIMEOUT_S"
 # file where a failure's start is recorded (ENV_FAILURE_FILE, jaxdp._failure_record).
 ENV_HEARTBEAT_FILE = "JAXDP_HEARTBEAT_FILE"
 ENV_RESTART_COUNT = "JAXDP_RESTART_COUNT"
+# Also set by jaxdp launch: when the launch began (time.time()), so that a restarted
+# group's fresh start tells its earlier starts' outputs (written since) from another run's.
+ENV_LAUNCH_STARTED = "JAXDP_LAUNCH_STARTED"
 
 # JAX's own defaults are 300 s to start and 100 s of missed heartbeats; these
 # end a job whose peer never started (JAX aborts ~5 s after the deadline), or

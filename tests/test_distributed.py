@@ -780,6 +780,44 @@ def test_max_restarts_survives_two_kills_and_ends_bitwise_as_an_uninterrupted_ru
     assert len(assert_ports_free(tmp_path, "run")) == 2 * 3  # 2 ranks, 3 starts
 
 
+def test_a_restart_refuses_another_runs_records_as_its_first_start_did(tmp_path):
+    """A first start refused for another run's metrics exits 2; its restart, finding no
+    checkpoint, starts fresh too, and must refuse them as well (it overwrote them)."""
+    metrics = tmp_path / "m.jsonl"
+    other = '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n'
+    metrics.write_text(other)
+    past = time.time() - 60  # written before the launch began
+    os.utime(metrics, (past, past))
+    flags = ["--steps", "2", "--checkpoint-dir", str(tmp_path / "c"), "--metrics-out", str(metrics)]
+    done = subprocess.run(
+        [*LAUNCH, "--nprocs", "1", "--devices-per-process", "1", "--max-restarts", "1"]
+        + ["--", "train", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-4000:]
+    refusal = f"jaxdp train: error: metrics_out={str(metrics)!r} holds 2 record(s) of another run"
+    assert done.stderr.count(refusal) == 2, done.stderr[-4000:]  # the first start and the restart
+    assert metrics.read_text() == other
+
+
+def test_a_restart_before_the_first_checkpoint_starts_over_on_its_own_records(
+    tmp_path, uninterrupted
+):
+    """Rank 0 killed after the first optimizer step, before the first checkpoint (every
+    2 steps): the restarted group starts fresh over the records its first start wrote
+    (after the launch began: its own), and ends as the uninterrupted run, bitwise."""
+    launcher = launched(tmp_path, "run", ["--max-restarts", "1"], kills={"0": [0, 1, "step"]})
+    out, err = launcher.communicate(timeout=400)
+    assert launcher.returncode == 0, err[-4000:]
+    assert "jaxdp launch: restart 1 of 1: rank 0 exited with status 137 (SIGKILL)" in err
+    assert f"[rank 0] --resume: no checkpoint in {tmp_path / 'run'} yet; starting a fresh" in out
+    assert metrics(tmp_path / "run.jsonl") == uninterrupted[0]
+    assert newest_leaves(tmp_path / "run") == uninterrupted[1]
+    assert left_behind(launcher.mark) == []
+
+
 class Lines:
     """A pipe's lines as they come, each with the time it was read."""
 

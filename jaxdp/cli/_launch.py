@@ -31,6 +31,7 @@ from .._distributed import (
     ENV_FAILURE_FILE,
     ENV_HEARTBEAT_FILE,
     ENV_HEARTBEAT_TIMEOUT,
+    ENV_LAUNCH_STARTED,
     ENV_LOCAL_DEVICE_IDS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
@@ -67,7 +68,8 @@ def launch(
     (``train ...``: a jaxdp subcommand), or any other program on PATH. Process
     ``r`` gets ``JAXDP_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port),
     ``JAXDP_NUM_PROCESSES``, ``JAXDP_PROCESS_ID=r``, ``JAXDP_RESTART_COUNT``
-    (0, then 1 after the first restart, ...), ``JAXDP_HEARTBEAT_FILE``,
+    (0, then 1 after the first restart, ...), ``JAXDP_LAUNCH_STARTED`` (when the
+    launch began, ``time.time()``), ``JAXDP_HEARTBEAT_FILE``,
     ``JAXDP_FAILURE_FILE`` (:mod:`jaxdp._failure_record`) and,
     with ``devices_per_process=D``, ``JAXDP_CPU_DEVICES=D`` (D emulated CPU
     devices) and ``JAXDP_LOCAL_DEVICE_IDS`` (GPUs ``r*D .. r*D+D-1``);
@@ -103,7 +105,7 @@ def launch(
     _check_runnable(argv)
     out = stdout or sys.stdout.buffer
     err = stderr or sys.stderr.buffer
-    settings = {ENV_NUM_PROCESSES: str(nprocs)}
+    settings = {ENV_NUM_PROCESSES: str(nprocs), ENV_LAUNCH_STARTED: repr(time.time())}
     if timeout_s is not None:
         settings[ENV_TIMEOUT] = str(timeout_s)
     if heartbeat_timeout_s is not None:
