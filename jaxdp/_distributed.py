@@ -22,6 +22,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from ._failure_record import ENV_FAILURE_FILE as ENV_FAILURE_FILE
+from ._failure_record import record_failure
 from ._heartbeat import start_heartbeat
 from ._mesh import data_mesh, emulate_cpu_devices
 from ._quiet_gloo import quiet_gloo_notes
@@ -34,9 +36,13 @@ ENV_CPU_DEVICES = "JAXDP_CPU_DEVICES"
 ENV_TIMEOUT = "JAXDP_TIMEOUT_S"
 ENV_HEARTBEAT_TIMEOUT = "JAXDP_HEARTBEAT_TIMEOUT_S"
 # Set by jaxdp launch: the file this process's heartbeat touches (jaxdp._heartbeat),
-# and how many times the launcher restarted the group (0 at the first start).
+# how many times the launcher restarted the group (0 at the first start), and the
+# file where a failure's start is recorded (ENV_FAILURE_FILE, jaxdp._failure_record).
 ENV_HEARTBEAT_FILE = "JAXDP_HEARTBEAT_FILE"
 ENV_RESTART_COUNT = "JAXDP_RESTART_COUNT"
+# Also set by jaxdp launch: when the launch began (time.time()), so that a restarted
+# group's fresh start tells its earlier starts' outputs (written since) from another run's.
+ENV_LAUNCH_STARTED = "JAXDP_LAUNCH_STARTED"
 
 # JAX's own defaults are 300 s to start and 100 s of missed heartbeats; these
 # end a job whose peer never started (JAX aborts ~5 s after the deadline), or
@@ -278,6 +284,8 @@ class _ExitAtOnce:
         self.previous = previous
 
     def __call__(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        status = 130 if issubclass(kind, KeyboardInterrupt) else 1
+        record_failure(status)  # before the traceback's print: the moment it began
         self.previous(kind, value, tb)
         print(
             f"jaxdp: process {jax.process_index()} ends on this {kind.__name__} at once; "
@@ -286,4 +294,4 @@ class _ExitAtOnce:
         )
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130 if issubclass(kind, KeyboardInterrupt) else 1)
+        os._exit(status)

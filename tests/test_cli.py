@@ -734,6 +734,52 @@ def test_resume_drops_a_metrics_line_torn_by_a_kill(tmp_path):
     ]
 
 
+def test_sigterm_ends_a_train_process_with_143_and_a_checkpoint_that_resumes(tmp_path):
+    """A scheduler's SIGTERM to ``jaxdp train`` as a process of its own (not ``main()`` in
+    this process, not under the launcher): it exits 143 itself (a death by the signal
+    would read -15 here), with a checkpoint of the step it reports, from which
+    ``--resume`` continues (issue 23.1; the status over 20 runs of each way to end:
+    benchmarks/exit_status.py)."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    command = [sys.executable, "-m", "jaxdp", "train", "--cpu-devices", "2", "--no-progress"]
+    command += ["--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics)]
+    child = subprocess.Popen(
+        [*command, "--steps", "100000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert child.poll() is None, child.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "no metrics record"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 128 + signal.SIGTERM, err[-2000:]
+    stop = re.search(
+        r"^jaxdp train: process 0 stopped at optimizer step (\d+) \(.*\); checkpoint (\S+)$",
+        err,
+        re.M,
+    )
+    assert stop, err[-2000:]
+    step = int(stop.group(1))
+    assert stop.group(2) == str(ckpt / str(step))
+    assert jaxdp.checkpoint.Checkpoints(ckpt).steps[-1] == step
+    assert [r["step"] for r in records(metrics)] == list(range(1, step + 1))
+    done = subprocess.run(
+        [*command, "--resume", "--steps", str(step + 2)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed from {ckpt / str(step)}: step {step}" in done.stdout
+    assert [r["step"] for r in records(metrics)] == list(range(1, step + 3))
+    assert jaxdp.checkpoint.Checkpoints(ckpt).steps[-1] == step + 2
+
+
 def test_resume_on_a_directory_without_checkpoints_starts_fresh_and_says_so(tmp_path, capsys):
     """A scheduler's requeue script runs one command, ``--resume``, every time (issue 23.7);
     a directory whose checkpoints are all unreadable is still refused, never restarted."""

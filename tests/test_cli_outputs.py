@@ -50,6 +50,22 @@ def test_a_fresh_run_never_overwrites_another_runs_records(tmp_path, capsys):
     assert not list(tmp_path.glob(".*lock")) and not (board / "jaxdp.lock").exists()
 
 
+@pytest.mark.parametrize("option", ["metrics_out", "tensorboard"])
+def test_a_resume_that_finds_no_checkpoint_refuses_another_runs_records(tmp_path, capsys, option):
+    """``--resume`` on a directory without checkpoints starts fresh (a requeue before the
+    first checkpoint), and a fresh start never overwrites another run's records (23.5)."""
+    path = tmp_path / ("m.jsonl" if option == "metrics_out" else "tb")
+    flag = "--" + option.replace("_", "-")
+    assert main([*TRAIN, flag, str(path)]) == 0  # another run's records
+    capsys.readouterr()
+    before = sorted((p.name, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file())
+    err = usage_error(
+        capsys, [flag, str(path), "--checkpoint-dir", str(tmp_path / "c"), "--resume"]
+    )
+    assert f"{option}={str(path)!r} holds " in err and " of another run" in err
+    assert sorted((p.name, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()) == before
+
+
 def test_a_tensorboard_path_that_is_a_file_is_refused_before_the_first_step(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     err = usage_error(capsys, ["--tensorboard", str(tmp_path / "file")])

@@ -25,8 +25,9 @@ import pytest
 from helpers import RTOL, assert_trees_close
 
 import jaxdp
+from jaxdp._failure_record import ENV_FAILURE_FILE, FailureRecord, read_failure, record_failure
 from jaxdp.cli import main
-from jaxdp.cli._group import Group
+from jaxdp.cli._group import RECORD_WAIT_S, Exit, Group, first_to_fail
 from jaxdp.cli._launch import child_argv
 from jaxdp.cli._train import TrainConfig, build, make_step, train
 
@@ -211,6 +212,29 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_nothing_a_rank_started_outlives_the_launch(tmp_path):
+    """A process a rank started (in the rank's process group: a data server, a shell's
+    child) ends with the launch, also when the rank itself exited 0; the ranks are
+    reaped before the launcher exits."""
+    done = run_script(
+        tmp_path,
+        """
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print("child", child.pid, flush=True)
+        """,
+        ["--nprocs", "2"],
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    pids = [int(line.split()[-1]) for line in done.stdout.splitlines() if " child " in line]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10  # SIGKILL is sent before the launcher exits
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"{pids} outlived the launch"
+        time.sleep(0.05)
+
+
 def test_process_local_batches_and_an_uncaught_exception_on_two_processes(tmp_path):
     # Without jaxdp.initialize's excepthook, rank 1 would sit in JAX's shutdown
     # barrier for timeout_s (300 s here) while rank 0 blocks in its collective.
@@ -281,6 +305,9 @@ def test_a_sys_exit_on_one_rank_ends_the_launch_at_once_with_its_status(tmp_path
     )
     took = time.monotonic() - start
     assert done.returncode == 3, done.stderr[-2000:]
+    # Rank 0's collective failed when rank 1 ended; the launcher may reap it first, but
+    # rank 1 recorded the start of its failure before it ended (jaxdp._failure_record).
+    assert re.search(r"^jaxdp launch: rank 1 \(pid \d+\) exited with status 3", done.stderr, re.M)
     assert "jaxdp launch: failed: rank 1 exited with status 3" in done.stderr
     assert took < 60  # about 12 s on 2 busy cores; the barrier alone would take 300
 
@@ -432,23 +459,54 @@ def children(pid):
     return found
 
 
+def seen(*exits):
+    """Exits as the launcher saw them, in this order, at 10 s, 11 s, ..."""
+    return [Exit(rank, status, 10.0 + i) for i, (rank, status) in enumerate(exits)]
+
+
 @pytest.mark.parametrize(
-    ("exits", "named"),
+    ("exits", "records", "named"),
     [
-        ([(0, 1), (1, 137)], (1, 137)),  # killed, then its peer failed; recorded the other way
-        ([(1, 143), (0, 1)], (1, 143)),
-        ([(0, 1), (1, 134)], (0, 1)),  # SIGABRT can be a reaction to a peer: order decides
-        ([(1, 0), (0, 2), (2, 1)], (0, 2)),
-        ([(0, 0)], None),
+        # CI: rank 1's sys.exit(3) failed rank 0's gloo all-reduce; rank 0 was reaped first.
+        (seen((0, 1), (1, 3)), {1: (9.1, 3), 0: (9.2, 1)}, (1, 3)),
+        (seen((0, 1)), {1: (9.1, 3), 0: (9.2, 1)}, (1, 3)),  # rank 1 recorded, not yet ended
+        (seen((0, 1), (1, 134)), {}, (0, 1)),  # nothing recorded (a program): the order seen
+        (seen((1, 139), (0, 1)), {0: (10.5, 1)}, (1, 139)),  # a crash seen before any record
+        (seen((1, 139), (0, 1)), {0: (9.5, 1)}, (0, 1)),  # ... after a peer recorded its own
+        # A rank killed from outside cannot have died of a peer's failure, whatever the times.
+        (seen((0, 1), (1, 137)), {0: (9.0, 1)}, (1, 137)),
+        (seen((1, 143), (0, 1)), {}, (1, 143)),
+        (seen((1, 0), (0, 2), (2, 1)), {}, (0, 2)),
+        (seen((1, 2), (0, 2)), {0: (9.0, 2), 1: (9.0, 2)}, (0, 2)),  # a tie: the lower rank
+        (seen((0, 0)), {1: (9.0, 3)}, None),  # no error exit seen yet: nothing to name
     ],
 )
-def test_a_rank_killed_from_outside_is_named_over_a_peer_seen_exiting_with_it(exits, named):
-    """On a busy machine the launcher can wake to find a killed rank and the peer that
-    then failed both gone, recorded in either order (this failed one CI run in three)."""
-    group = Group(io.BytesIO(), io.BytesIO())
-    group.exits = exits
-    failure = group._first_failure()
-    assert (failure and failure[:2]) == named
+def test_the_rank_whose_failure_began_first_is_named(exits, records, named):
+    """The ordering rule of jaxdp launch (issue 23.6): a rank's own record of when its
+    failure began decides over the order the launcher reaped the exits in."""
+    records = {rank: FailureRecord(*record) for rank, record in records.items()}
+    assert first_to_fail(exits, records) == named
+
+
+def test_the_launcher_reads_the_ranks_records_and_waits_briefly_for_them(tmp_path, monkeypatch):
+    """Records written by record_failure (the first of a process stands) are read from
+    the files the launcher names; with a rank neither ended nor recorded, the launcher
+    waits up to RECORD_WAIT_S after the first error exit before naming one."""
+    group = Group(io.BytesIO(), io.BytesIO(), tmp_path, watch=False)
+    group.procs = [None, None, None]  # stand-ins: only counted, never signalled
+    monkeypatch.setenv(ENV_FAILURE_FILE, str(group.failure_file(2)))
+    record_failure(3)
+    record_failure(1)  # a later failure of the same process: the first stands
+    assert read_failure(group.failure_file(2)).status == 3
+    now = time.monotonic()  # after rank 2's record
+    group.exits = [Exit(0, 1, now)]  # rank 1: neither ended nor recorded
+    assert group._first_failure() is None  # waiting for its record
+    assert group._first_failure(final=True)[:2] == (2, 3)  # every rank ended: no wait
+    group.exits = [Exit(0, 1, now), Exit(1, 0, now)]
+    assert group._first_failure()[:2] == (2, 3)  # every rank ended or recorded: no wait
+    group.exits = [Exit(0, 1, now - 2 * RECORD_WAIT_S)]  # before rank 2's record
+    assert group._first_failure()[:2] == (0, 1)  # waited long enough for rank 1
+    assert read_failure(tmp_path / "absent") is None
 
 
 def test_killing_a_rank_mid_training_ends_the_launch_naming_it(tmp_path):
@@ -565,16 +623,19 @@ def test_the_loader_on_two_processes_reads_only_each_process_rows():
 STEPS = 10
 TRAIN_FLAGS = ["--steps", str(STEPS), "--checkpoint-every", "2"]
 LAUNCH_2X2 = [*LAUNCH, "--nprocs", "2", "--devices-per-process", "2", "--timeout-s", "60"]
-# Run by every rank instead of `train`: jaxdp train, with a SIGKILL of this rank at the
-# start and place $KILLS names, {"restart": [rank, step, "step" | "save"]}: after the
-# update of that optimizer step, or while its checkpoint is being written (this rank's
-# part written, the checkpoint not yet committed: before orbax's "save" barrier).
-INJECT = """
+# Run by every rank of `launched`: appends the coordinator address the launcher gave it
+# to $COORDINATORS, then runs jaxdp train, with a SIGKILL of this rank at the start and
+# place $KILLS names, {"restart": [rank, step, "step" | "save"]}: after the update of
+# that optimizer step, or while its checkpoint is being written (this rank's part
+# written, the checkpoint not yet committed: before orbax's "save" barrier).
+RANK = """
 import json, os, signal, sys
 from orbax.checkpoint._src.multihost import multihost
 from jaxdp.checkpoint._checkpoints import Checkpoints
 from jaxdp.cli import _run, main
 
+with open(os.environ["COORDINATORS"], "a") as f:
+    f.write(os.environ["JAXDP_COORDINATOR_ADDRESS"] + "\\n")
 kill = json.loads(os.environ["KILLS"]).get(os.environ["JAXDP_RESTART_COUNT"])
 if kill and int(os.environ["JAXDP_PROCESS_ID"]) == kill[0]:
     _, at, where = kill
@@ -604,20 +665,28 @@ sys.exit(main(["train", *sys.argv[1:]]))
 """
 
 
-def launched(tmp_path, name, launch_flags=(), command=("train",), mark=None, **popen):
-    """A ``jaxdp launch`` of TRAIN_FLAGS writing to ``tmp_path / name`` (checkpoints)
-    and ``name.jsonl`` (metrics); a Popen."""
+def launched(tmp_path, name, launch_flags=(), *, resume=False, kills=None):
+    """A ``jaxdp launch`` of TRAIN_FLAGS (ranks: RANK) writing to ``tmp_path / name``
+    (checkpoints) and ``name.jsonl`` (metrics); a Popen. Its ``mark`` is in the
+    environment of the launcher and every rank (:func:`left_behind`), and its ranks'
+    coordinator addresses go to ``name.coordinators`` (:func:`assert_ports_free`)."""
+    rank = tmp_path / "rank.py"
+    rank.write_text(RANK)
     flags = [*TRAIN_FLAGS, "--checkpoint-dir", str(tmp_path / name)]
-    flags += ["--metrics-out", str(tmp_path / f"{name}.jsonl")]
-    env = {**os.environ, "JAXDP_TEST_MARK": mark or name, **popen.pop("env", {})}
-    return subprocess.Popen(
-        [*LAUNCH_2X2, *launch_flags, "--", *command, *flags],
+    flags += ["--metrics-out", str(tmp_path / f"{name}.jsonl")] + ["--resume"] * resume
+    # tmp_path is this test's own, also among pytest-xdist's workers running at once.
+    mark = str(tmp_path / name)
+    env = {**os.environ, "JAXDP_TEST_MARK": mark, "KILLS": json.dumps(kills or {})}
+    env["COORDINATORS"] = str(tmp_path / f"{name}.coordinators")
+    launcher = subprocess.Popen(
+        [*LAUNCH_2X2, *launch_flags, "--", str(rank), *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
-        **popen,
     )
+    launcher.mark = mark
+    return launcher
 
 
 def metrics(path):
@@ -635,7 +704,8 @@ def newest_leaves(directory):
 
 def left_behind(mark):
     """Pids of processes started under ``JAXDP_TEST_MARK=mark`` still running: a rank or
-    a launcher left behind, and with it any port it holds."""
+    a launcher of that launch left behind (the mark is unique per launch, so a launch
+    of another test running at the same time is never counted)."""
     found = []
     for environ in pathlib.Path("/proc").glob("[0-9]*/environ"):
         try:
@@ -644,6 +714,25 @@ def left_behind(mark):
         except OSError:
             continue
     return [pid for pid in found if alive(pid)]
+
+
+def assert_ports_free(tmp_path, name):
+    """Every coordinator port of launch ``name`` can be bound and listened on again, as a
+    new coordinator would (SO_REUSEADDR, as gRPC sets: connections of the dead
+    coordinator in TIME_WAIT do not hold the port); fails while anything holds it: a
+    coordinator, the launcher's reservation, any socket bound there. Returns the
+    addresses the ranks got, one per rank and start."""
+    addresses = (tmp_path / f"{name}.coordinators").read_text().split()
+    for port in sorted({int(address.rsplit(":", 1)[1]) for address in addresses}):
+        for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "127.0.0.1")):
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((host, port))
+                except OSError as e:
+                    raise AssertionError(f"port {port} ({host}) is still held: {e}") from None
+                s.listen()
+    return addresses
 
 
 @pytest.fixture(scope="module")
@@ -675,14 +764,7 @@ def test_max_restarts_survives_two_kills_and_ends_bitwise_as_an_uninterrupted_ru
     ranks = [int(r) for r in rng.integers(0, 2, size=2)]
     kills = {"0": [ranks[0], first, "step"], "1": [ranks[1], second, "save"]}
     print(f"seed {seed}: kills {kills}")
-    (tmp_path / "inject.py").write_text(INJECT)
-    launcher = launched(
-        tmp_path,
-        "run",
-        ["--max-restarts", "3"],
-        [str(tmp_path / "inject.py")],
-        env={"KILLS": json.dumps(kills)},
-    )
+    launcher = launched(tmp_path, "run", ["--max-restarts", "3"], kills=kills)
     _, err = launcher.communicate(timeout=400)
     assert launcher.returncode == 0, (kills, err[-4000:])
     for restart, (rank, _, _) in enumerate(kills.values(), 1):
@@ -694,7 +776,46 @@ def test_max_restarts_survives_two_kills_and_ends_bitwise_as_an_uninterrupted_ru
         ), (kills, err[-4000:])
     assert metrics(tmp_path / "run.jsonl") == uninterrupted[0]
     assert newest_leaves(tmp_path / "run") == uninterrupted[1]
-    assert left_behind("run") == []
+    assert left_behind(launcher.mark) == []
+    assert len(assert_ports_free(tmp_path, "run")) == 2 * 3  # 2 ranks, 3 starts
+
+
+def test_a_restart_refuses_another_runs_records_as_its_first_start_did(tmp_path):
+    """A first start refused for another run's metrics exits 2; its restart, finding no
+    checkpoint, starts fresh too, and must refuse them as well (it overwrote them)."""
+    metrics = tmp_path / "m.jsonl"
+    other = '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n'
+    metrics.write_text(other)
+    past = time.time() - 60  # written before the launch began
+    os.utime(metrics, (past, past))
+    flags = ["--steps", "2", "--checkpoint-dir", str(tmp_path / "c"), "--metrics-out", str(metrics)]
+    done = subprocess.run(
+        [*LAUNCH, "--nprocs", "1", "--devices-per-process", "1", "--max-restarts", "1"]
+        + ["--", "train", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-4000:]
+    refusal = f"jaxdp train: error: metrics_out={str(metrics)!r} holds 2 record(s) of another run"
+    assert done.stderr.count(refusal) == 2, done.stderr[-4000:]  # the first start and the restart
+    assert metrics.read_text() == other
+
+
+def test_a_restart_before_the_first_checkpoint_starts_over_on_its_own_records(
+    tmp_path, uninterrupted
+):
+    """Rank 0 killed after the first optimizer step, before the first checkpoint (every
+    2 steps): the restarted group starts fresh over the records its first start wrote
+    (after the launch began: its own), and ends as the uninterrupted run, bitwise."""
+    launcher = launched(tmp_path, "run", ["--max-restarts", "1"], kills={"0": [0, 1, "step"]})
+    out, err = launcher.communicate(timeout=400)
+    assert launcher.returncode == 0, err[-4000:]
+    assert "jaxdp launch: restart 1 of 1: rank 0 exited with status 137 (SIGKILL)" in err
+    assert f"[rank 0] --resume: no checkpoint in {tmp_path / 'run'} yet; starting a fresh" in out
+    assert metrics(tmp_path / "run.jsonl") == uninterrupted[0]
+    assert newest_leaves(tmp_path / "run") == uninterrupted[1]
+    assert left_behind(launcher.mark) == []
 
 
 class Lines:
@@ -728,6 +849,7 @@ def test_a_stopped_rank_is_found_named_and_the_group_restarted(tmp_path, uninter
     try:
         wait_for_records(launcher, tmp_path / "run.jsonl", 3)
         ranks = children(launcher.pid)
+        assert {launcher.pid, *ranks.values()} <= set(left_behind(launcher.mark))
         victim = int(np.random.default_rng().integers(0, 2))
         stopped = time.monotonic()
         os.kill(ranks[victim], signal.SIGSTOP)
@@ -749,7 +871,46 @@ def test_a_stopped_rank_is_found_named_and_the_group_restarted(tmp_path, uninter
     print(f"SIGSTOP of rank {victim}: found in {detection:.1f} s, restarted {down:.1f} s later")
     assert metrics(tmp_path / "run.jsonl") == uninterrupted[0]
     assert newest_leaves(tmp_path / "run") == uninterrupted[1]
-    assert left_behind("run") == []
+    assert left_behind(launcher.mark) == []
+    assert len(assert_ports_free(tmp_path, "run")) == 2 * 2
+
+
+def test_a_hang_past_max_restarts_ends_the_launch_naming_the_stopped_rank(tmp_path):
+    """Acceptance 3 and 5 of issue 25 for a hang: a rank SIGSTOPped when no restart is
+    left ends the launch with 137 (a rank killed for not answering), naming it, once
+    --hang-timeout-s has passed, and leaves no process or port behind."""
+    hang_timeout_s = 5
+    launcher = launched(tmp_path, "run", ["--hang-timeout-s", str(hang_timeout_s)])
+    try:
+        wait_for_records(launcher, tmp_path / "run.jsonl", 3)
+        ranks = children(launcher.pid)
+        assert {launcher.pid, *ranks.values()} <= set(left_behind(launcher.mark))
+        victim = int(np.random.default_rng().integers(0, 2))
+        stopped = time.monotonic()
+        os.kill(ranks[victim], signal.SIGSTOP)
+        _, err = launcher.communicate(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGKILL, err[-4000:]
+    cause = rf"rank {victim} \(pid {ranks[victim]}\) stopped answering: no heartbeat for [\d.]+ s"
+    assert re.search(
+        rf"^jaxdp launch: {cause} \(stopped by a signal\); stopping the other 1 rank\(s\) "
+        r"\(SIGKILL\)$",
+        err,
+        re.M,
+    ), err[-4000:]
+    assert re.search(
+        rf"\njaxdp launch: failed: rank {victim} stopped answering: no heartbeat for [\d.]+ s "
+        r"\(stopped by a signal\)\n\Z",
+        err,
+    ), err[-4000:]
+    # Its last beat came up to a second before the stop. The upper bound is far from
+    # JAX's own heartbeat (60 s), the other way this run could end.
+    assert hang_timeout_s - 1.5 <= took < hang_timeout_s + 20, took
+    assert left_behind(launcher.mark) == []
+    assert len(assert_ports_free(tmp_path, "run")) == 2
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_at_one_checkpointed_step(tmp_path, uninterrupted):
@@ -759,6 +920,8 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_checkpointed_step(tmp_p
     launcher = launched(tmp_path, "run")
     try:
         wait_for_records(launcher, tmp_path / "run.jsonl", 3)
+        ranks = children(launcher.pid)
+        assert {launcher.pid, *ranks.values()} <= set(left_behind(launcher.mark))
         launcher.send_signal(signal.SIGTERM)
         _, err = launcher.communicate(timeout=120)
     finally:
@@ -776,9 +939,12 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_checkpointed_step(tmp_p
     step, _, checkpoint = stops[0][1:]
     assert newest_leaves(tmp_path / "run")[0] == int(step) < STEPS
     assert pathlib.Path(checkpoint) == tmp_path / "run" / step
-    again = launched(tmp_path, "run", command=["train", "--resume"])
+    assert left_behind(launcher.mark) == []
+    assert len(assert_ports_free(tmp_path, "run")) == 2
+    again = launched(tmp_path, "run", resume=True)
     _, err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-4000:]
     assert metrics(tmp_path / "run.jsonl") == uninterrupted[0]
     assert newest_leaves(tmp_path / "run") == uninterrupted[1]
-    assert left_behind("run") == []
+    assert left_behind(again.mark) == []
+    assert len(assert_ports_free(tmp_path, "run")) == 2 * 2

@@ -4,7 +4,9 @@ heartbeats, and how the group is stopped (:mod:`jaxdp.cli._launch` starts it aga
 A rank is watched through its exit and, once it called :func:`jaxdp.initialize`,
 through its heartbeat file (:mod:`jaxdp._heartbeat`): a rank whose file has not
 been touched for the hang timeout stopped answering (a SIGSTOP, a process frozen
-in the kernel), and the group is killed.
+in the kernel), and the group is killed. The rank named as the failure is the one
+whose failure began first (:func:`first_to_fail`), from the exits and the records
+ranks leave when they begin to fail (:mod:`jaxdp._failure_record`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, NamedTuple
+
+from .._failure_record import FailureRecord, read_failure
 
 # The grace when a rank was killed by a signal. Its peers are then blocked in a
 # collective that can never complete (a gloo all-reduce waits for every rank) and
@@ -29,6 +33,13 @@ KILLED_PEER_GRACE_S = 1.0
 # (JAX's own heartbeat check aborting the peers of a stopped rank): the rank
 # beats every second, so five missed beats are no scheduling delay.
 STALE_S = 5.0
+# After the first error exit it sees, how long the launcher waits for every other
+# rank to end or record a failure before it names the first. A rank records its
+# failure before it ends, so a peer that died of it can only record later; the wait
+# is for two ranks failing on their own at about the same time, and costs nothing
+# when every rank has ended or recorded (the peers of a JAX rank fail within
+# milliseconds of its end: their collective's connection closes).
+RECORD_WAIT_S = 0.5
 _POLL_S = 0.05
 # Signals that come from outside a process (a user, the OOM killer, a scheduler),
 # never from its own reaction to a dead peer, unlike an error exit or SIGABRT.
@@ -47,6 +58,14 @@ class Failure(NamedTuple):
     wall: float  # time.time() of the same moment
 
 
+class Exit(NamedTuple):
+    """A rank's end, as the launcher saw it."""
+
+    rank: int
+    status: int  # the shell's status: 128 + n for signal n
+    seen: float  # time.monotonic() when the launcher saw it (after the end itself)
+
+
 class Outcome(NamedTuple):
     """How a start of the group ended."""
 
@@ -58,17 +77,21 @@ class Outcome(NamedTuple):
 class Group:
     """The launched processes, their output pumps, and how they are stopped."""
 
-    def __init__(self, out: IO[bytes], err: IO[bytes], heartbeats: pathlib.Path | None = None):
+    def __init__(self, out: IO[bytes], err: IO[bytes], folder: pathlib.Path, *, watch: bool = True):
         self.out, self.err = out, err
-        self.heartbeats = heartbeats  # the folder of the ranks' heartbeat files
+        self.folder = folder  # this start's heartbeat files and failure records
+        self.watch = watch  # whether heartbeats are watched
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pumps: list[threading.Thread] = []
-        self.exits: list[tuple[int, int]] = []  # (rank, status) in the order they exited
+        self.exits: list[Exit] = []  # in the order the launcher saw them
         self.lock = threading.Lock()
         self.preexec = _die_with_launcher()
 
     def heartbeat(self, rank: int) -> pathlib.Path | None:
-        return None if self.heartbeats is None else self.heartbeats / f"rank-{rank}"
+        return self.folder / f"rank-{rank}" if self.watch else None
+
+    def failure_file(self, rank: int) -> pathlib.Path:
+        return self.folder / f"rank-{rank}.failed"
 
     def start(self, rank: int, argv: list[str], env: dict[str, str]) -> None:
         # A session of its own: signals reach it only through the launcher,
@@ -93,9 +116,12 @@ class Group:
         threading.Thread(target=self._wait, args=(rank, proc), daemon=True).start()
 
     def _wait(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        status = _status(proc.wait())
+        try:
+            status = _wait_unreaped(proc)
+        except ChildProcessError:  # reaped by kill_all after the start ended
+            return
         with self.lock:
-            self.exits.append((rank, status))
+            self.exits.append(Exit(rank, status, time.monotonic()))
 
     def running(self) -> int:
         with self.lock:
@@ -138,10 +164,13 @@ class Group:
                 self.signal_all(signal.SIGKILL)
                 kill_at = float("inf")
             time.sleep(_POLL_S)
+        # Every rank has ended; what one left running in its process group would
+        # outlive the launch and hold the rank's output open.
+        self.signal_all(signal.SIGKILL)
         for pump in self.pumps:
             pump.join(timeout=5)
         if failed is None and forwarded is None:
-            failed = self._first_failure()  # all may have ended between two polls
+            failed = self._first_failure(final=True)  # all may have ended between two polls
             if failed is not None:
                 self._report(failed, None)
         if failed is not None:
@@ -164,7 +193,7 @@ class Group:
         text = f"rank {failed.rank} (pid {self.procs[failed.rank].pid}) {failed.cause}"
         with self.lock:
             running = sum(r != failed.rank for r in range(len(self.procs))) - sum(
-                r != failed.rank for r, _ in self.exits
+                e.rank != failed.rank for e in self.exits
             )
         if running:
             text += f"; stopping the other {running} rank(s)"
@@ -174,32 +203,45 @@ class Group:
                 text += f" (SIGTERM, then SIGKILL after {wait:g} s)"
         self.say(text)
 
-    def _first_failure(self) -> Failure | None:
-        """The rank that failed first among the exits seen so far.
+    def _first_failure(self, *, final: bool = False) -> Failure | None:
+        """The rank that failed first, once a rank exited with an error; else None.
 
-        The waiter threads record exits in the order they get the GIL. On a busy
-        machine the launcher may not run until a rank killed from outside and a
-        peer that then exited with an error have both ended, in either order. A
-        rank killed from outside cannot have died of a peer's failure, so among
-        the exits seen together it is the cause; so is a rank still running but
-        stopped or silent (JAX's heartbeat check aborts the peers of a stopped
-        rank); otherwise the earliest exit is.
+        A rank still running but stopped or silent is the cause (JAX's heartbeat
+        check aborts the peers of a stopped rank); otherwise :func:`first_to_fail`
+        decides from the exits and the ranks' failure records, after waiting up to
+        :data:`RECORD_WAIT_S` for every rank to end or record (not with ``final``:
+        every rank has ended).
         """
         with self.lock:
-            failures = [(rank, status) for rank, status in self.exits if status != 0]
-        if not failures:
+            exits = list(self.exits)
+        errors = [e for e in exits if e.status != 0]
+        if not errors:
             return None
         stopped = self._hung(STALE_S) or self._hung(None)
         if stopped is not None:
             return stopped
-        killed = [failure for failure in failures if _sent_from_outside(failure[1])]
-        rank, status = (killed or failures)[0]
+        records = self._records()
+        accounted = {e.rank for e in exits} | set(records)
+        waited = time.monotonic() - errors[0].seen
+        killed = any(_sent_from_outside(e.status) for e in errors)
+        if not final and not killed and waited < RECORD_WAIT_S and len(accounted) < len(self.procs):
+            return None
+        first = first_to_fail(exits, records)
+        assert first is not None  # an error exit is among them
+        rank, status = first
         return _failure(rank, status, f"exited with status {describe(status)}")
+
+    def _records(self) -> dict[int, FailureRecord]:
+        found = {}
+        for rank in range(len(self.procs)):
+            if (record := read_failure(self.failure_file(rank))) is not None:
+                found[rank] = record
+        return found
 
     def _hung(self, timeout_s: float | None) -> Failure | None:
         """A running rank silent for ``timeout_s`` (None: one stopped by a signal now)."""
         with self.lock:
-            ended = {rank for rank, _ in self.exits}
+            ended = {e.rank for e in self.exits}
         now = time.time()
         for rank, proc in enumerate(self.procs):
             beat = self.heartbeat(rank)
@@ -228,15 +270,60 @@ class Group:
                 os.killpg(proc.pid, signum)
 
     def kill_all(self) -> None:
-        """Leaves nothing running: SIGKILL to every group still there, then reap."""
-        if any(p.poll() is None for p in self.procs):
-            self.signal_all(signal.SIGKILL)
+        """Leaves nothing running: SIGKILL to every rank's process group (what a rank
+        started there ends with it, even after the rank itself exited), then reaps the
+        ranks. Until then an ended rank is a zombie, so its pid, which names its
+        group, cannot have been reused."""
+        self.signal_all(signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
 
 
+def first_to_fail(
+    exits: Sequence[Exit], records: Mapping[int, FailureRecord]
+) -> tuple[int, int] | None:
+    """The rank that failed first and its status; None without an error exit.
+
+    ``exits`` are in the order the launcher saw them; ``records`` are the ranks'
+    own records of when their failure began (a non-zero ``sys.exit``, an uncaught
+    exception: :mod:`jaxdp._failure_record`). A rank killed from outside (SIGKILL,
+    SIGTERM, SIGINT, SIGHUP) cannot have died of a peer's failure: the first of
+    them. Otherwise each failure counts from the moment its rank recorded, else
+    from when the launcher saw it end (a crash, a signal, a program that records
+    nothing: that moment comes after the failure began, so such a rank is named
+    only if it was seen to end before any peer recorded); the earliest, ties to
+    the lower rank. A rank that recorded a failure and has not ended yet counts
+    with the status it recorded.
+    """
+    errors = [e for e in exits if e.status != 0]
+    if not errors:
+        return None
+    killed = [e for e in errors if _sent_from_outside(e.status)]
+    if killed:
+        return killed[0].rank, killed[0].status
+    moments = {e.rank: (e.seen, e.status) for e in errors}
+    ended = {e.rank for e in exits}
+    for rank, record in records.items():
+        if rank in moments:
+            moments[rank] = (min(record.began, moments[rank][0]), moments[rank][1])
+        elif rank not in ended:
+            moments[rank] = (record.began, record.status)
+    rank = min(moments, key=lambda r: (moments[r][0], r))
+    return rank, moments[rank][1]
+
+
 def _failure(rank: int, status: int, cause: str) -> Failure:
     return Failure(rank, status, cause, time.monotonic(), time.time())
+
+
+def _wait_unreaped(proc: subprocess.Popen[bytes]) -> int:
+    """Waits for ``proc`` to end and returns its status, leaving it unreaped where the
+    system allows (``waitid`` with WNOWAIT): :meth:`Group.kill_all` reaps it."""
+    if not hasattr(os, "waitid"):
+        return _status(proc.wait())
+    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+    assert info is not None  # None only with WNOHANG
+    return info.si_status if info.si_code == os.CLD_EXITED else 128 + info.si_status
 
 
 def _status(returncode: int) -> int:

@@ -28,8 +28,10 @@ from typing import IO, Any
 from .._distributed import (
     ENV_COORDINATOR_ADDRESS,
     ENV_CPU_DEVICES,
+    ENV_FAILURE_FILE,
     ENV_HEARTBEAT_FILE,
     ENV_HEARTBEAT_TIMEOUT,
+    ENV_LAUNCH_STARTED,
     ENV_LOCAL_DEVICE_IDS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
@@ -66,7 +68,9 @@ def launch(
     (``train ...``: a jaxdp subcommand), or any other program on PATH. Process
     ``r`` gets ``JAXDP_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port),
     ``JAXDP_NUM_PROCESSES``, ``JAXDP_PROCESS_ID=r``, ``JAXDP_RESTART_COUNT``
-    (0, then 1 after the first restart, ...), ``JAXDP_HEARTBEAT_FILE`` and,
+    (0, then 1 after the first restart, ...), ``JAXDP_LAUNCH_STARTED`` (when the
+    launch began, ``time.time()``), ``JAXDP_HEARTBEAT_FILE``,
+    ``JAXDP_FAILURE_FILE`` (:mod:`jaxdp._failure_record`) and,
     with ``devices_per_process=D``, ``JAXDP_CPU_DEVICES=D`` (D emulated CPU
     devices) and ``JAXDP_LOCAL_DEVICE_IDS`` (GPUs ``r*D .. r*D+D-1``);
     ``timeout_s`` and ``heartbeat_timeout_s`` go to :func:`jaxdp.initialize`
@@ -75,7 +79,9 @@ def launch(
 
     A rank fails when it exits non-zero or, once in :func:`jaxdp.initialize`,
     leaves its heartbeat file untouched for ``hang_timeout_s`` (None: not
-    watched). The others then get SIGTERM, then SIGKILL after ``grace_s``
+    watched); the rank named is the one whose failure began first
+    (:func:`jaxdp.cli._group.first_to_fail`). The others then get SIGTERM, then
+    SIGKILL after ``grace_s``
     seconds (after at most 1 s when a signal ended it, at once when it stopped
     answering: its peers are stuck in collectives that wait for it). The group
     then starts again, up to ``max_restarts`` times, each restart reported with
@@ -83,7 +89,8 @@ def launch(
     failure's (``128 + n`` for a process ended by signal ``n``; 137 for a rank
     killed for not answering). A SIGINT or SIGTERM sent to the launcher is
     forwarded to every process and waited for, and never restarts the group; a
-    second one kills them (status ``128 + signal``).
+    second one kills them (status ``128 + signal``). Every rank is reaped, and
+    what it left in its process group killed, before a start ends.
     """
     _check(
         nprocs,
@@ -98,7 +105,7 @@ def launch(
     _check_runnable(argv)
     out = stdout or sys.stdout.buffer
     err = stderr or sys.stderr.buffer
-    settings = {ENV_NUM_PROCESSES: str(nprocs)}
+    settings = {ENV_NUM_PROCESSES: str(nprocs), ENV_LAUNCH_STARTED: repr(time.time())}
     if timeout_s is not None:
         settings[ENV_TIMEOUT] = str(timeout_s)
     if heartbeat_timeout_s is not None:
@@ -106,9 +113,10 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="jaxdp-launch-") as scratch, _Signals() as received:
         previous: Failure | None = None
         for restart in range(max_restarts + 1):
-            beats = pathlib.Path(scratch) / str(restart)  # each start's own heartbeat files
-            beats.mkdir()
-            group = Group(out, err, beats if hang_timeout_s is not None else None)
+            # Each start's own heartbeat files and failure records.
+            folder = pathlib.Path(scratch) / str(restart)
+            folder.mkdir()
+            group = Group(out, err, folder, watch=hang_timeout_s is not None)
             settings[ENV_RESTART_COUNT] = str(restart)
             outcome = _start(
                 group,
@@ -157,6 +165,7 @@ def _start(
                     env[ENV_LOCAL_DEVICE_IDS] = ",".join(str(rank * d + i) for i in range(d))
                 if (beat := group.heartbeat(rank)) is not None:
                     env[ENV_HEARTBEAT_FILE] = str(beat)
+                env[ENV_FAILURE_FILE] = str(group.failure_file(rank))
                 group.start(rank, argv, env)
             if previous is not None:
                 down = time.monotonic() - previous.seen

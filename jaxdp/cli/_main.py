@@ -215,6 +215,7 @@ def _run_train(args: argparse.Namespace) -> int:
     )
     import jax
 
+    from .._failure_record import record_failure
     from .._train_state import NonFiniteError
     from ..checkpoint._rules import CheckpointError
     from ..data._fingerprint import DataChangedError
@@ -239,6 +240,7 @@ def _run_train(args: argparse.Namespace) -> int:
             try:
                 summary = finish(prepared, stop=lambda _: stopped_by[0] is not None)
             except (CheckpointError, NonFiniteError, NonFiniteStep, DataChangedError) as e:
+                record_failure(1)  # for jaxdp launch, before the peers can see this end
                 print(f"jaxdp train: error: {e}", file=sys.stderr)
                 stack.close()  # releases the checkpoint directory's lock
                 _exit_now(1)

@@ -99,17 +99,30 @@ def _hold_board(stack: contextlib.ExitStack, path: str) -> None:
     )
 
 
-def check_fresh(metrics_out: str | None, tensorboard: str | None) -> None:
+def check_fresh(
+    metrics_out: str | None, tensorboard: str | None, *, own_since: float | None = None
+) -> None:
     """For a run that starts fresh (not resumed): refuses a ``--metrics-out`` holding
     records or a ``--tensorboard`` folder holding event files, another run's, which it
-    would overwrite or mix with its own. On process 0; the others raise too."""
+    would overwrite or mix with its own. Files last modified at or after ``own_since``
+    (``time.time()``; a restarted launch's start) are this run's own earlier starts'.
+    On process 0; the others raise too."""
+
+    def another_runs(path: pathlib.Path, *, empty: bool = True) -> bool:
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            return False
+        return (empty or stat.st_size > 0) and (own_since is None or stat.st_mtime < own_since)
+
     failure: ValueError | None = None
     if jax.process_index() == 0:
         file = pathlib.Path(metrics_out) if metrics_out else None
         events = []
         if tensorboard is not None:
-            events = sorted(p.name for p in pathlib.Path(tensorboard).glob("events.out.*"))
-        if file is not None and file.exists() and file.stat().st_size:
+            found = pathlib.Path(tensorboard).glob("events.out.*")
+            events = sorted(p.name for p in found if another_runs(p))
+        if file is not None and another_runs(file, empty=False):
             lines = file.read_text(errors="replace").count("\n")
             failure = ValueError(
                 f"metrics_out={metrics_out!r} holds {lines} record(s) of another run; a new "

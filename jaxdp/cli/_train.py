@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from .._distributed import ENV_RESTART_COUNT
+from .._distributed import ENV_LAUNCH_STARTED, ENV_RESTART_COUNT
 from .._forward import merge_model
 from .._layout import BatchSizes, batch_sizes, epoch_schedule, process_share
 from .._mesh import data_mesh
@@ -256,15 +256,31 @@ def prepare(
             checkpoints = Checkpoints(config.checkpoint_dir, keep=config.keep)
         run = _Run(config, step, share, loader, checkpoints)
         run.start(step.init(build(config, data)))
-        # A new run only: a resume without a checkpoint yet (a requeue) or a restarted
-        # group starting over overwrites its own earlier attempt's records.
-        restarted = os.environ.get(ENV_RESTART_COUNT, "0") not in ("", "0")
-        if run.resumed_step is None and not config.resume and not restarted:
-            check_fresh(config.metrics_out, config.tensorboard)
+        # A fresh start, also a --resume or a restarted group that found no checkpoint:
+        # it refuses another run's records like any new run.
+        if run.resumed_step is None:
+            check_fresh(config.metrics_out, config.tensorboard, own_since=_own_outputs_since())
         metrics_out = config.metrics_out if lead else None
         board = config.tensorboard if lead else None
         with MetricsLog(metrics_out, resume_step=run.resumed_step, tensorboard=board) as log:
             yield Prepared(config, run, data, log, lead)
+
+
+def _own_outputs_since() -> float | None:
+    """In a group ``jaxdp launch`` restarted, when the launch began: outputs written
+    since are its earlier starts' (no other run could write them while a start held
+    their lock), which a fresh start overwrites. None elsewhere: all are another run's.
+
+    Not the restart count alone: a first start refused for another run's records
+    exits 2, and its restart then overwrote them.
+    """
+    started = os.environ.get(ENV_LAUNCH_STARTED, "")
+    if os.environ.get(ENV_RESTART_COUNT, "0") in ("", "0") or not started:
+        return None
+    try:
+        return float(started)
+    except ValueError:
+        return None  # not the launcher's: refuse as a new run does
 
 
 def finish(prepared: Prepared, *, stop: Callable[[SamplerPosition], bool] | None) -> dict[str, Any]:

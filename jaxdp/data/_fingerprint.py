@@ -5,10 +5,11 @@ A position indexes one data set's order, so a restore must find the same data,
 wherever they now lie: the fingerprint holds the row count, each field's shape
 (per row) and dtype, and a SHA-256 of the contents, never a path. The digest
 covers every byte when the array fields hold at most :data:`FULL_BYTES` (a
-pass over the data at start: 1.6 s per GB on this project's 2-core machines,
-so at most about 0.4 s), else :data:`SAMPLED_ROWS` rows evenly spread over the
-data set plus the sizes (a few milliseconds at any size: a rewrite of the same
-shape is caught unless it leaves every sampled row as it was). A
+pass over the data at start: 0.83 s per GB, so at most about 0.22 s), else
+:data:`SAMPLED_ROWS` rows evenly spread over the data set plus the sizes (1.4 ms
+for a 512 MiB memmap in the page cache: a rewrite of the same shape is caught
+unless it leaves every sampled row as it was). Figures: medians of
+``benchmarks/check_costs.py`` on a 2-core AMD EPYC. A
 record-by-record source (a Hugging Face ``Dataset``, a torch ``Dataset``) is
 sampled, :data:`SAMPLED_RECORDS` records, at its first checkpoint or restore
 (each record is a Python call that may fail: then no digest is kept).
@@ -138,7 +139,8 @@ def memmapped_files(fields: Any | None) -> dict[str, tuple[int, int]]:
 def check_files(files: dict[str, tuple[int, int]]) -> None:
     """Raises :class:`DataChangedError` if a file of :func:`memmapped_files` changed.
 
-    One ``os.stat`` per file (microseconds), before each call's read: a memmap
+    One ``os.stat`` per file (3.1 µs, ``benchmarks/check_costs.py`` on a 2-core AMD
+    EPYC), before each call's read: a memmap
     of a shrunk file would end the process with a bus error, one rewritten in
     place would hand out other data.
     """
