@@ -22,9 +22,6 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from ._failure_record import ENV_FAILURE_FILE as ENV_FAILURE_FILE
-from ._failure_record import record_failure
-from ._heartbeat import start_heartbeat
 from ._mesh import data_mesh, emulate_cpu_devices
 from ._quiet_gloo import quiet_gloo_notes
 
@@ -35,10 +32,8 @@ ENV_LOCAL_DEVICE_IDS = "JAXDP_LOCAL_DEVICE_IDS"  # comma-separated GPU ids of th
 ENV_CPU_DEVICES = "JAXDP_CPU_DEVICES"
 ENV_TIMEOUT = "JAXDP_TIMEOUT_S"
 ENV_HEARTBEAT_TIMEOUT = "JAXDP_HEARTBEAT_TIMEOUT_S"
-# Set by jaxdp launch: the file this process's heartbeat touches (jaxdp._heartbeat),
-# how many times the launcher restarted the group (0 at the first start), and the
-# file where a failure's start is recorded (ENV_FAILURE_FILE, jaxdp._failure_record).
-ENV_HEARTBEAT_FILE = "JAXDP_HEARTBEAT_FILE"
+# Set by jaxdp launch: how many times the launcher restarted the group (0 at the
+# first start; its heartbeat and failure files: jaxdp.cli._launch_link).
 ENV_RESTART_COUNT = "JAXDP_RESTART_COUNT"
 # Also set by jaxdp launch: when the launch began (time.time()), so that a restarted
 # group's fresh start tells its earlier starts' outputs (written since) from another run's.
@@ -120,8 +115,6 @@ def initialize(
     if s.values["heartbeat_timeout_s"] is None:
         s.values["heartbeat_timeout_s"] = DEFAULT_HEARTBEAT_TIMEOUT_S
     s.check()
-    if beat := os.environ.get(ENV_HEARTBEAT_FILE):
-        start_heartbeat(beat)  # before waiting for the peers: a process waiting is alive
     if s.values["cpu_devices"] is not None:
         emulate_cpu_devices(s.values["cpu_devices"])
     if not jax.distributed.is_initialized() and s.values["num_processes"] != 1:
@@ -285,7 +278,6 @@ class _ExitAtOnce:
 
     def __call__(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
         status = 130 if issubclass(kind, KeyboardInterrupt) else 1
-        record_failure(status)  # before the traceback's print: the moment it began
         self.previous(kind, value, tb)
         print(
             f"jaxdp: process {jax.process_index()} ends on this {kind.__name__} at once; "

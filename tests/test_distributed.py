@@ -25,10 +25,10 @@ import pytest
 from helpers import RTOL, assert_trees_close
 
 import jaxdp
-from jaxdp._failure_record import ENV_FAILURE_FILE, FailureRecord, read_failure, record_failure
 from jaxdp.cli import main
 from jaxdp.cli._group import RECORD_WAIT_S, Exit, Group, first_to_fail
 from jaxdp.cli._launch import child_argv
+from jaxdp.cli._launch_link import ENV_FAILURE_FILE, FailureRecord, read_failure, record_failure
 from jaxdp.cli._train import TrainConfig, build, make_step, train
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -306,7 +306,7 @@ def test_a_sys_exit_on_one_rank_ends_the_launch_at_once_with_its_status(tmp_path
     took = time.monotonic() - start
     assert done.returncode == 3, done.stderr[-2000:]
     # Rank 0's collective failed when rank 1 ended; the launcher may reap it first, but
-    # rank 1 recorded the start of its failure before it ended (jaxdp._failure_record).
+    # rank 1 recorded the start of its failure before it ended (jaxdp.cli._launch_link).
     assert re.search(r"^jaxdp launch: rank 1 \(pid \d+\) exited with status 3", done.stderr, re.M)
     assert "jaxdp launch: failed: rank 1 exited with status 3" in done.stderr
     assert took < 60  # about 12 s on 2 busy cores; the barrier alone would take 300

@@ -2,11 +2,11 @@
 heartbeats, and how the group is stopped (:mod:`jaxdp.cli._launch` starts it again).
 
 A rank is watched through its exit and, once it called :func:`jaxdp.initialize`,
-through its heartbeat file (:mod:`jaxdp._heartbeat`): a rank whose file has not
+through its heartbeat file (:mod:`jaxdp.cli._launch_link`): a rank whose file has not
 been touched for the hang timeout stopped answering (a SIGSTOP, a process frozen
 in the kernel), and the group is killed. The rank named as the failure is the one
 whose failure began first (:func:`first_to_fail`), from the exits and the records
-ranks leave when they begin to fail (:mod:`jaxdp._failure_record`).
+ranks leave when they begin to fail (:mod:`jaxdp.cli._launch_link`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, NamedTuple
 
-from .._failure_record import FailureRecord, read_failure
+from ._launch_link import FailureRecord, read_failure
 
 # The grace when a rank was killed by a signal. Its peers are then blocked in a
 # collective that can never complete (a gloo all-reduce waits for every rank) and
@@ -286,7 +286,7 @@ def first_to_fail(
 
     ``exits`` are in the order the launcher saw them; ``records`` are the ranks'
     own records of when their failure began (a non-zero ``sys.exit``, an uncaught
-    exception: :mod:`jaxdp._failure_record`). A rank killed from outside (SIGKILL,
+    exception: :mod:`jaxdp.cli._launch_link`). A rank killed from outside (SIGKILL,
     SIGTERM, SIGINT, SIGHUP) cannot have died of a peer's failure: the first of
     them. Otherwise each failure counts from the moment its rank recorded, else
     from when the launcher saw it end (a crash, a signal, a program that records

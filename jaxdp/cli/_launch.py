@@ -28,8 +28,6 @@ from typing import IO, Any
 from .._distributed import (
     ENV_COORDINATOR_ADDRESS,
     ENV_CPU_DEVICES,
-    ENV_FAILURE_FILE,
-    ENV_HEARTBEAT_FILE,
     ENV_HEARTBEAT_TIMEOUT,
     ENV_LAUNCH_STARTED,
     ENV_LOCAL_DEVICE_IDS,
@@ -39,6 +37,7 @@ from .._distributed import (
     ENV_TIMEOUT,
 )
 from ._group import Failure, Group, Outcome
+from ._launch_link import ENV_FAILURE_FILE, ENV_HEARTBEAT_FILE
 
 DEFAULT_GRACE_S = 10.0
 # Half JAX's heartbeat timeout under jaxdp (60 s): the launcher names a stopped
@@ -70,7 +69,7 @@ def launch(
     ``JAXDP_NUM_PROCESSES``, ``JAXDP_PROCESS_ID=r``, ``JAXDP_RESTART_COUNT``
     (0, then 1 after the first restart, ...), ``JAXDP_LAUNCH_STARTED`` (when the
     launch began, ``time.time()``), ``JAXDP_HEARTBEAT_FILE``,
-    ``JAXDP_FAILURE_FILE`` (:mod:`jaxdp._failure_record`) and,
+    ``JAXDP_FAILURE_FILE`` (:mod:`jaxdp.cli._launch_link`) and,
     with ``devices_per_process=D``, ``JAXDP_CPU_DEVICES=D`` (D emulated CPU
     devices) and ``JAXDP_LOCAL_DEVICE_IDS`` (GPUs ``r*D .. r*D+D-1``);
     ``timeout_s`` and ``heartbeat_timeout_s`` go to :func:`jaxdp.initialize`
@@ -326,7 +325,7 @@ def add_launch_command(sub: Any) -> None:
         type=float,
         default=DEFAULT_HANG_TIMEOUT_S,
         metavar="SECONDS",
-        help="a rank whose heartbeat (a thread jaxdp.initialize starts) is silent this long "
+        help="a Python rank whose heartbeat (a thread its start-up starts) is silent this long "
         f"has stopped answering: the group is killed (default: {DEFAULT_HANG_TIMEOUT_S:g}; 0: "
         "not watched)",
     )

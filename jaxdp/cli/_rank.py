@@ -10,8 +10,9 @@ process. Its peers are blocked in a collective that waits for it, so it sat ther
 multi-process JAX run, it exits with its own status at once, as
 :func:`jaxdp.initialize`'s excepthook does for an uncaught exception.
 
-A non-zero ``sys.exit`` or an uncaught exception is recorded first
-(:mod:`jaxdp._failure_record`): its peers fail when this process ends, and the
+Before the rank's code runs, its heartbeat starts (the launcher finds a stopped
+rank by it). A non-zero ``sys.exit`` or an uncaught exception is recorded first
+(:mod:`jaxdp.cli._launch_link`): its peers fail when this process ends, and the
 launcher, which may reap them first, names the rank whose failure began first.
 
 Run as a file, not ``-m jaxdp...``: nothing of jaxdp (or JAX) is imported before
@@ -26,9 +27,9 @@ import sys
 import types
 
 
-def _load_failure_record() -> types.ModuleType:
-    path = pathlib.Path(__file__).parent.parent / "_failure_record.py"
-    spec = importlib.util.spec_from_file_location("_jaxdp_failure_record", path)
+def _load_launch_link() -> types.ModuleType:
+    path = pathlib.Path(__file__).parent / "_launch_link.py"
+    spec = importlib.util.spec_from_file_location("_jaxdp_launch_link", path)
     assert spec is not None and spec.loader is not None  # a .py file that ships with jaxdp
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -36,7 +37,10 @@ def _load_failure_record() -> types.ModuleType:
 
 
 def main() -> None:
-    record = _load_failure_record().record_failure
+    link = _load_launch_link()
+    if beat := os.environ.get(link.ENV_HEARTBEAT_FILE):
+        link.start_heartbeat(beat)  # alive from the start: importing JAX can take seconds
+    record = link.record_failure
     args = sys.argv[1:]
     try:
         if args[0] == "-m":

@@ -1,0 +1,93 @@
+"""What a rank tells ``jaxdp launch`` beside its exit: that it is alive, and when its
+failure began. Standard library only: ``jaxdp/cli/_rank.py``, which runs every Python
+rank, loads this file by its path before the rank's code runs, without importing
+jaxdp (and JAX).
+
+**Heartbeat.** ``_rank.py`` starts :func:`start_heartbeat` first thing when
+``JAXDP_HEARTBEAT_FILE`` names a file (the launcher sets it): a daemon thread touches
+it every second, and a modification time older than ``--hang-timeout-s`` means the
+process stopped answering (a SIGSTOP, a process frozen in the kernel). It needs the
+GIL for microseconds, and a process that runs at all runs it.
+
+**Failure record.** The launcher reaps exits in the order it sees them, which on a
+busy machine need not be the order the ranks began to fail: a rank that calls
+``sys.exit(3)`` and a peer whose collective then fails (gloo's "Connection closed by
+peer") can end within milliseconds of each other. So a rank notes the moment its
+failure began (``_rank.py`` for a non-zero ``sys.exit`` or an uncaught exception,
+``jaxdp train`` for its early exit) in
+``JAXDP_FAILURE_FILE`` (one per rank and start): one line ``BEGAN STATUS``, ``BEGAN``
+from :func:`time.monotonic` (one clock for every process of the machine). The first
+record of a process stands.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+import time
+from typing import NamedTuple
+
+ENV_FAILURE_FILE = "JAXDP_FAILURE_FILE"
+ENV_HEARTBEAT_FILE = "JAXDP_HEARTBEAT_FILE"
+INTERVAL_S = 1.0
+_started: set[str] = set()
+_lock = threading.Lock()
+
+
+def start_heartbeat(path: str) -> None:
+    """Touches ``path`` now and then every :data:`INTERVAL_S` seconds, from a daemon thread
+    (once per path and process)."""
+    with _lock:
+        if path in _started:
+            return
+        _started.add(path)
+    file = pathlib.Path(path)
+    file.touch()  # the first beat, before the caller goes on: it is watched from now
+
+    def beat() -> None:  # ends with the process
+        while True:
+            time.sleep(INTERVAL_S)
+            try:
+                os.utime(file)
+            except OSError:
+                file.touch()  # removed meanwhile: the launcher still reads a beat
+
+    threading.Thread(target=beat, name="jaxdp-heartbeat", daemon=True).start()
+
+
+class FailureRecord(NamedTuple):
+    """When a rank's failure began, and the status it exits with."""
+
+    began: float  # time.monotonic() when the failure reached the rank's entry point
+    status: int  # the shell's status: 1 for an uncaught exception, a sys.exit's code
+
+
+def record_failure(status: int) -> None:
+    """Notes that this process began to fail now and will exit with ``status``.
+
+    Does nothing without ``JAXDP_FAILURE_FILE``, for status 0, or when this process
+    recorded a failure already. Never raises: without a record the launcher goes by
+    the order in which it saw the exits.
+    """
+    began = time.monotonic()
+    path = os.environ.get(ENV_FAILURE_FILE)
+    if not path or status == 0 or os.path.exists(path):
+        return
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        with open(partial, "w") as f:
+            f.write(f"{began!r} {status}\n")
+        os.replace(partial, path)  # whole or absent for the launcher's read
+    except OSError:
+        pass
+
+
+def read_failure(path: os.PathLike[str] | str) -> FailureRecord | None:
+    """The record at ``path``; None if there is none (or it does not parse)."""
+    try:
+        with open(path) as f:
+            began, status = f.read().split()
+        return FailureRecord(float(began), int(status))
+    except (OSError, ValueError):
+        return None
