@@ -54,6 +54,10 @@ def test_models_are_built_by_name_as_their_classes():
     for name, cls in classes.items():
         # Abstract: the classes and their parameters' shapes, no arrays computed.
         assert isinstance(nnx.eval_shape(lambda name=name: build_model(name)), cls)
+    # The one reference model with frozen parameters: its embedding, as torch_ref's.
+    assert sorted(jaxdp.models.TRAINABLE) == ["embed_branch"]
+    frozen = jaxdp.models.TRAINABLE["embed_branch"]
+    assert not frozen(("embed", "embedding"), None) and frozen(("head", "kernel"), None)
 
 
 def test_layer_norm_epsilon_is_torchs_default():

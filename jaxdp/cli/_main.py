@@ -216,8 +216,8 @@ def _run_train(args: argparse.Namespace) -> int:
     import jax
 
     from .._train_state import NonFiniteError
-    from ..checkpoint._rules import CheckpointError
-    from ..data._fingerprint import DataChangedError
+    from ..checkpoint import CheckpointError
+    from ..data import DataChangedError
     from ._launch_link import record_failure
     from ._run import NonFiniteStep
     from ._train import finish, prepare

@@ -12,9 +12,8 @@ import importlib
 import sys
 from typing import Any, NoReturn
 
-from ..models._reference import MODELS
-from ..parity._optim import OPTIMIZERS
-from ..parity._runner import RTOL, ParityConfig
+from ..models import MODELS
+from ..parity import OPTIMIZERS, RTOL, ParityConfig
 
 # Flags that only a reference model (--model) or only a user's models take.
 REFERENCE_ONLY = ("num_samples", "sync_batchnorm")
@@ -211,7 +210,7 @@ def _run_parity_command(args: argparse.Namespace) -> int:
     emulate_cpu_devices(max(args.num_devices, 1))  # CPU only; before the backend starts
     jax.config.update("jax_enable_x64", args.dtype == "float64")
     report = _compare_ports(args) if port else _compare_reference(args)
-    from ..parity._report import format_parity, plot_parity
+    from ..parity import format_parity, plot_parity
 
     print(format_parity(report))
     if args.plot:
@@ -221,7 +220,7 @@ def _run_parity_command(args: argparse.Namespace) -> int:
 
 
 def _compare_reference(args: argparse.Namespace) -> Any:
-    from ..parity._runner import run_parity
+    from ..parity import run_parity
 
     fields = {f.name for f in dataclasses.fields(ParityConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
@@ -233,7 +232,7 @@ def _compare_ports(args: argparse.Namespace) -> Any:
 
     from torch_ref import load_attr
 
-    from ..parity._compare_models import compare_models
+    from ..parity import compare_models
 
     with np.load(args.data) as npz:
         data = {k: npz[k] for k in npz.files}

@@ -15,9 +15,8 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from ..checkpoint._checkpoints import Checkpoints
+from ..checkpoint import CheckpointError, Checkpoints
 from ..checkpoint._meta import check_sealed
-from ..checkpoint._rules import CheckpointError
 from ._config import NOT_RESUMED, RESUME_FIXED, TrainConfig
 
 

@@ -15,14 +15,13 @@ from tqdm import tqdm
 from .._layout import ProcessShare
 from .._position import SamplerPosition
 from .._step import TrainStep
-from ..checkpoint._checkpoints import Checkpoints
-from ..checkpoint._rules import CheckpointError
-from ..data._fingerprint import DataChangedError
+from ..checkpoint import CheckpointError, Checkpoints
+from ..data import DataChangedError
 from ._config import RESUME_FIXED
 from ._metrics import MetricsLog, agree
 
 if TYPE_CHECKING:
-    from ..data._loader import Batch, Loader
+    from ..data import Batch, Loader
     from ._config import TrainConfig
 
 

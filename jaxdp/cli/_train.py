@@ -37,10 +37,9 @@ from .._options import Parallel, Skips
 from .._position import SamplerPosition
 from .._step import TrainStep, make_train_step
 from .._train_state import TrainState
-from ..checkpoint._checkpoints import Checkpoints
-from ..data._evaluate import evaluate
-from ..data._loader import Loader
-from ..models._reference import CNN, MLP
+from ..checkpoint import Checkpoints
+from ..data import Loader, evaluate
+from ..models import CNN, MLP
 from ._config import Precision, TrainConfig
 from ._data import Split, load_digits, load_file
 from ._metrics import MetricsLog, plot_training

@@ -11,6 +11,7 @@ from ._reference import CNNBN as CNNBN
 from ._reference import LAYER_NORM_EPS as LAYER_NORM_EPS
 from ._reference import MLP as MLP
 from ._reference import MODELS as MODELS
+from ._reference import TRAINABLE as TRAINABLE
 from ._reference import BatchNorm as BatchNorm
 from ._reference import EmbedBranch as EmbedBranch
 from ._reference import LinearModel as LinearModel
@@ -24,6 +25,7 @@ __all__ = [
     "LAYER_NORM_EPS",
     "MLP",
     "MODELS",
+    "TRAINABLE",
     "BatchNorm",
     "EmbedBranch",
     "LinearModel",

@@ -31,7 +31,7 @@ from .._model_state import batch_norm_modules
 from .._options import AccumulationPath, Strategy, fold
 from .._sampler import Permutation
 from .._step import make_train_step
-from ..models._reference import TRAINABLE, build_model, model_loss
+from ..models import TRAINABLE, build_model, model_loss
 from ._locate_text import Divergence
 from ._optim import OPTIMIZERS, OptimizerSpec, optax_like_torch
 

@@ -30,7 +30,7 @@ from .._forward import loss_parts, split_model
 from .._model_state import split_state
 from .._step import make_train_step
 from .._train_state import TrainState
-from ..models._reference import MODELS
+from ..models import MODELS
 from ._memory import divisors, largest_divisor_at_most
 
 _MAX_COMPILES = 8  # per choice; each is fast (abstract batches) but not free
