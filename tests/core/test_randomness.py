@@ -67,20 +67,25 @@ def masks(weights):
     return scaled.astype(bool)
 
 
+# Jitted for speed only: in each process that derives the masks (three in this file) the 24
+# draws op by op took 1.3 s of CPU, one program 0.7 s and 0.2 s once in the compilation cache.
+@jax.jit
+def drawn_mask(s, d, j):
+    """The units Masked keeps at step s, mesh device d and micro-batch j, by the key
+    derivation alone (no step, no mesh): a fresh Masked's dropout reseeded as the step
+    reseeds it (``micro_key(key, s, d, j)``, its count at 0)."""
+    model = Masked()
+    nnx.update(model, reseed(nnx.state(model, nnx.RngState), s, d, j))
+    return model.dropout(jnp.ones((MICRO, WIDTH)))[0] != 0
+
+
 def derived_weights():
-    """The weights ``train`` must return, from the key derivation alone (no step, no mesh):
-    the mask of step s, mesh device d and micro-batch j is that of a fresh Masked's dropout
-    reseeded as the step reseeds it (``micro_key(key, s, d, j)``, its count at 0); w moves
-    as ``masks`` reads it back. Every value is a multiple of 1/4, so the sums are exact."""
+    """The weights ``train`` must return, from ``drawn_mask``: w moves as ``masks`` reads
+    it back. Every value is a multiple of 1/4, so the sums are exact."""
     w, weights = np.zeros((NUM_DEVICES * ACCUM, WIDTH)), []
     for s in range(STEPS):
-        kept = np.zeros_like(w)
-        for d in range(NUM_DEVICES):
-            for j in range(ACCUM):
-                model = Masked()
-                nnx.update(model, reseed(nnx.state(model, nnx.RngState), s, d, j))
-                kept[d * ACCUM + j] = model.dropout(jnp.ones((MICRO, WIDTH)))[0] != 0
-        w = w - kept / (0.5 * NUM_DEVICES * ACCUM)
+        kept = [drawn_mask(s, d, j) for d in range(NUM_DEVICES) for j in range(ACCUM)]
+        w = w - np.stack(kept) / (0.5 * NUM_DEVICES * ACCUM)
         weights.append(w)
     return np.stack(weights)
 
