@@ -23,29 +23,20 @@ from jaxdp.cli._metrics import MetricsLog, plot_training
 from jaxdp.cli._train import TrainConfig, train
 
 
-def test_default_train_run_reaches_the_stated_accuracy(tmp_path):
+# These two run the command in a worker of jaxdp's pytest plugin started with the devices
+# it asks for. The suite's float64 (tests/conftest.py) changes none of their numbers: the
+# runs are float32, their summaries those of a shell's run but for the seconds.
+@pytest.mark.devices(4)  # jaxdp train's default --cpu-devices
+def test_default_train_run_reaches_the_stated_accuracy(tmp_path, capsys):
     summary, metrics = tmp_path / "summary.json", tmp_path / "metrics.jsonl"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxdp",
-            "train",
-            "--summary-out",
-            str(summary),
-            "--metrics-out",
-            str(metrics),
-            "--progress",  # tqdm's bar on stderr, though it is not a terminal
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    assert "loss=" in out.stderr and "samples_s=" in out.stderr, out.stderr[-500:]
+    flags = ["--summary-out", str(summary), "--metrics-out", str(metrics)]
+    # --progress: tqdm's bar on stderr, though it is not a terminal.
+    assert main(["train", *flags, "--progress"]) == 0
+    out = capsys.readouterr()
+    assert "loss=" in out.err and "samples_s=" in out.err, out.err[-500:]
     assert (
         "batch: global_batch_size=128 = num_devices=4 x accum_steps=2 x micro_batch_size=16"
-    ) in out.stdout
+    ) in out.out
     result = json.loads(summary.read_text())
     # README.md states "about 98%"; 97% leaves room for other CPUs' rounding.
     assert result["test_accuracy"] >= 0.97
@@ -58,34 +49,12 @@ def test_default_train_run_reaches_the_stated_accuracy(tmp_path):
     assert all(r["samples_per_s"] > 0 for r in records[1:])
 
 
+@pytest.mark.devices(2)
 def test_multisteps_pmap_run_on_other_sizes(tmp_path):
     summary = tmp_path / "summary.json"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxdp",
-            "train",
-            "--cpu-devices",
-            "2",
-            "--accum-steps",
-            "4",
-            "--micro-batch-size",
-            "8",
-            "--path",
-            "multisteps",
-            "--strategy",
-            "pmap",
-            "--epochs",
-            "3",
-            "--summary-out",
-            str(summary),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
+    flags = ["--cpu-devices", "2", "--accum-steps", "4", "--micro-batch-size", "8"]
+    flags += ["--path", "multisteps", "--strategy", "pmap", "--epochs", "3"]
+    assert main(["train", *flags, "--summary-out", str(summary)]) == 0
     result = json.loads(summary.read_text())
     # 1438 rows over 2 ranks: 719 each, 22 steps of 4 x 8 per epoch.
     assert result["steps"] == 3 * 22

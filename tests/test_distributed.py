@@ -235,24 +235,35 @@ def test_nothing_a_rank_started_outlives_the_launch(tmp_path):
         time.sleep(0.05)
 
 
-def test_process_local_batches_and_an_uncaught_exception_on_two_processes(tmp_path):
+@pytest.mark.devices(2, processes=2)
+def test_the_step_counts_host_data_as_each_process_share():
+    """On 2 processes x 2 devices (jaxdp's pytest plugin): 8 rows here are 16 in all, and
+    a share that makes no whole global batch is refused naming both counts (no collective)."""
+    import jax.numpy as jnp
+    import optax
+
+    mesh = jaxdp.initialize()  # the runtime is up: the global mesh of 4 devices
+    step = jaxdp.make_train_step(lambda p, b: jnp.mean(b @ p), optax.sgd(0.1), mesh=mesh)
+    assert tuple(step.sizes(np.zeros((8, 3)))) == (4, 1, 4, 16)
+    refused = (
+        "this process's batch has 3 rows; 2 processes make a global batch of 6 rows: "
+        "global_batch_size=6 must be a positive multiple of num_devices * accum_steps = 4 * 1"
+    )
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        step.sizes(np.zeros((3, 3)))
+
+
+def test_an_uncaught_exception_on_one_of_two_processes_ends_the_launch_at_once(tmp_path):
     # Without jaxdp.initialize's excepthook, rank 1 would sit in JAX's shutdown
     # barrier for timeout_s (300 s here) while rank 0 blocks in its collective.
     start = time.monotonic()
     done = run_script(
         tmp_path,
         """
-        import jax, jax.numpy as jnp, numpy as np, optax
+        import jax, jax.numpy as jnp, numpy as np
         import jaxdp
         from jax.sharding import NamedSharding, PartitionSpec as P
         mesh = jaxdp.initialize()
-        # First, the step's batch check with process-local batches (no collective).
-        step = jaxdp.make_train_step(lambda p, b: jnp.mean(b @ p), optax.sgd(0.1), mesh=mesh)
-        print(tuple(step.sizes(np.zeros((8, 3)))))  # 8 rows here, 16 in all
-        try:
-            step.sizes(np.zeros((3, 3)))
-        except ValueError as e:
-            print(e)
         total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
         x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(2))
         for i in range(10**6):
@@ -265,13 +276,6 @@ def test_process_local_batches_and_an_uncaught_exception_on_two_processes(tmp_pa
         timeout=400,
     )
     took = time.monotonic() - start
-    for rank in (0, 1):
-        assert f"[rank {rank}] (4, 1, 4, 16)" in done.stdout
-        assert (
-            f"[rank {rank}] this process's batch has 3 rows; 2 processes make a global batch "
-            "of 6 rows: global_batch_size=6 must be a positive multiple of num_devices * "
-            "accum_steps = 4 * 1"
-        ) in done.stdout
     assert done.returncode == 1
     assert "[rank 1] RuntimeError: rank 1 fails here" in done.stderr
     assert "[rank 1] jaxdp: process 1 ends on this RuntimeError at once" in done.stderr
