@@ -139,7 +139,7 @@ def test_fused_step_memory_against_one_micro_batch(quick):
 
 def test_zero_rows_are_well_formed_and_shard_the_state(quick):
     """Every stage's timing and XLA's per-device bytes: stage 1 holds 1/N of stage 0's
-    optimizer state, stage 2 also 1/N of the accumulator, each plus padding."""
+    optimizer state, stage 2 also 1/N of the accumulator, each plus the leaves kept whole."""
     z = quick[2]["zero"]
     n = z["num_devices"]
     (model,) = z["models"]

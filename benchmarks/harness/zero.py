@@ -15,7 +15,7 @@ the optimizer state and the float32 gradient accumulator as arguments of a
 compiled program that takes them (the accumulator: the multisteps path's
 state, which carries it between calls, less the fused path's). Stage 1 should
 hold 1/N of stage 0's optimizer state, stage 2 also 1/N of the accumulator,
-each plus the padding of leaves whose size N does not divide.
+each plus the leaves kept whole (no dimension that N divides).
 
 Run: ``python -m benchmarks.harness.zero --out DIR [--quick]``.
 """

@@ -314,15 +314,13 @@ def _start(args: argparse.Namespace) -> TrainConfig:
 
 
 def _exit_now(status: int) -> NoReturn:
-    """Exits with ``status``; with several processes at once, as jaxdp.initialize's
-    excepthook does: a failure (a checkpoint that could not be written) may have
-    reached this process alone, and its peers wait in a collective or in orbax's
-    barrier, so JAX's shutdown barrier would hold it for ``timeout_s``."""
+    """Exits with ``status``; with several processes at once as jaxdp.initialize's
+    excepthook does: a failure (a checkpoint not written) may have reached this process
+    alone, and JAX's shutdown barrier would hold it while its peers wait."""
     import jax
 
     if jax.process_count() > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        sys.stdout.flush(), sys.stderr.flush()
         os._exit(status)
     raise SystemExit(status)
 
@@ -335,8 +333,7 @@ def _show_warning(message: Warning | str, category: type[Warning], *args: Any, *
 def _stop_on_signals() -> Iterator[list[int | None]]:
     """Turns the first SIGINT/SIGTERM into a request to stop; the second acts as usual."""
     stopped_by: list[int | None] = [None]
-    # None: a handler installed outside Python (JAX's preemption notifier takes
-    # SIGTERM in multi-process runs); the default action is what "as usual" means.
+    # None: a handler outside Python (JAX's preemption notifier takes SIGTERM).
     previous = {s: signal.getsignal(s) or signal.SIG_DFL for s in (signal.SIGINT, signal.SIGTERM)}
 
     def request(signum: int, frame: Any) -> None:
@@ -354,8 +351,7 @@ def _stop_on_signals() -> Iterator[list[int | None]]:
             signal.signal(s, handler)
 
 
-# One entry per subcommand: a function that adds its parser to ``sub`` and
-# sets ``run`` (taking the parsed namespace, returning the exit status).
+# Per subcommand, a function adding its parser to ``sub`` with ``run(args) -> status``.
 SUBCOMMANDS = (
     _train_parser,
     add_parity_command,
@@ -376,21 +372,19 @@ the gradients with one all-reduce.
 
 
 def version() -> str:
-    """``jaxdp 0.2.0 (jax 0.10.2)``: jaxdp's version and the installed jax's."""
+    """``jaxdp 0.3.0 (jax 0.10.2)``: jaxdp's version and the installed jax's."""
     try:
-        jax = importlib.metadata.version("jax")
+        return f"jaxdp {__version__} (jax {importlib.metadata.version('jax')})"
     except importlib.metadata.PackageNotFoundError:
-        jax = "not installed"
-    return f"jaxdp {__version__} (jax {jax})"
+        return f"jaxdp {__version__} (jax not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``jaxdp`` command line on ``argv`` (default: ``sys.argv[1:]``); returns the
     exit status."""
     parser = Parser(prog="jaxdp", description=DESCRIPTION)
-    parser.add_argument(
-        "--version", action="version", version=version(), help="print the versions of jaxdp and jax"
-    )
+    help = "print the versions of jaxdp and jax"
+    parser.add_argument("--version", action="version", version=version(), help=help)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_parser in SUBCOMMANDS:
         add_parser(sub)

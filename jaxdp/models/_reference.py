@@ -317,11 +317,11 @@ MODELS: dict[str, tuple[Callable[..., nnx.Module], Callable[..., jax.Array]]] = 
 }
 """``name -> (model class, loss(module, (x, y)))`` of every reference model."""
 
-# ``make_train_step(trainable=...)`` of the reference models that freeze parameters
-# (torch_ref sets ``requires_grad=False`` on the others): predicates on the path.
 TRAINABLE: dict[str, Callable[[tuple[str, ...], Any], bool]] = {
     "embed_branch": lambda path, value: path[0] != "embed",
 }
+"""``make_train_step(trainable=...)`` of the reference models that freeze parameters (as
+torch_ref sets ``requires_grad=False``): a predicate on the parameter's path; absent, all train."""
 
 
 def build_model(name: str, *, seed: int = 0, param_dtype: Any = jnp.float32) -> nnx.Module:
