@@ -259,8 +259,11 @@ def test_without_matplotlib_one_line_names_it_before_anything_runs(monkeypatch, 
 
 def test_the_benchmarks_import_only_public_modules_and_names_of_jaxdp_and_torch_ref():
     """Tools out of the core's way: the benchmarks use jaxdp and torch_ref as a user does
-    (names without a leading underscore, from modules without one)."""
-    private = []
+    (names without a leading underscore, from modules without one). One file is the
+    exception, by what it is: check_costs.py times jaxdp's private data checks
+    themselves (the digest, the NaN scan, the file watch), which no public name runs
+    alone; it must still import private names, so the exception cannot go stale."""
+    private, timed_internals = [], ROOT / "benchmarks" / "check_costs.py"
     for path in sorted((ROOT / "benchmarks").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -274,7 +277,9 @@ def test_the_benchmarks_import_only_public_modules_and_names_of_jaxdp_and_torch_
                     continue
                 if any(part.startswith("_") for part in [*module.split("."), *names]):
                     private.append(f"{path.relative_to(ROOT)}:{node.lineno}: {module} {names}")
-    assert private == []
+    exempt = [line for line in private if line.startswith(f"{timed_internals.relative_to(ROOT)}:")]
+    assert exempt, "check_costs.py no longer times private checks: drop its exception"
+    assert [line for line in private if line not in exempt] == []
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])

@@ -147,3 +147,21 @@ def test_non_finite_steps_end_the_run_at_exactly_the_limit(tmp_path, capsys):
         "MB) or a learning rate too high are the usual causes\n"
     )
     assert ".state" not in err
+
+
+def test_the_embedded_digits_are_scikit_learns_read_without_importing_it():
+    """The default data: scikit-learn's digits file read as its load_digits reads it, the
+    same arrays bit for bit, with scikit-learn not imported (its import took longer than
+    the rest of a `jaxdp train` start); a subprocess, so this process's imports do not count."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from jaxdp.cli._data import _digits; data, target = _digits(); "
+        "assert 'sklearn' not in sys.modules; "
+        "from sklearn.datasets import load_digits; d = load_digits(); "
+        "assert data.dtype == d.data.dtype and target.dtype == d.target.dtype; "
+        "assert data.tobytes() == d.data.tobytes() and target.tobytes() == d.target.tobytes()"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]

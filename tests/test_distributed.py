@@ -739,6 +739,11 @@ def assert_ports_free(tmp_path, name):
     return addresses
 
 
+# The tests that compare with `uninterrupted` run on one worker under pytest-xdist, so its
+# launch (about 40 s) is made once, not once per worker that gets one of them.
+restarts_group = pytest.mark.xdist_group("restarts")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """An uninterrupted run, 2 processes x 2 devices: (metrics, newest checkpoint's leaves)."""
@@ -756,6 +761,7 @@ def wait_for_records(launcher, path, count, timeout=240):
         time.sleep(0.05)
 
 
+@restarts_group
 def test_max_restarts_survives_two_kills_and_ends_bitwise_as_an_uninterrupted_run(
     tmp_path, uninterrupted
 ):
@@ -806,6 +812,7 @@ def test_a_restart_refuses_another_runs_records_as_its_first_start_did(tmp_path)
     assert metrics.read_text() == other
 
 
+@restarts_group
 def test_a_restart_before_the_first_checkpoint_starts_over_on_its_own_records(
     tmp_path, uninterrupted
 ):
@@ -841,6 +848,7 @@ class Lines:
         raise AssertionError(f"no line matches {pattern!r}: {''.join(x for _, x in self.lines)}")
 
 
+@restarts_group
 def test_a_stopped_rank_is_found_named_and_the_group_restarted(tmp_path, uninterrupted):
     """Acceptance 2 of issue 25: a SIGSTOPped rank (its peer blocked in a collective,
     JAX's own heartbeat at 60 s) is found by the launcher's heartbeat watch, named, the
@@ -917,6 +925,7 @@ def test_a_hang_past_max_restarts_ends_the_launch_naming_the_stopped_rank(tmp_pa
     assert len(assert_ports_free(tmp_path, "run")) == 2
 
 
+@restarts_group
 def test_sigterm_to_the_launcher_stops_every_rank_at_one_checkpointed_step(tmp_path, uninterrupted):
     """Acceptance 4 of issue 25, a scheduler's preemption: every rank stops at the same
     optimizer step (the processes agree on each call's stop), saves it and exits 143;

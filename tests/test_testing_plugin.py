@@ -191,6 +191,11 @@ def outcomes(stdout):
     return found
 
 
+# One worker runs this file under pytest-xdist, so the module's runs of the example suite
+# (`sequential`: about 30 s) are made once, not once per worker that gets one of its tests.
+pytestmark = pytest.mark.xdist_group("testing_plugin")
+
+
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     path = tmp_path_factory.mktemp("suite")
