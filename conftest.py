@@ -8,8 +8,10 @@ empty) and is shared through the environment with the processes the tests start
 executable, so results are bitwise those of compiling it again.
 """
 
+import json
 import os
 import pathlib
+import resource
 
 import pytest
 
@@ -61,3 +63,28 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if id(item) in keep]
+
+
+def _cpu_seconds() -> float:
+    """User and system CPU of this process and of the children it has waited for."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+if os.environ.get("JAXDP_TEST_CPU_LOG"):
+    # JAXDP_TEST_CPU_LOG=FILE: one JSON line per test, its CPU seconds (setup, call and
+    # teardown; the processes it started and waited for included, launched ranks through
+    # their launcher). On two cores the suite is CPU-bound, so these, not durations
+    # (which count the waits for the other workers), say where its time goes.
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        before = _cpu_seconds()
+        try:
+            return (yield)
+        finally:
+            record = {"test": item.nodeid, "cpu": round(_cpu_seconds() - before, 3)}
+            with open(os.environ["JAXDP_TEST_CPU_LOG"], "a") as log:
+                log.write(json.dumps(record) + "\n")
