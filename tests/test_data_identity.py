@@ -106,6 +106,53 @@ def test_a_memmapped_file_that_changes_mid_epoch_is_caught_at_the_next_read(tmp_
     assert loader.position.step_in_epoch >= 1  # where the loop stands: intact
 
 
+SHRUNK_DURING_A_READ = """
+import sys
+import numpy as np
+from jaxdp.cli._data import Rows
+from jaxdp.data import DataChangedError, _source
+
+np.save(sys.argv[1], np.arange(4000, dtype=np.float32).reshape(1000, 4))
+x = np.load(sys.argv[1], mmap_mode="r")
+source = _source.Source({"x": x})
+rows = Rows(x, np.arange(1000)[::-1], np.float64)
+assert np.array_equal(source.read(np.arange(10, 20))["x"], np.asarray(x[10:20]))
+assert np.array_equal(rows[np.arange(3)], x[[999, 998, 997]].astype(np.float64))
+# As if another process truncated the file just after the read's check of it.
+_source.check_files = lambda files: None
+with open(sys.argv[1], "r+b") as f:
+    f.truncate(2000)
+for read in (lambda: source.read(np.arange(900, 910)), lambda: rows[np.arange(3)]):
+    try:
+        read()
+    except DataChangedError as e:
+        print(e)
+    else:
+        raise AssertionError("read past the end of a shrunk file")
+"""
+
+
+def test_a_file_shrunk_during_a_read_raises_not_a_bus_error(tmp_path):
+    """The race the check before each read leaves: the file shrinks between the check and
+    the read (np.save truncates, then writes). Memmapped fields and jaxdp train's rows of a
+    memmap are read from the file, so the read comes up short and says so; through the
+    mapping it ended the process with SIGBUS (a CI worker, once). A process of its own,
+    so a bus error fails this test, not the run."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "x.npy"
+    done = subprocess.run(
+        [sys.executable, "-c", SHRUNK_DURING_A_READ, str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        assert line.startswith(f"data file {path} changed while the loader reads it (a read of ")
+        assert "the file is shorter than when it was opened" in line
+
+
 # ---- jaxdp train -----------------------------------------------------------------------
 
 

@@ -30,7 +30,14 @@ class Rows:
         return len(self.index)
 
     def __getitem__(self, rows: Any) -> np.ndarray:
-        return np.asarray(self.base[self.index[rows]], self.dtype)
+        index = self.index[rows]
+        if isinstance(self.base, np.memmap) and np.ndim(index) == 1:
+            # From the file, not the mapping: a file shrunk under the run raises
+            # DataChangedError where a mapped read would end the process (SIGBUS).
+            from jaxdp.data._fingerprint import read_rows
+
+            return np.asarray(read_rows(self.base, index), self.dtype)
+        return np.asarray(self.base[index], self.dtype)
 
 
 class Split(NamedTuple):

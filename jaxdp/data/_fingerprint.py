@@ -161,3 +161,56 @@ def _stat(path: str) -> tuple[int, int]:
     except OSError:
         return (-1, -1)
     return (status.st_size, status.st_mtime_ns)
+
+
+def read_rows(array: Any, rows: np.ndarray) -> np.ndarray:
+    """``array[rows]``; of a memmap, read from its file with positioned reads
+    (``os.preadv``, a run of consecutive rows at a time), not through the mapping.
+
+    A file that shrinks while a read is under way (between :func:`check_files` and
+    the read: another process truncating or rewriting it) then gives a short read,
+    raised as :class:`DataChangedError`, where copying from a mapped page past the
+    file's end ends the process with a bus error (SIGBUS) and nothing said. The
+    bytes are the ones the mapping would give. Rows that are not whole blocks of
+    the file (a view with strided rows) are read through the mapping.
+    """
+    root = array
+    while isinstance(getattr(root, "base", None), np.memmap):
+        root = root.base
+    if not isinstance(array, np.memmap) or not getattr(root, "filename", None):
+        return np.asarray(array[rows])
+    rows = np.asarray(rows, np.int64)
+    row_shape, itemsize = array.shape[1:], array.itemsize
+    packed, size = [], itemsize
+    for n in reversed(row_shape):  # the strides of a C-contiguous row
+        packed.insert(0, size)
+        size *= n
+    row_bytes = size
+    if tuple(array.strides[1:]) != tuple(packed) or (len(rows) and rows.min() < 0):
+        return np.asarray(array[rows])
+    out = np.empty((len(rows), *row_shape), array.dtype)
+    view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+    first = root.offset + (array.ctypes.data - root.ctypes.data)  # file position of row 0
+    fd = os.open(root.filename, os.O_RDONLY)
+    try:
+        k = 0
+        while k < len(rows):
+            end = k + 1  # a run of consecutive rows: one read
+            while end < len(rows) and rows[end] == rows[end - 1] + 1:
+                end += 1
+            want = (end - k) * row_bytes
+            at = first + int(rows[k]) * array.strides[0]
+            if array.strides[0] != row_bytes:
+                end, want = k + 1, row_bytes  # rows apart in the file: one read each
+            got = os.preadv(fd, [view[k * row_bytes : k * row_bytes + want]], at)
+            if got != want:
+                raise DataChangedError(
+                    f"data file {root.filename} changed while the loader reads it (a read of "
+                    f"{want} bytes at {at} got {got}: the file is shorter than when it was "
+                    "opened); the position so far is intact; restore the file, or start a new "
+                    "run on the new data"
+                )
+            k = end
+    finally:
+        os.close(fd)
+    return out

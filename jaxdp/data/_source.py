@@ -5,8 +5,8 @@ tuple of them (one field each, the same number of rows), or anything
 with ``__len__`` and ``__getitem__(index) -> record`` (a Hugging Face
 ``datasets.Dataset``, a torch map-style ``Dataset``, a grain data source). An
 array field is read with one fancy index per call (a memmap reads only those
-rows); any other source, or any source with a ``transform``, one record at a
-time, and the records are stacked.
+rows, from its file: ``_fingerprint.read_rows``); any other source, or any
+source with a ``transform``, one record at a time, and the records are stacked.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._fingerprint import check_files, fingerprint, memmapped_files
+from ._fingerprint import check_files, fingerprint, memmapped_files, read_rows
 
 Transform = Callable[[Any], Any]
 """``transform(record) -> record``, applied to every record read, in a loader worker."""
@@ -96,7 +96,7 @@ class Source:
         try:
             if self.fields is not None and self.transform is None:
                 self._reading[me] = (int(rows[0]), time.monotonic())
-                return jax.tree.map(lambda x: np.asarray(x[rows]), self.fields, is_leaf=_is_array)
+                return jax.tree.map(lambda x: read_rows(x, rows), self.fields, is_leaf=_is_array)
             records = [self._record(int(i), me) for i in rows]
             return _stack(records, rows)
         finally:
