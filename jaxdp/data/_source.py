@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._fingerprint import check_files, fingerprint, memmapped_files, read_rows
+from ._fingerprint import DataChangedError, check_files, fingerprint, memmapped_files, read_rows
 
 Transform = Callable[[Any], Any]
 """``transform(record) -> record``, applied to every record read, in a loader worker."""
@@ -96,7 +96,13 @@ class Source:
         try:
             if self.fields is not None and self.transform is None:
                 self._reading[me] = (int(rows[0]), time.monotonic())
-                return jax.tree.map(lambda x: read_rows(x, rows), self.fields, is_leaf=_is_array)
+                try:
+                    return jax.tree.map(
+                        lambda x: read_rows(x, rows), self.fields, is_leaf=_is_array
+                    )
+                except DataChangedError:
+                    check_files(self.files)  # the usual words (what changed) where it can tell
+                    raise
             records = [self._record(int(i), me) for i in rows]
             return _stack(records, rows)
         finally:
