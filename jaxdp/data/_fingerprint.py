@@ -180,29 +180,25 @@ def read_rows(array: Any, rows: np.ndarray) -> np.ndarray:
     if not isinstance(array, np.memmap) or not getattr(root, "filename", None):
         return np.asarray(array[rows])
     rows = np.asarray(rows, np.int64)
-    row_shape, itemsize = array.shape[1:], array.itemsize
-    packed, size = [], itemsize
-    for n in reversed(row_shape):  # the strides of a C-contiguous row
-        packed.insert(0, size)
-        size *= n
-    row_bytes = size
-    if tuple(array.strides[1:]) != tuple(packed) or (len(rows) and rows.min() < 0):
+    row_shape = array.shape[1:]
+    row_bytes = array.itemsize * math.prod(row_shape)
+    c_row = np.empty((1, *row_shape), array.dtype).strides[1:]  # a C-contiguous row's strides
+    if array.strides[1:] != c_row or (len(rows) and rows.min() < 0):
         return np.asarray(array[rows])
     out = np.empty((len(rows), *row_shape), array.dtype)
-    view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+    if out.size == 0:
+        return out
+    view = memoryview(out.reshape(-1).view(np.uint8))
     first = root.offset + (array.ctypes.data - root.ctypes.data)  # file position of row 0
+    # One read per run of consecutive rows (each row alone where rows lie apart in the file).
+    together = array.strides[0] == row_bytes
+    starts = np.flatnonzero(np.diff(rows) != 1) + 1 if together else np.arange(1, len(rows))
+    bounds = [0, *starts.tolist(), len(rows)]
     fd = os.open(root.filename, os.O_RDONLY)
     try:
-        k = 0
-        while k < len(rows):
-            end = k + 1  # a run of consecutive rows: one read
-            while end < len(rows) and rows[end] == rows[end - 1] + 1:
-                end += 1
-            want = (end - k) * row_bytes
-            at = first + int(rows[k]) * array.strides[0]
-            if array.strides[0] != row_bytes:
-                end, want = k + 1, row_bytes  # rows apart in the file: one read each
-            got = os.preadv(fd, [view[k * row_bytes : k * row_bytes + want]], at)
+        for k, end in zip(bounds[:-1], bounds[1:], strict=True):
+            at, want = first + int(rows[k]) * array.strides[0], (end - k) * row_bytes
+            got = os.preadv(fd, [view[k * row_bytes : end * row_bytes]], at)
             if got != want:
                 raise DataChangedError(
                     f"data file {root.filename} changed while the loader reads it (a read of "
@@ -210,7 +206,6 @@ def read_rows(array: Any, rows: np.ndarray) -> np.ndarray:
                     "opened); the position so far is intact; restore the file, or start a new "
                     "run on the new data"
                 )
-            k = end
     finally:
         os.close(fd)
     return out
