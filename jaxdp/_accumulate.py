@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-Forward = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[Any, jax.Array, jax.Array, Any]]
+Forward = Callable[..., tuple[Any, jax.Array, jax.Array, Any, Any]]
 """``forward(trainable, micro_batch, batch_stats, micro_index, scale) -> (grads, value,
-weight, new_batch_stats)`` of one micro-batch on one device, the loss times ``scale``
+weight, new_batch_stats, aux)`` of one micro-batch on one device, the loss times ``scale``
 (:func:`jaxdp._forward.micro_forward`)."""
 
 
@@ -27,6 +27,7 @@ class Sums(NamedTuple):
     loss_sum: jax.Array
     weight: jax.Array
     batch_stats: Any  # this device's, after its last micro-batch
+    aux: Any = None  # loss_fn's aux (has_aux) summed as the loss is: times the scale
 
 
 def add_micro_batch(
@@ -46,20 +47,21 @@ def add_micro_batch(
     fills an incomplete last window (it then adds nothing and leaves the batch
     statistics as they were). The loss is scaled, not the gradients: a pass less.
     """
-    grads, value, weight, stats = forward(trainable, batch, sums.batch_stats, index, scale)
+    grads, value, weight, stats, aux = forward(trainable, batch, sums.batch_stats, index, scale)
     dtype = sums.loss_sum.dtype
     grads = scatter(jax.tree.map(lambda g: g.astype(dtype), grads))
     stats = jax.tree.map(lambda n, o: jnp.where(scale > 0, n, o), stats, sums.batch_stats)
     weight = weight.astype(dtype) * scale.astype(dtype)
-    return Sums(
-        add(sums.grads, grads), sums.loss_sum + value.astype(dtype), sums.weight + weight, stats
-    )
+    aux = jax.tree.map(lambda s, a: s + jnp.asarray(a, dtype) * scale.astype(dtype), sums.aux, aux)
+    loss_sum = sums.loss_sum + value.astype(dtype)
+    return Sums(add(sums.grads, grads), loss_sum, sums.weight + weight, stats, aux)
 
 
-def zero_sums(like: Any, batch_stats: Any, dtype: Any) -> Sums:
-    """Empty sums shaped like ``like`` (the gradients as ``scatter`` leaves them)."""
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, dtype), like)
-    return Sums(zeros, jnp.zeros([], dtype), jnp.zeros([], dtype), batch_stats)
+def zero_sums(like: Any, batch_stats: Any, dtype: Any, aux: Any = None) -> Sums:
+    """Empty sums shaped like ``like`` (the gradients as ``scatter`` leaves them) and
+    ``aux`` (shapes)."""
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, dtype), (like, aux))
+    return Sums(zeros[0], jnp.zeros([], dtype), jnp.zeros([], dtype), batch_stats, zeros[1])
 
 
 def accumulate(
@@ -72,6 +74,7 @@ def accumulate(
     dtype: Any,
     scatter: Callable[[Any], Any],
     to_varying: Callable[[Any], Any],
+    with_aux: bool = False,
 ) -> Sums:
     """A whole window in one call (the ``fused`` path): a ``lax.scan`` over this
     device's ``[accum_steps, micro_batch_size, ...]`` rows.
@@ -79,11 +82,15 @@ def accumulate(
     ``to_varying`` marks the replicated parameters per-device before the loop.
     Without it (``shard_map`` with ``check_vma``) JAX treats them as invariant and
     the transpose of their implicit broadcast is a psum: an all-reduce inside the
-    loop, one per micro-batch.
+    loop, one per micro-batch. ``with_aux``: ``forward`` returns an aux to sum.
     """
     local = to_varying(trainable)
     like = jax.eval_shape(scatter, jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), trainable))
-    init = to_varying(zero_sums(like, batch_stats, dtype))
+    aux = None
+    if with_aux:  # its shapes, from a trace of the first micro-batch's forward
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        aux = jax.eval_shape(forward, local, first, batch_stats, 0, micro_weights[0])[-1]
+    init = to_varying(zero_sums(like, batch_stats, dtype, aux))
 
     def body(sums, inputs):
         batch, scale, index = inputs

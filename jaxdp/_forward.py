@@ -43,9 +43,10 @@ def loss_parts(
     *,
     configure: Callable[[Any], None] | None = None,
     with_rng: bool = False,
-) -> Callable[..., tuple[jax.Array, tuple[jax.Array, Any]]]:
+    has_aux: bool = False,
+) -> Callable[..., tuple[jax.Array, tuple[jax.Array, Any, Any]]]:
     """``parts(params, batch, batch_stats, rngs, constants, rng) -> (value, (weight,
-    new_batch_stats))``, differentiable in params.
+    new_batch_stats, aux))``, differentiable in params.
 
     ``mean``: ``loss_fn`` returns the micro-batch's mean loss; weight is 1, so
     the step averages micro-batch means (DDP's ``loss / accum_steps``).
@@ -56,7 +57,9 @@ def loss_parts(
     For an NNX module, ``batch_stats``, ``rngs`` and ``constants`` are the
     groups of :func:`jaxdp._state.split_state` and ``configure`` adjusts the
     merged module (the BatchNorm mode) before ``loss_fn`` sees it.
-    ``with_rng``: ``loss_fn`` also gets the keyword ``rng``.
+    ``with_rng``: ``loss_fn`` also gets the keyword ``rng``. ``has_aux``: it returns
+    ``(loss, aux)`` (``loss`` as above), ``aux`` a pytree of numeric arrays that
+    the step averages as it averages the loss (None without ``has_aux``).
     """
 
     def parts(params, batch, batch_stats, rngs, constants, rng):
@@ -70,29 +73,50 @@ def loss_parts(
         out = loss_fn(model, batch, rng=rng) if with_rng else loss_fn(model, batch)
         if graphdef is not None:
             batch_stats = written_batch_stats(model, constants)
+        out, aux = _split_aux(out, has_aux, reduction)
         if reduction == "mean":
             if isinstance(out, (tuple, list)):
                 raise TypeError(
                     f"loss_fn returned a {type(out).__name__} of {len(out)} values with "
                     "loss_reduction='mean', which takes one scalar (the micro-batch's mean "
-                    "loss): return the loss alone, or (loss_sum, count) with "
-                    "loss_reduction='weighted'"
+                    "loss): return the loss alone; (loss, aux) with has_aux=True to report "
+                    "metrics; or (loss_sum, count) with loss_reduction='weighted'"
                 )
             _check_scalar(out, "loss_fn's return value", reduction)
-            return out, (jnp.ones([], out.dtype), batch_stats)
+            return out, (jnp.ones([], out.dtype), batch_stats, aux)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
                 "loss_fn must return a (loss_sum, count) tuple with "
                 f"loss_reduction='weighted', got {_describe(out)}"
             )
         value, count = out
+        if isinstance(value, (tuple, list)):
+            raise TypeError(
+                "loss_fn returned ((loss_sum, count), aux) without has_aux=True: pass "
+                "has_aux=True to make_train_step to report aux"
+            )
         _check_scalar(value, "loss_sum", reduction)
         _check_scalar(count, "count", reduction)
         count = jnp.asarray(count).astype(value.dtype)
         # A scalar select; the NaN reaches the all-reduced weight, loss and gradients.
-        return value, (jnp.where(count < 0, jnp.nan, count), batch_stats)
+        return value, (jnp.where(count < 0, jnp.nan, count), batch_stats, aux)
 
     return parts
+
+
+def _split_aux(out: Any, has_aux: bool, reduction: str) -> tuple[Any, Any]:
+    """``(loss part, aux)`` of ``loss_fn``'s return value; aux is None without ``has_aux``."""
+    if not has_aux:
+        return out, None
+    if not (isinstance(out, tuple) and len(out) == 2):
+        want = "(loss, aux)" if reduction == "mean" else "((loss_sum, count), aux)"
+        raise TypeError(f"with has_aux=True loss_fn must return {want}, got {_describe(out)}")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out[1])[0]:
+        dtype = getattr(leaf, "dtype", None) or (type(leaf) in (int, float, bool) and "float")
+        if not dtype or not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, bool)):
+            where = jax.tree_util.keystr(path)
+            raise TypeError(f"aux{where} must be a numeric array, got {_describe(leaf)}")
+    return out
 
 
 def micro_forward(
@@ -106,7 +130,7 @@ def micro_forward(
     rng_seed: int | None,
 ) -> Callable[..., tuple[Any, jax.Array, jax.Array, Any]]:
     """``forward(trainable, micro_batch, batch_stats, micro_index, scale) -> (grads,
-    value, weight, new_batch_stats)`` on one device, differentiating ``trainable``
+    value, weight, new_batch_stats, aux)`` on one device, differentiating ``trainable``
     only (frozen leaves come from ``params`` per ``mask``). ``scale`` multiplies
     the loss before differentiation, so value and gradients come out scaled
     without a pass over the gradients (the weight is returned unscaled).
@@ -130,8 +154,10 @@ def micro_forward(
             value, aux = parts(full, batch, batch_stats, seeded, constants, rng)
             return value * scale.astype(value.dtype), aux
 
-        (value, (weight, new_stats)), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
-        return grads, value, weight, new_stats
+        (value, (weight, new_stats, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
+            trainable
+        )
+        return grads, value, weight, new_stats, aux
 
     return forward
 

@@ -109,6 +109,7 @@ class StepOptions:
     accum_steps: int = 1
     path: AccumulationPath = "fused"
     loss_reduction: LossReduction = "mean"
+    has_aux: bool = False
     accum_dtype: Any = None
     donate: bool = True
     batch_stats: BatchStats | None = None
@@ -127,6 +128,8 @@ class StepOptions:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        if not isinstance(self.has_aux, bool):
+            raise TypeError(f"has_aux={self.has_aux!r} must be True or False")
         if self.batch_stats not in (None, "local", "sync"):
             raise ValueError(f"batch_stats={self.batch_stats!r} must be None, 'local' or 'sync'")
         for name, kind in (("parallel", Parallel), ("skips", Skips)):

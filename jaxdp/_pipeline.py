@@ -71,6 +71,7 @@ def fused_call(
             dtype=o.accumulator_dtype(params),
             scatter=_scatter(o, parts.plan),
             to_varying=_to_varying(o),
+            with_aux=o.has_aux,
         )
         return reduce(parts.plan, sums, scattered=o.zero_stage == 2, wire=o.comm)
 
@@ -87,7 +88,7 @@ def multisteps_call(
         # Every call ends its window: the fused call on this micro-batch. The window's
         # sums stay the zeros they start as (no pass over them: the fused step's speed).
         new, metrics = fused_call(o, state, batch, micro_weight[None])
-        report = LastUpdate(metrics["loss"], metrics["grad_norm"], metrics["finite"])
+        report = LastUpdate(*(metrics.get(k) for k in ("loss", "grad_norm", "finite", "aux")))
         last = _select(metrics["skipped"], state.window.last, report)
         new = new._replace(window=_cast_like(state.window, new.window._replace(last=last)))
         return new, {**metrics, "emitted": jnp.ones([], bool)}
@@ -101,7 +102,7 @@ def multisteps_call(
         sums = add_micro_batch(
             _forward(o, params, parts.mask, model_state, step, state.graphdef),
             _to_varying(o)(split_trainable(params, parts.mask)),
-            Sums(window.grads, window.loss_sum, window.weight, stats),
+            Sums(window.grads, window.loss_sum, window.weight, stats, window.aux),
             batch,
             weight,
             window.position,
@@ -110,7 +111,11 @@ def multisteps_call(
         )
         stats = jax.tree.map(lambda x: x[None], sums.batch_stats)
         return window._replace(
-            grads=sums.grads, loss_sum=sums.loss_sum, weight=sums.weight, batch_stats=stats
+            grads=sums.grads,
+            loss_sum=sums.loss_sum,
+            weight=sums.weight,
+            batch_stats=stats,
+            aux=sums.aux,
         )
 
     in_specs = (P(), P(), P(), specs, P(o.axis_name), P())
@@ -121,11 +126,11 @@ def multisteps_call(
     def end(window: Window) -> Update:
         def per_device(sums: Sums) -> Reduced:
             grads = _unblocked(parts.plan, sums.grads, o.zero_stage == 2)
-            stats = jax.tree.map(lambda x: x[0], sums.batch_stats)
-            sums = Sums(grads, sums.loss_sum[0], sums.weight[0], stats)
+            stats, aux = jax.tree.map(lambda x: x[0], (sums.batch_stats, sums.aux))
+            sums = Sums(grads, sums.loss_sum[0], sums.weight[0], stats, aux)
             return reduce(parts.plan, sums, scattered=o.zero_stage == 2, wire=o.comm)
 
-        sum_specs = Sums(specs.grads, specs.loss_sum, specs.weight, specs.batch_stats)
+        sum_specs = _sums_of(specs)
         reduced = _map(o, per_device, (sum_specs,), _reduced_specs(parts))(_sums_of(window))
         return _update(o, parts, state, reduced)
 
@@ -142,6 +147,7 @@ def multisteps_call(
         batch_stats=jax.tree.map(lambda x: jnp.where(ends, 0, x), window.batch_stats),
         position=(window.position + 1) % o.accum_steps,
         last=_select(result.applied, result.report, window.last),
+        aux=jax.tree.map(lambda x: jnp.where(ends, 0, x), window.aux),
     )
     new, metrics = _end(o, state, parts, result, restarted)
     return new, {**metrics, "emitted": ends}
@@ -191,6 +197,8 @@ def _end(
     new = jax.lax.with_sharding_constraint(new, shardings)
     report = result.report
     metrics = {"loss": report.loss, "grad_norm": report.grad_norm, "finite": report.finite}
+    if o.has_aux:
+        metrics["aux"] = report.aux
     lr = _learning_rate(result.opt_state)
     if lr is not None:
         metrics["learning_rate"] = lr
@@ -217,13 +225,19 @@ def state_specs(o: StepOptions, state: TrainState) -> TrainState:
     )
 
 
-def empty_window(o: StepOptions, trainable: Any, batch_stats: Any, dtype: Any) -> Window:
+def empty_window(
+    o: StepOptions, trainable: Any, batch_stats: Any, dtype: Any, aux: Any = None
+) -> Window:
     """A window with nothing added: per-device zero sums (at stage 2 the split leaves'
-    global sums, each device its block), the committed statistics' shapes per device."""
+    global sums, each device its block), the committed statistics' shapes per device;
+    ``aux``: the shapes of ``loss_fn``'s aux (:func:`aux_like`)."""
     n = o.num_devices
 
+    def zeros(x: Any, *rows: int) -> jax.Array:
+        return jnp.zeros((*rows, *x.shape), dtype)
+
     def rows(x: Any) -> jax.Array:
-        return jnp.zeros((n, *x.shape), dtype)
+        return zeros(x, n)
 
     grads = jax.tree.map(rows, trainable)
     if o.zero_stage == 2:
@@ -242,8 +256,25 @@ def empty_window(o: StepOptions, trainable: Any, batch_stats: Any, dtype: Any) -
         weight=jnp.zeros([n], dtype),
         batch_stats=jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), batch_stats),
         position=jnp.zeros([], jnp.int32),
-        last=LastUpdate(zero, zero, jnp.ones([], bool)),
+        last=LastUpdate(zero, zero, jnp.ones([], bool), jax.tree.map(zeros, aux)),
+        aux=jax.tree.map(rows, aux),
     )
+
+
+def aux_like(o: StepOptions, state: TrainState, batch: Any) -> Any:
+    """The shapes of ``loss_fn``'s aux on one device's rows of ``batch`` (one call's
+    micro-batch), traced and not run."""
+    parts = _parts(o, state)
+
+    def per_device(params, model_state, step, batch):
+        forward = _forward(o, params, parts.mask, model_state, step, state.graphdef)
+        trainable = _to_varying(o)(split_trainable(params, parts.mask))
+        aux = forward(trainable, batch, split_state(model_state)[0], 0, jnp.ones([]))[-1]
+        return jax.tree.map(lambda x: jnp.asarray(x)[None], aux)
+
+    mapped = _map(o, per_device, (P(), P(), P(), P(o.axis_name)), P(o.axis_name))
+    shapes = jax.eval_shape(mapped, state.params, state.model_state, state.step, batch)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shapes)
 
 
 def _window_specs(o: StepOptions, parts: _Parts, window: Any) -> Window:
@@ -260,17 +291,18 @@ def _window_specs(o: StepOptions, parts: _Parts, window: Any) -> Window:
         weight=rows,
         batch_stats=jax.tree.map(lambda _: rows, window.batch_stats),
         position=P(),
-        last=LastUpdate(P(), P(), P()),
+        last=LastUpdate(P(), P(), P(), P()),
+        aux=rows,
     )
 
 
 def _reduced_specs(parts: _Parts) -> Reduced:
     stats = jax.tree.map(lambda _: P(), parts.batch_stats)
-    return Reduced(parts.plan.specs(), P(), P(), stats, P())
+    return Reduced(parts.plan.specs(), P(), P(), stats, P(), P())
 
 
 def _sums_of(window: Window) -> Sums:
-    return Sums(window.grads, window.loss_sum, window.weight, window.batch_stats)
+    return Sums(window.grads, window.loss_sum, window.weight, window.batch_stats, window.aux)
 
 
 def _unblocked(plan: ShardPlan, grads: Any, scattered: bool) -> Any:
@@ -289,6 +321,7 @@ def _forward(o: StepOptions, params, mask, model_state, step, graphdef):
         graphdef,
         configure=functools.partial(configure, mode=o.batch_stats, axis_name=o.axis_name),
         with_rng=o.rng_seed is not None,
+        has_aux=o.has_aux,
     )
     return micro_forward(
         parts_of_loss,

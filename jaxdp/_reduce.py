@@ -1,11 +1,12 @@
 """Stage 2 of a step, on one device: the window's sums of every device made global, in
 the step's only gradient collective.
 
-Replicated (stage 0): ONE psum of the gradient sums, the loss and weight sums and
-device 0's batch statistics. Split (ZeRO stages 1 and 2): ONE reduce-scatter of the
-split leaves' sums (at stage 2 already done per micro-batch, in stage 1), then one
-small psum of the leaves kept whole, the loss and weight sums, device 0's batch
-statistics and the split blocks' sum of squares (for the global gradient norm).
+Replicated (stage 0): ONE psum of the gradient sums, the loss and weight sums (and
+``loss_fn``'s aux sums) and device 0's batch statistics. Split (ZeRO stages 1 and
+2): ONE reduce-scatter of the split leaves' sums (at stage 2 already done per
+micro-batch, in stage 1), then one small psum of the leaves kept whole, the loss,
+weight and aux sums, device 0's batch statistics and the split blocks' sum of
+squares (for the global gradient norm).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Reduced(NamedTuple):
     weight: jax.Array
     batch_stats: Any  # device 0's, on the wire (:func:`jaxdp._model_state.wire_dtype`)
     squares: jax.Array  # the squared global norm of ``grads``
+    aux: Any = None  # loss_fn's aux summed (has_aux)
 
 
 def reduce(
@@ -46,16 +48,16 @@ def reduce(
     whole = plan.whole(grads)
     dtypes = [x.dtype for x in whole]
     payload = [[compress(x, wire, n) for x in whole], sums.loss_sum, sums.weight]
-    payload.append(device0(sums.batch_stats, axis, dtype))
+    payload += [device0(sums.batch_stats, axis, dtype), sums.aux]
     if plan.split:
         payload.append(_squares(plan.blocks(grads), dtype))
     summed = jax.lax.psum(tuple(payload), axis)
     whole = [decompress(x, d, wire, n) for x, d in zip(summed[0], dtypes, strict=True)]
     squares = _squares(whole, dtype)
     if plan.split:
-        squares = summed[4] + squares
+        squares = summed[5] + squares
     grads = plan.with_whole(grads, whole)
-    return Reduced(grads, summed[1], summed[2], summed[3], squares)
+    return Reduced(grads, summed[1], summed[2], summed[3], squares, summed[4])
 
 
 def _squares(leaves: list[Any], dtype: Any) -> jax.Array:

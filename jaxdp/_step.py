@@ -27,7 +27,7 @@ from ._layout import BatchSizes, call_sizes
 from ._mesh import place
 from ._model_state import BatchStats, check_batch_stats, split_state
 from ._options import OLD_SPELLINGS, AccumulationPath, Parallel, Skips, StepOptions, fold
-from ._pipeline import empty_window, fused_call, multisteps_call, state_specs
+from ._pipeline import aux_like, empty_window, fused_call, multisteps_call, state_specs
 from ._replicas import check_replicas
 from ._skip_watch import SkipWatch
 from ._train_state import TrainState, Window, check_live
@@ -102,7 +102,7 @@ class TrainStep:
 
     # ---- state ----------------------------------------------------------------
 
-    def init(self, params_or_module: Any) -> TrainState:
+    def init(self, params_or_module: Any, *, batch: Any = None) -> TrainState:
         """Replicates params (or an NNX module's) and builds the optimizer state.
 
         Checks that every replica holds the same parameters (raises
@@ -113,6 +113,10 @@ class TrainStep:
         not floating-point (freeze it with ``trainable``). The optimizer state
         covers trainable parameters only; at ZeRO stages its leaves of a
         parameter's shape are split over the mesh.
+
+        ``batch``: one call's batch (arrays or ``jax.ShapeDtypeStruct``), needed
+        only with ``has_aux=True`` on the multisteps path, whose window holds the
+        aux sums: their shapes come from tracing ``loss_fn`` on it (not run).
         """
         o = self.options
         check_batch_stats(params_or_module, o.batch_stats, o.axis_name)
@@ -133,6 +137,12 @@ class TrainStep:
             )
         dtype = o.accumulator_dtype(params)
         stats = split_state(model_state)[0]
+        if o.has_aux and o.path == "multisteps" and batch is None:
+            raise ValueError(
+                "has_aux=True on the multisteps path keeps the open window's aux sums in "
+                "the state: give init(..., batch=...) one call's batch (arrays or "
+                "jax.ShapeDtypeStruct) so that their shapes are known"
+            )
 
         def counter() -> jax.Array:  # three buffers, each donated once
             return jax.device_put(jnp.zeros([], jnp.int32), replicated)
@@ -147,20 +157,30 @@ class TrainStep:
             skipped_steps=counter(),
             consecutive_skips=counter(),
         )
-        like = jax.eval_shape(lambda t: self._fresh(t, stats, dtype), trainable)
+        aux = None
+        if o.has_aux and o.path == "multisteps":
+            batch = batch.data if is_loader_batch(batch) else batch
+            aux = aux_like(o, state, _place(batch, self._rows))
+
+        def fresh(t):
+            return self._fresh(t, stats, dtype, aux)
+
+        like = jax.eval_shape(fresh, trainable)
         specs = state_specs(o, state._replace(opt_state=like[0], window=like[1]))
         shardings = jax.tree.map(
             lambda s: NamedSharding(o.mesh, s), (specs.opt_state, specs.window)
         )
-        opt_state, window = jax.jit(
-            lambda t: self._fresh(t, stats, dtype), out_shardings=shardings
-        )(trainable)
+        opt_state, window = jax.jit(fresh, out_shardings=shardings)(trainable)
         return state._replace(opt_state=opt_state, window=window)
 
-    def _fresh(self, trainable: Any, batch_stats: Any, dtype: Any) -> tuple[Any, Window | None]:
+    def _fresh(
+        self, trainable: Any, batch_stats: Any, dtype: Any, aux: Any
+    ) -> tuple[Any, Window | None]:
         """A fresh optimizer state and window (None on the fused path)."""
         o = self.options
-        window = None if o.path == "fused" else empty_window(o, trainable, batch_stats, dtype)
+        window = None
+        if o.path == "multisteps":
+            window = empty_window(o, trainable, batch_stats, dtype, aux)
         return o.applied_optimizer.init(trainable), window
 
     def _opt_state_like(self, state: TrainState) -> Any:
@@ -292,6 +312,7 @@ def make_train_step(
     accum_steps: int = 1,
     path: AccumulationPath = "fused",
     loss_reduction: LossReduction = "mean",
+    has_aux: bool = False,
     batch_stats: BatchStats | None = None,
     trainable: Trainable = None,
     rng_seed: int | None = None,
@@ -320,6 +341,14 @@ def make_train_step(
         accum_steps``). ``"weighted"``: it follows ``sum of loss_sum / sum of
         count`` over all micro-batches and devices, exact for unequal counts;
         a negative count makes the update non-finite (refused, never applied).
+      has_aux: ``loss_fn`` returns ``(loss, aux)`` (``loss`` as above), ``aux`` a
+        pytree of numeric arrays: per-step metrics. ``metrics["aux"]`` holds it
+        averaged exactly as the loss: with ``"mean"`` aux is a micro-batch mean
+        and the step reports the mean over micro-batches and devices; with
+        ``"weighted"`` aux is a micro-batch sum and the step reports the total sum
+        divided by the total count (accuracy: the number of correct rows). Its
+        sums travel in the step's one all-reduce, in the accumulator dtype.
+        On the multisteps path ``init`` needs a ``batch`` for their shapes.
       batch_stats: how BatchNorm modules (``nnx.BatchStat`` variables and an
         ``axis_name``) compute statistics; required when the model has any.
         ``"local"``: each device normalizes with its own micro-batch's
@@ -372,6 +401,7 @@ def make_train_step(
             accum_steps=accum_steps,
             path=path,
             loss_reduction=loss_reduction,
+            has_aux=has_aux,
             accum_dtype=accum_dtype,
             donate=donate,
             batch_stats=batch_stats,

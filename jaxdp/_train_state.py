@@ -20,6 +20,7 @@ class LastUpdate(NamedTuple):
     loss: jax.Array
     grad_norm: jax.Array
     finite: jax.Array  # gradients, loss and batch statistics free of NaN and Inf
+    aux: Any = None  # loss_fn's aux averaged as the loss (has_aux)
 
 
 class Window(NamedTuple):
@@ -40,6 +41,7 @@ class Window(NamedTuple):
     batch_stats: Any  # [num_devices, ...]: each device's running statistics in the window
     position: jax.Array  # int32: micro-batches in the window so far
     last: LastUpdate
+    aux: Any = None  # [num_devices, ...]: loss_fn's aux sums (has_aux)
 
 
 class TrainState(NamedTuple):

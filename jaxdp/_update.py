@@ -72,4 +72,5 @@ def update(
         params, opt_state = apply(operands)
     committed = from_wire(reduced.batch_stats, batch_stats)
     stats = jax.tree.map(lambda a, b: jnp.where(ok, a, b), committed, batch_stats)
-    return Update(params, opt_state, stats, ok, ~ok, LastUpdate(loss, grad_norm, finite))
+    aux = jax.tree.map(lambda x: x / weight.astype(x.dtype), reduced.aux)
+    return Update(params, opt_state, stats, ok, ~ok, LastUpdate(loss, grad_norm, finite, aux))
