@@ -80,6 +80,18 @@ found = {c.kind: c for c in jaxdp.collectives(zero.compile(zero_state, batch))}
 assert found["reduce-scatter"].bytes == found["all-gather"].bytes == 96, found
 assert found["all-reduce"].bytes == 24 and zero_state.opt_state[0].mu["w"].shape == (6, 4)
 """,
+        5: """
+import jax
+window = mixed_state.window
+assert (int(mixed_state.step), int(window.position)) == (1, 1)
+for name, tree in [("params", mixed_state.params), ("mu", adam.mu), ("nu", adam.nu),
+                   ("window", (window.grads, window.loss_sum, window.weight))]:
+    assert {str(x.dtype) for x in jax.tree.leaves(tree)} == {"float32"}, name
+assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(window.grads))
+assert set(re.findall(r"(\\w+)\\[[\\d,]*\\]\\{[\\d,]*\\} dot\\(", hlo)) == {"bf16"}
+wire = [c.shapes[0] for c in jaxdp.collectives(hlo)]
+assert wire == ["bf16[16]", "bf16[4,16]", "bf16[1]", "bf16[16,1]", "f32[]", "f32[]"], wire
+""",
     },
     "model-state.md": {
         0: "assert int(step.model(state).layers[1].num_batches_tracked[...]) == 2",
