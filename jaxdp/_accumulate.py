@@ -50,7 +50,10 @@ def add_micro_batch(
     grads, value, weight, stats, aux = forward(trainable, batch, sums.batch_stats, index, scale)
     dtype = sums.loss_sum.dtype
     grads = scatter(jax.tree.map(lambda g: g.astype(dtype), grads))
-    stats = jax.tree.map(lambda n, o: jnp.where(scale > 0, n, o), stats, sums.batch_stats)
+    # In the carried dtype: a Linen BatchNorm writes its forward's (flax's bridge modules).
+    stats = jax.tree.map(
+        lambda n, o: jnp.where(scale > 0, n.astype(o.dtype), o), stats, sums.batch_stats
+    )
     weight = weight.astype(dtype) * scale.astype(dtype)
     aux = jax.tree.map(lambda s, a: s + jnp.asarray(a, dtype) * scale.astype(dtype), sums.aux, aux)
     loss_sum = sums.loss_sum + value.astype(dtype)

@@ -1,7 +1,9 @@
-"""What is trained: a plain parameter pytree or a Flax NNX module."""
+"""What is trained: a plain parameter pytree, a Flax NNX module, a bound Flax Linen
+module or an equinox module (:mod:`jaxdp._model_kinds`)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -10,6 +12,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ._frozen import combine
+from ._model_kinds import (
+    EquinoxDef,
+    LinenModel,
+    as_trainable,
+    is_equinox,
+    merge_equinox,
+    split_equinox,
+)
 from ._model_state import micro_key, reseed, split_state, written_batch_stats
 
 LossReduction = Literal["mean", "weighted"]
@@ -20,20 +30,28 @@ LossReduction = Literal["mean", "weighted"]
 def split_model(model: Any) -> tuple[Any, Any, Any]:
     """``(graphdef, params, model_state)``; graphdef is None for a plain pytree.
 
-    For an NNX module the trainable part is its ``nnx.Param`` variables; every
-    other variable (batch statistics, rng counters) is ``model_state``.
+    For an NNX module (a bound Linen module as :class:`LinenModel`) the trainable
+    part is its ``nnx.Param`` variables; every other variable (batch statistics,
+    rng counters) is ``model_state``. An equinox module's graphdef is its static
+    part (:class:`EquinoxDef`), its model_state None.
     """
+    model = as_trainable(model)
     if isinstance(model, nnx.Module):
         graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
         return graphdef, params, model_state
+    if is_equinox(model):
+        return (*split_equinox(model), None)
     return None, model, None
 
 
 def merge_model(graphdef: Any, params: Any, model_state: Any) -> Any:
-    """Inverse of :func:`split_model`."""
+    """Inverse of :func:`split_model`: a Linen model comes back bound to its variables."""
     if graphdef is None:
         return params
-    return nnx.merge(graphdef, params, model_state)
+    if isinstance(graphdef, EquinoxDef):
+        return merge_equinox(graphdef, params)
+    model = nnx.merge(graphdef, params, model_state)
+    return model.bound(train=False) if isinstance(model, LinenModel) else model
 
 
 def loss_parts(
@@ -42,6 +60,7 @@ def loss_parts(
     graphdef: Any,
     *,
     configure: Callable[[Any], None] | None = None,
+    context: Callable[[], Any] = contextlib.nullcontext,
     with_rng: bool = False,
     has_aux: bool = False,
 ) -> Callable[..., tuple[jax.Array, tuple[jax.Array, Any, Any]]]:
@@ -56,22 +75,32 @@ def loss_parts(
     refuses the update (it would step up the gradient).
     For an NNX module, ``batch_stats``, ``rngs`` and ``constants`` are the
     groups of :func:`jaxdp._state.split_state` and ``configure`` adjusts the
-    merged module (the BatchNorm mode) before ``loss_fn`` sees it.
+    merged module (the BatchNorm mode) before ``loss_fn`` sees it, and ``loss_fn`` runs
+    in ``context()`` (Linen BatchNorms' mode). A :class:`LinenModel` reaches
+    ``loss_fn`` as its bound Linen module, an equinox module whole.
     ``with_rng``: ``loss_fn`` also gets the keyword ``rng``. ``has_aux``: it returns
     ``(loss, aux)`` (``loss`` as above), ``aux`` a pytree of numeric arrays that
     the step averages as it averages the loss (None without ``has_aux``).
     """
 
     def parts(params, batch, batch_stats, rngs, constants, rng):
-        model = params
-        if graphdef is not None:
+        model = given = params
+        nnx_module = graphdef is not None and not isinstance(graphdef, EquinoxDef)
+        if isinstance(graphdef, EquinoxDef):
+            model = given = merge_equinox(graphdef, params)
+        elif nnx_module:
             # Fresh Variables (same arrays) in this trace, so the forward may write them.
             states = jax.tree.map(lambda x: x, (params, batch_stats, rngs, constants))
-            model = nnx.merge(graphdef, *states)
+            model = given = nnx.merge(graphdef, *states)
             if configure is not None:
                 configure(model)
-        out = loss_fn(model, batch, rng=rng) if with_rng else loss_fn(model, batch)
-        if graphdef is not None:
+            if isinstance(model, LinenModel):
+                given = model.bound(train=True)
+        with context():
+            out = loss_fn(given, batch, rng=rng) if with_rng else loss_fn(given, batch)
+        if given is not model:
+            model.absorb(given)
+        if nnx_module:
             batch_stats = written_batch_stats(model, constants)
         out, aux = _split_aux(out, has_aux, reduction)
         if reduction == "mean":

@@ -112,6 +112,14 @@ def place(tree: Any, sharding: NamedSharding, *, copy: bool = False) -> Any:
     return jax.tree.map(put, tree)
 
 
+def place_batch(batch: Any, sharding: NamedSharding) -> Any:
+    """Places host or device rows on the mesh; abstract leaves keep their own sharding."""
+    abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)]
+    if any(abstract):
+        return batch
+    return place(batch, sharding)
+
+
 def mark_varying(tree: Any, axis_name: str = DATA_AXIS) -> Any:
     """Marks replicated values as per-device inside ``shard_map(check_vma=True)``.
 

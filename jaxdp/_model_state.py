@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ._model_kinds import is_linen_backed
+
 BatchStats = Literal["local", "sync"]
 """How BatchNorm statistics are computed: ``"local"`` per device (DDP), ``"sync"`` over
 all devices (SyncBatchNorm)."""
@@ -37,14 +39,20 @@ def batch_norm_modules(model: Any) -> list[tuple[str, Any]]:
     """``(path, module)`` of every submodule with its own ``nnx.BatchStat`` and an ``axis_name``.
 
     These normalize with batch statistics (``nnx.BatchNorm``, :class:`jaxdp.models.BatchNorm`);
-    their ``axis_name`` decides whether the statistics span devices.
+    their ``axis_name`` decides whether the statistics span devices. A Linen module
+    (jaxdp's :class:`LinenModel` or flax's ``nnx.bridge.ToNNX``) with batch statistics
+    counts as one; its Linen BatchNorms' ``axis_name`` is set as it runs.
     """
     if not isinstance(model, nnx.Module):
         return []
     found = []
     for path, module in nnx.iter_modules(model):
-        own = any(isinstance(v, nnx.BatchStat) for v in vars(module).values())
-        if own and hasattr(module, "axis_name"):
+        if is_linen_backed(module):  # its Linen BatchNorms: see linen_batch_norms
+            own = bool(jax.tree.leaves(nnx.state(module, nnx.BatchStat)))
+        else:
+            own = any(isinstance(v, nnx.BatchStat) for v in vars(module).values())
+            own = own and hasattr(module, "axis_name")
+        if own:
             found.append((".".join(map(str, path)) or "<root>", module))
     return found
 
@@ -66,6 +74,8 @@ def check_batch_stats(model: Any, mode: BatchStats | None, axis_name: str) -> No
             "(an nnx.BatchStat variable and an axis_name attribute, as nnx.BatchNorm)"
         )
     for name, module in found:
+        if is_linen_backed(module):
+            continue  # checked and set as its Linen BatchNorms run (linen_batch_norms)
         if mode == "local" and module.axis_name is not None:
             raise ValueError(
                 f"{name} has axis_name={module.axis_name!r} (statistics across devices) but "
@@ -82,7 +92,8 @@ def configure(model: Any, mode: BatchStats | None, axis_name: str) -> None:
     """Points the BatchNorm modules of a freshly merged (traced) module at the mesh axis."""
     if mode == "sync":
         for _, module in batch_norm_modules(model):
-            module.axis_name = axis_name
+            if not is_linen_backed(module):
+                module.axis_name = axis_name
 
 
 def micro_key(key: jax.Array, step: Any, device: Any, micro_batch: Any) -> jax.Array:

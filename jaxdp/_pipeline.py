@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 from ._accumulate import Sums, accumulate, add_micro_batch
 from ._forward import loss_parts, micro_forward
 from ._frozen import combine, split_trainable, trainable_mask
-from ._mesh import mark_varying
+from ._mesh_map import is_spec, mesh_map, to_varying
+from ._model_kinds import linen_batch_norms
 from ._model_state import configure, split_state
 from ._options import StepOptions
 from ._reduce import Reduced, reduce
@@ -70,12 +71,12 @@ def fused_call(
             weights,
             dtype=o.accumulator_dtype(params),
             scatter=_scatter(o, parts.plan),
-            to_varying=_to_varying(o),
+            to_varying=to_varying(o),
             with_aux=o.has_aux,
         )
         return reduce(parts.plan, sums, scattered=o.zero_stage == 2, wire=o.comm)
 
-    mapped = _map(o, per_device, (P(), P(), P(), P(o.axis_name), P()), _reduced_specs(parts))
+    mapped = mesh_map(o, per_device, (P(), P(), P(), P(o.axis_name), P()), _reduced_specs(parts))
     reduced = mapped(state.params, state.model_state, state.step, batch, micro_weights)
     return _end(o, state, parts, _update(o, parts, state, reduced), state.window)
 
@@ -96,12 +97,12 @@ def multisteps_call(
     specs = _window_specs(o, parts, window)
 
     def per_device(params, model_state, step, window, batch, weight):
-        committed = _to_varying(o)(split_state(model_state)[0])
+        committed = to_varying(o)(split_state(model_state)[0])
         first = window.position == 0
         stats = jax.tree.map(lambda c, b: jnp.where(first, c, b[0]), committed, window.batch_stats)
         sums = add_micro_batch(
             _forward(o, params, parts.mask, model_state, step, state.graphdef),
-            _to_varying(o)(split_trainable(params, parts.mask)),
+            to_varying(o)(split_trainable(params, parts.mask)),
             Sums(window.grads, window.loss_sum, window.weight, stats, window.aux),
             batch,
             weight,
@@ -119,7 +120,7 @@ def multisteps_call(
         )
 
     in_specs = (P(), P(), P(), specs, P(o.axis_name), P())
-    mapped = _map(o, per_device, in_specs, specs)
+    mapped = mesh_map(o, per_device, in_specs, specs)
     window = mapped(state.params, state.model_state, state.step, window, batch, micro_weight)
     ends = window.position == o.accum_steps - 1
 
@@ -131,7 +132,7 @@ def multisteps_call(
             return reduce(parts.plan, sums, scattered=o.zero_stage == 2, wire=o.comm)
 
         sum_specs = _sums_of(specs)
-        reduced = _map(o, per_device, (sum_specs,), _reduced_specs(parts))(_sums_of(window))
+        reduced = mesh_map(o, per_device, (sum_specs,), _reduced_specs(parts))(_sums_of(window))
         return _update(o, parts, state, reduced)
 
     def keep(window: Window) -> Update:
@@ -192,7 +193,7 @@ def _end(
         consecutive_skips=consecutive,
     )
     shardings = jax.tree.map(
-        lambda s: NamedSharding(o.mesh, s), state_specs(o, new), is_leaf=_is_spec
+        lambda s: NamedSharding(o.mesh, s), state_specs(o, new), is_leaf=is_spec
     )
     new = jax.lax.with_sharding_constraint(new, shardings)
     report = result.report
@@ -264,15 +265,21 @@ def empty_window(
 def aux_like(o: StepOptions, state: TrainState, batch: Any) -> Any:
     """The shapes of ``loss_fn``'s aux on one device's rows of ``batch`` (one call's
     micro-batch), traced and not run."""
+    if batch is None:
+        raise ValueError(
+            "has_aux=True on the multisteps path keeps the open window's aux sums in "
+            "the state: give init(..., batch=...) one call's batch (arrays or "
+            "jax.ShapeDtypeStruct) so that their shapes are known"
+        )
     parts = _parts(o, state)
 
     def per_device(params, model_state, step, batch):
         forward = _forward(o, params, parts.mask, model_state, step, state.graphdef)
-        trainable = _to_varying(o)(split_trainable(params, parts.mask))
+        trainable = to_varying(o)(split_trainable(params, parts.mask))
         aux = forward(trainable, batch, split_state(model_state)[0], 0, jnp.ones([]))[-1]
         return jax.tree.map(lambda x: jnp.asarray(x)[None], aux)
 
-    mapped = _map(o, per_device, (P(), P(), P(), P(o.axis_name)), P(o.axis_name))
+    mapped = mesh_map(o, per_device, (P(), P(), P(), P(o.axis_name)), P(o.axis_name))
     shapes = jax.eval_shape(mapped, state.params, state.model_state, state.step, batch)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shapes)
 
@@ -320,6 +327,7 @@ def _forward(o: StepOptions, params, mask, model_state, step, graphdef):
         o.loss_reduction,
         graphdef,
         configure=functools.partial(configure, mode=o.batch_stats, axis_name=o.axis_name),
+        context=functools.partial(linen_batch_norms, o.batch_stats, o.axis_name),
         with_rng=o.rng_seed is not None,
         has_aux=o.has_aux,
     )
@@ -339,69 +347,6 @@ def _scatter(o: StepOptions, plan: ShardPlan) -> Callable[[Any], Any]:
     if o.zero_stage == 2:
         return functools.partial(plan.reduce_scatter, wire=o.comm)
     return _identity
-
-
-def _to_varying(o: StepOptions) -> Callable[[Any], Any]:
-    """Marks replicated values per-device (shard_map); pmap does not track replication."""
-    if o.parallel.strategy == "shard_map":
-        return functools.partial(mark_varying, axis_name=o.axis_name)
-    return _identity
-
-
-def _map(o: StepOptions, fn: Callable[..., Any], in_specs: Any, out_specs: Any):
-    """``fn`` on every device of the mesh: ``shard_map``, or the legacy ``pmap`` made to
-    give each device the same blocks (a leaf split by its leading axis arrives as this
-    device's rows, replicated ones whole)."""
-    if o.parallel.strategy == "shard_map":
-        return jax.shard_map(
-            fn, mesh=o.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True
-        )
-    n = o.num_devices
-
-    def call(*args):
-        # pmap is given flat leaves and an axis per leaf: with an empty pytree (a None
-        # model state) among its arguments, jax 0.10.2's pmap misaligned the in_axes of
-        # the arguments after it (the batch's first leaf went unsplit).
-        outputs = jax.shard_map(
-            fn, mesh=o.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-        )
-        like = jax.eval_shape(outputs, *args)
-        leaves, tree = jax.tree.flatten(args)
-        split_in = jax.tree.leaves(_split(in_specs, args))
-        out_tree = jax.tree.structure(like)
-        split_out = jax.tree.leaves(_split(out_specs, like))
-
-        def flat(*xs):
-            return out_tree.flatten_up_to(fn(*tree.unflatten(xs)))
-
-        mapped = jax.pmap(
-            flat,
-            o.axis_name,
-            in_axes=tuple(0 if s else None for s in split_in),
-            out_axes=[0 if s else None for s in split_out],
-            devices=list(o.mesh.devices.flat),
-        )
-        leaves = [
-            x.reshape(n, -1, *x.shape[1:]) if s else x
-            for x, s in zip(leaves, split_in, strict=True)
-        ]
-        out = mapped(*leaves)
-        return out_tree.unflatten(
-            [x.reshape(-1, *x.shape[2:]) if s else x for x, s in zip(out, split_out, strict=True)]
-        )
-
-    return call
-
-
-def _split(specs: Any, tree: Any) -> Any:
-    """Per leaf of ``tree``: whether its spec (a prefix of it) splits it over the mesh."""
-    return jax.tree.map(
-        lambda s, x: jax.tree.map(lambda _: s != P(), x), specs, tree, is_leaf=_is_spec
-    )
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)
 
 
 def _identity(x: Any) -> Any:

@@ -24,7 +24,8 @@ from ._guards import (
     is_loader_batch,
 )
 from ._layout import BatchSizes, call_sizes
-from ._mesh import place
+from ._mesh import place, place_batch
+from ._model_kinds import as_trainable
 from ._model_state import BatchStats, check_batch_stats, split_state
 from ._options import OLD_SPELLINGS, AccumulationPath, Parallel, Skips, StepOptions, fold
 from ._pipeline import aux_like, empty_window, fused_call, multisteps_call, state_specs
@@ -103,9 +104,11 @@ class TrainStep:
     # ---- state ----------------------------------------------------------------
 
     def init(self, params_or_module: Any, *, batch: Any = None) -> TrainState:
-        """Replicates params (or an NNX module's) and builds the optimizer state.
+        """Replicates the model's parameters and builds the optimizer state.
 
-        Checks that every replica holds the same parameters (raises
+        The model: a parameter pytree, an NNX module, a Flax Linen module bound to
+        its variables (``module.bind(variables, rngs=...)``) or an equinox module
+        (docs/model-state.md). Checks that every replica holds the same parameters (raises
         :class:`ReplicaMismatchError` naming the first differing leaf), that
         ``batch_stats`` fits the model's BatchNorm modules, and ``trainable``
         its parameters; raises ``TypeError`` naming a leaf that is no array (a
@@ -119,8 +122,9 @@ class TrainStep:
         aux sums: their shapes come from tracing ``loss_fn`` on it (not run).
         """
         o = self.options
-        check_batch_stats(params_or_module, o.batch_stats, o.axis_name)
-        graphdef, params, model_state = split_model(params_or_module)
+        model = as_trainable(params_or_module)
+        check_batch_stats(model, o.batch_stats, o.axis_name)
+        graphdef, params, model_state = split_model(model)
         if o.batch_stats is not None and graphdef is None:
             raise ValueError("batch_stats needs an NNX module with BatchNorm, got a pytree")
         mask = check_params(params, o.trainable)
@@ -137,12 +141,6 @@ class TrainStep:
             )
         dtype = o.accumulator_dtype(params)
         stats = split_state(model_state)[0]
-        if o.has_aux and o.path == "multisteps" and batch is None:
-            raise ValueError(
-                "has_aux=True on the multisteps path keeps the open window's aux sums in "
-                "the state: give init(..., batch=...) one call's batch (arrays or "
-                "jax.ShapeDtypeStruct) so that their shapes are known"
-            )
 
         def counter() -> jax.Array:  # three buffers, each donated once
             return jax.device_put(jnp.zeros([], jnp.int32), replicated)
@@ -160,7 +158,7 @@ class TrainStep:
         aux = None
         if o.has_aux and o.path == "multisteps":
             batch = batch.data if is_loader_batch(batch) else batch
-            aux = aux_like(o, state, _place(batch, self._rows))
+            aux = aux_like(o, state, None if batch is None else place_batch(batch, self._rows))
 
         def fresh(t):
             return self._fresh(t, stats, dtype, aux)
@@ -192,7 +190,8 @@ class TrainStep:
         return jax.eval_shape(self.options.applied_optimizer.init, abstract)
 
     def model(self, state: TrainState) -> Any:
-        """The trained parameters, or the NNX module with them merged in."""
+        """The trained model, as given to :meth:`init`: the parameters, or the NNX, bound
+        Linen (``.unbind()`` gives ``(module, variables)``) or equinox module."""
         return merge_model(state.graphdef, state.params, state.model_state)
 
     # ---- stepping ---------------------------------------------------------------
@@ -242,7 +241,7 @@ class TrainStep:
         """The step lowered for these inputs: arrays, or ``jax.ShapeDtypeStruct`` with
         shardings (nothing is allocated); ``.compile()`` it for :func:`all_reduces`
         or XLA's memory analysis."""
-        return self._jitted.lower(state, *self._inputs(batch, micro_weights))
+        return self._jitted.lower(state, *self._prepare(batch, micro_weights)[1])
 
     def compile(self, state: TrainState, batch: Any, micro_weights: Any = None) -> Any:
         """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""
@@ -259,13 +258,9 @@ class TrainStep:
             process_count=self.process_count,
         )
 
-    def _inputs(self, batch: Any, micro_weights: Any) -> tuple[Any, Any]:
-        """The batch split over the mesh by rows and the micro-batch weights, replicated;
-        abstract inputs pass through."""
-        return self._prepare(batch, micro_weights)[1]
-
     def _prepare(self, batch: Any, micro_weights: Any) -> tuple[BatchSizes, tuple[Any, Any]]:
-        """The batch's identity and :meth:`_inputs`."""
+        """The batch's identity; the batch split over the mesh by rows and the
+        micro-batch weights, replicated (abstract inputs pass through)."""
         shape = (self.accum_steps,) if self.path == "fused" else ()
         sizes = self.sizes(batch)
         if isinstance(micro_weights, jax.ShapeDtypeStruct):
@@ -282,7 +277,7 @@ class TrainStep:
             )
         if not isinstance(weights, jax.ShapeDtypeStruct):
             weights = self._placed_weights(weights)
-        return sizes, (_place(batch, self._rows), weights)
+        return sizes, (place_batch(batch, self._rows), weights)
 
     def _placed_weights(self, weights: np.ndarray) -> jax.Array:
         """The weights on the mesh, placed once per distinct value: a transfer to the
@@ -294,14 +289,6 @@ class TrainStep:
             if len(self._weights) < 64:  # a schedule has a few patterns (0 marks padding)
                 self._weights[key] = placed
         return placed
-
-
-def _place(batch: Any, sharding: NamedSharding) -> Any:
-    """Places host or device rows on the mesh; abstract leaves keep their own sharding."""
-    abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)]
-    if any(abstract):
-        return batch
-    return place(batch, sharding)
 
 
 def make_train_step(

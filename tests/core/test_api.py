@@ -73,12 +73,14 @@ def test_modules_are_small_and_their_names_do_not_collide():
     assert not stems & {"_model", "_models", "_state", "_trainable", "_plan", "_plan_cli"}
 
 
-def test_the_core_is_under_4000_lines_and_its_imports_point_one_way():
+def test_the_core_is_under_4400_lines_and_its_imports_point_one_way():
     """The core (jaxdp/*.py) stays small, and its modules import each other without a
     cycle, TYPE_CHECKING imports included (issue 24): state and primitives at the
-    bottom, the step on top."""
+    bottom, the step on top. 4,400: issue 24's redesign left 3,976 lines under its
+    4,000; issue 26 added aux metrics through the pipeline and the Linen and equinox
+    models, about 340 lines (docs/decisions.md, "Users' own models")."""
     core = {p.stem: p for p in (ROOT / "jaxdp").glob("*.py")}
-    assert sum(len(p.read_text().splitlines()) for p in core.values()) < 4000
+    assert sum(len(p.read_text().splitlines()) for p in core.values()) < 4400
     imports = {}
     for name, path in core.items():
         found = set()
