@@ -59,6 +59,13 @@ assert isinstance(trained, nnx.Sequential)
 print("nnx ok")
 """,
     },
+    "api.md": {
+        # Only set, nothing compiled: the home directory's cache is not written.
+        -1: """
+assert jax.config.jax_compilation_cache_dir == os.path.expanduser("~/.cache/jaxdp/xla")
+assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.1
+""",
+    },
     "semantics.md": {
         0: """
 assert schedule.rows[0].tolist() == [0, 2, 4, 6, 8, 10, 1, 3, 5, 7, 9, 11]
@@ -99,6 +106,16 @@ assert wire == ["bf16[16]", "bf16[4,16]", "bf16[1]", "bf16[16,1]", "f32[]", "f32
 assert state.params["b"].tolist() == [1.0]
 assert isinstance(state.opt_state[0].mu["b"], optax.MaskedNode)
 assert [r.bytes for r in jaxdp.all_reduces(step.compile(state, batch))] == [24]
+""",
+        3: """
+assert isinstance(trained, LinenNet) and len(jax.tree.leaves(linen_state.params)) == 6
+assert not np.allclose(new_variables["batch_stats"]["BatchNorm_0"]["mean"], 0)
+assert new_variables["batch_stats"]["BatchNorm_0"]["var"].dtype == np.float32
+""",
+        4: """
+assert not np.allclose(
+    eqx_step.model(eqx_state).hidden.weight, EqxNet(jax.random.key(0)).hidden.weight
+)
 """,
         -1: "assert (int(state.step), int(metrics['skipped_steps'])) == (1, 1)",
     },

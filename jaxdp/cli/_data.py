@@ -60,14 +60,19 @@ def split(
     return Split(Rows(x, train, dtype), y[train], Rows(x, test, dtype), y[test], num_classes)
 
 
-def load_digits(*, test_fraction: float = 0.2, seed: int = 0, dtype: Any = np.float32) -> Split:
+def load_digits(
+    *, test_fraction: float = 0.2, seed: int = 0, dtype: Any = np.float32, images: bool = False
+) -> Split:
     """The 1,797 8x8 handwritten digits (UCI optdigits test set, bundled with
     scikit-learn, read from disk: no download), pixels scaled to [0, 1], split
-    into train and held-out test rows with a fixed shuffle."""
+    into train and held-out test rows with a fixed shuffle: rows of 64 pixels, or
+    with ``images`` images ``[n, 8, 8, 1]`` (row-major: the same numbers)."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction={test_fraction} must be in (0, 1)")
     data, target = _digits()
     x = (data / 16.0).astype(np.float32)
+    if images:
+        x = x.reshape(-1, 8, 8, 1)
     y = target.astype(np.int32)
     return split(x, y, test_fraction=test_fraction, seed=seed, dtype=dtype)
 
@@ -107,7 +112,8 @@ def load_file(
     ``path`` is a ``.npz`` holding arrays ``x`` and ``y`` (read into memory), or a
     directory holding ``x.npy`` and ``y.npy`` (``x`` opened as a memmap: only the
     rows of each batch are read). For the MLP the features are flattened; for
-    the CNN ``x`` must be images (a channel axis of 1 is added to ``[n, h, w]``).
+    the CNN ``x`` must be images of even height and width (a channel axis of 1 is
+    added to ``[n, h, w]``; rows of features are refused).
     The classes are ``num_classes``, else the largest label + 1.
 
     Raises ``ValueError`` naming the path, the array and the rule, before any
@@ -115,8 +121,9 @@ def load_file(
     (an array's header declaring more bytes than follow it), arrays of objects
     or strings, lengths that differ, rows without features, labels outside
     ``[0, 2**31)`` or ``[0, num_classes)`` (naming the rows), inferred classes
-    most of which have no row, non-finite ``x`` (naming the rows; checked
-    where ``x`` holds at most :data:`CHECKED_BYTES`), too few rows to split.
+    most of which have no row, ``x`` that is not images of even height and width for
+    the CNN, non-finite ``x`` (naming the rows; checked where ``x`` holds at most
+    :data:`CHECKED_BYTES`), too few rows to split.
     """
     x, y = _read(path)
     where = f"data={path!r}"
@@ -129,25 +136,35 @@ def load_file(
         raise ValueError(f"{where}: x has shape {x.shape}; every row needs at least one feature")
     if x.dtype.kind not in "biuf":
         raise ValueError(f"{where}: x has dtype {x.dtype}; it must hold numbers (ints or floats)")
+    # The MLP's rows: a view of a memmap, nothing read.
+    x = _images(where, x) if model == "cnn" else x.reshape(len(x), -1)
     y = np.asarray(y)
     if y.dtype.kind not in "iu":
         raise ValueError(f"{where}: y must hold class indices (integers >= 0), got {y.dtype}")
     classes = _classes(where, y, num_classes)
     _check_finite(where, x)
-    if model == "cnn":
-        if x.ndim not in (3, 4):
-            raise ValueError(
-                f"{where}: x has shape {x.shape}; --model cnn needs images [n, h, w] or "
-                "[n, h, w, channels]"
-            )
-        x = x[..., None] if x.ndim == 3 else x
-    else:
-        x = x.reshape(len(x), -1)  # a view of a memmap: nothing read
     cut = int(round(len(x) * (1.0 - test_fraction)))
     if cut < 1 or cut == len(x):
         raise ValueError(f"{where} has {len(x)} rows, too few for a held-out split")
     y = y.astype(np.int32)  # exact: checked below 2**31 above
     return split(x, y, test_fraction=test_fraction, seed=seed, dtype=dtype, num_classes=classes)
+
+
+def _images(where: str, x: np.ndarray) -> np.ndarray:
+    """``x`` as the CNN's images ``[n, h, w, channels]`` (a channel axis of 1 added to
+    ``[n, h, w]``), refused unless its height and width are even (its 2x2 max-pool)."""
+    if x.ndim not in (3, 4):
+        flat = " (rows of features: --model mlp, or save x as its images)" if x.ndim == 2 else ""
+        raise ValueError(
+            f"{where}: x has shape {x.shape}; --model cnn needs images [n, h, w] or "
+            f"[n, h, w, channels]{flat}"
+        )
+    if x.shape[1] % 2 or x.shape[2] % 2:
+        raise ValueError(
+            f"{where}: x has shape {x.shape}; --model cnn needs an even height and width "
+            f"(a 2x2 max-pool follows its first convolution), got {x.shape[1]}x{x.shape[2]}"
+        )
+    return x[..., None] if x.ndim == 3 else x
 
 
 # Checked for NaN and Inf at start (a pass over the data: 0.016 s per 100 MB, the

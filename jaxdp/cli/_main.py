@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from .. import __version__
+from ._compile_cache import add_compile_options, compile_cache
 from ._config import DEFAULT_EPOCHS, TrainConfig
 from ._extra import require_extra
 from ._help import Parser
@@ -44,6 +45,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     _batch_options(_options(p, "devices, batch and length"), defaults)
     _checkpoint_options(_options(p, "checkpoints"), defaults)
     _output_options(_options(p, "output"))
+    add_compile_options(p)
     p.set_defaults(run=_run_train)
 
 
@@ -51,8 +53,7 @@ def _options(p: argparse.ArgumentParser, title: str) -> Callable[..., Any]:
     """``add_argument`` of a new group of ``p``, with None as every option's default.
 
     None tells a resume which options were given and which to take from the
-    checkpoint; TrainConfig supplies a fresh run's defaults, which the help shows.
-    """
+    checkpoint; TrainConfig supplies a fresh run's defaults, which the help shows."""
     return functools.partial(p.add_argument_group(title).add_argument, default=None)
 
 
@@ -219,7 +220,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from ..checkpoint import CheckpointError
     from ..data import DataChangedError
     from ._launch_link import record_failure
-    from ._run import NonFiniteStep
+    from ._run import NonFiniteStep, say
     from ._train import finish, prepare
 
     with contextlib.ExitStack() as stack:
@@ -228,6 +229,7 @@ def _run_train(args: argparse.Namespace) -> int:
         # Everything that can refuse the run does so here, before the first step:
         # a usage error, exit status 2 as argparse's own.
         try:
+            report = stack.enter_context(compile_cache(args.compile_cache))
             config = _start(args)
             if config.precision == "float64":
                 jax.config.update("jax_enable_x64", True)
@@ -244,6 +246,7 @@ def _run_train(args: argparse.Namespace) -> int:
                 print(f"jaxdp train: error: {e}", file=sys.stderr)
                 stack.close()  # releases the checkpoint directory's lock
                 _exit_now(1)
+        say(report())
     if args.summary_out and jax.process_index() == 0:
         with open(args.summary_out, "w") as f:
             json.dump(summary, f, indent=2)
@@ -314,9 +317,8 @@ def _start(args: argparse.Namespace) -> TrainConfig:
 
 
 def _exit_now(status: int) -> NoReturn:
-    """Exits with ``status``; with several processes at once as jaxdp.initialize's
-    excepthook does: a failure (a checkpoint not written) may have reached this process
-    alone, and JAX's shutdown barrier would hold it while its peers wait."""
+    """Exits with ``status``, at once with several processes (as jaxdp.initialize's excepthook):
+    a failure that reached this process alone must not wait in JAX's shutdown barrier."""
     import jax
 
     if jax.process_count() > 1:
@@ -380,8 +382,7 @@ def version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the ``jaxdp`` command line on ``argv`` (default: ``sys.argv[1:]``); returns the
-    exit status."""
+    """Runs ``jaxdp`` on ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = Parser(prog="jaxdp", description=DESCRIPTION)
     help = "print the versions of jaxdp and jax"
     parser.add_argument("--version", action="version", version=version(), help=help)

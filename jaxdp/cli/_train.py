@@ -51,24 +51,27 @@ from ._run import _Run, _where, say
 
 def build(config: TrainConfig, data: Split | None = None) -> nnx.Module:
     """The reference model of ``config`` with float64 or float32 parameters, sized
-    from ``data`` (features or channels, classes; default: the digits)."""
+    from ``data`` (:func:`load`'s: the last axis of ``x`` is the MLP's features or the
+    CNN's channels; its classes; default: the digits, 64 pixels or 8x8x1 images)."""
     param_dtype = jnp.float64 if config.precision == "float64" else jnp.float32
     rngs = nnx.Rngs(config.seed)
-    features, classes = 64, 10
+    cnn = config.model == "cnn"
+    features, classes = (1 if cnn else 64), 10
     if data is not None:
         features, classes = data.x_train.shape[-1], data.num_classes
-    if config.model == "cnn":
-        channels = features if data is not None else 1
-        return CNN(in_channels=channels, num_classes=classes, rngs=rngs, param_dtype=param_dtype)
+    if cnn:
+        return CNN(in_channels=features, num_classes=classes, rngs=rngs, param_dtype=param_dtype)
     return MLP(features, config.hidden, classes, rngs=rngs, param_dtype=param_dtype)
 
 
 def load(config: TrainConfig) -> Split:
     """The run's data: ``config.data`` (a .npz or a directory of .npy) or the digits,
-    read as the parameters' dtype (float32 for bfloat16: the forward casts)."""
+    read as the parameters' dtype (float32 for bfloat16: the forward casts). ``x`` is
+    rows of features for the MLP, images ``[n, h, w, channels]`` for the CNN (the digits:
+    ``[n, 8, 8, 1]``)."""
     dtype = np.float64 if config.precision == "float64" else np.float32
     if config.data is None:
-        return load_digits(seed=config.seed, dtype=dtype)
+        return load_digits(seed=config.seed, dtype=dtype, images=config.model == "cnn")
     return load_file(
         config.data,
         model=config.model,
@@ -79,14 +82,12 @@ def load(config: TrainConfig) -> Split:
 
 
 def forward(model: nnx.Module, x: jax.Array, precision: Precision) -> jax.Array:
-    """Logits of images ``x`` (``[n, 64]``); bfloat16 computes on bfloat16 copies.
+    """Logits of ``x`` (as :func:`load` gives it); bfloat16 computes on bfloat16 copies.
 
     The bfloat16 casts are differentiable, so gradients reach the float32
     parameters in float32 (mixed precision without loss scaling: bfloat16
     has float32's exponent range).
     """
-    if isinstance(model, CNN) and x.ndim == 2:  # the digits' rows of 64 pixels
-        x = x.reshape(-1, 8, 8, 1)
     if precision != "bfloat16":
         return model(x)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
