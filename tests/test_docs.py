@@ -99,6 +99,11 @@ assert set(re.findall(r"(\\w+)\\[[\\d,]*\\]\\{[\\d,]*\\} dot\\(", hlo)) == {"bf1
 wire = [c.shapes[0] for c in jaxdp.collectives(hlo)]
 assert wire == ["bf16[16]", "bf16[4,16]", "bf16[1]", "bf16[16,1]", "f32[]", "f32[]"], wire
 """,
+        6: """
+close = ((y**2 < 1) * mask).sum() / mask.sum()  # at w = 0, before the update
+assert abs(float(aux_metrics["aux"]["close"]) - close) < 1e-6, (aux_metrics, close)
+assert abs(float(aux_metrics["loss"]) - 0.6817) < 1e-4, aux_metrics  # the loss as before
+""",
     },
     "model-state.md": {
         0: "assert int(step.model(state).layers[1].num_batches_tracked[...]) == 2",
