@@ -255,7 +255,32 @@ def test_equinox_state_is_refused_at_init_with_what_works():
     class Normed(eqx.Module):
         norm: eqx.nn.BatchNorm
 
-    model = Normed(eqx.nn.BatchNorm(4, axis_name="batch"))
+    model = Normed(eqx.nn.BatchNorm(4, axis_name="batch", mode="batch"))
     step = jaxdp.make_train_step(mse, optax.sgd(0.1), mesh=jaxdp.data_mesh(4))
     with pytest.raises(TypeError, match=r"stateful layers \(eqx.nn.StateIndex at \['.norm"):
         step.init(model)
+
+
+def test_linen_and_equinox_states_restore_from_checkpoints(tmp_path):
+    sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=2)
+    rngs = {"dropout": jax.random.key(1)}
+    for name, make, mode in [
+        ("linen", lambda: LinenNet(dropout=0.5).bind(linen_variables(), rngs=rngs), "local"),
+        ("equinox", lambda: EqxNet(jax.random.key(0)), None),
+    ]:
+        step, state = train(make(), mode, "fused", steps=1)
+        checkpoints = jaxdp.checkpoint.Checkpoints(tmp_path / name)
+        checkpoints.save(state, position=jaxdp.SamplerPosition(0, 1), sizes=sizes, samples=16)
+        restored = checkpoints.restore(step.init(make()), sizes=sizes).state
+        batch = jax.tree.map(lambda a: a[:16], data(seed=1))
+        (after, _), (again, _) = step(state, batch), step(restored, batch)
+        assert_trees_close(again.params, after.params, rtol=0, atol=0)
+        assert_trees_close(data_of(again.model_state), data_of(after.model_state), rtol=0, atol=0)
+
+
+def data_of(tree):
+    """rng keys as their data, to compare."""
+    keys = jax.dtypes.prng_key
+    return jax.tree.map(
+        lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, keys) else x, tree
+    )
