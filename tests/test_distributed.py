@@ -253,6 +253,41 @@ def test_the_step_counts_host_data_as_each_process_share():
         step.sizes(np.zeros((3, 3)))
 
 
+@pytest.mark.devices(2, processes=2)
+def test_aux_metrics_average_over_every_process_as_the_loss():
+    """has_aux on 2 processes x 2 devices, multisteps, weighted: each process passes its
+    share, and metrics["aux"] is the total over all 4 devices' rows over the total count
+    (issue 26, item 1)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    mesh = jaxdp.initialize()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(2, 16, 3)), rng.normal(size=(2, 16))  # two micro-batches
+
+    def loss(w, batch):
+        err = batch[0] @ w - batch[1]
+        return (jnp.sum(err**2), err.shape[0]), {"close": jnp.sum(jnp.abs(err) < 1)}
+
+    step = jaxdp.make_train_step(
+        loss,
+        optax.sgd(0.1),
+        mesh=mesh,
+        accum_steps=2,
+        path="multisteps",
+        loss_reduction="weighted",
+        has_aux=True,
+    )
+    share = slice(8 * jax.process_index(), 8 * (jax.process_index() + 1))
+    state = step.init(np.zeros(3), batch=(x[0][share], y[0][share]))
+    for i in range(2):
+        state, metrics = step(state, (x[i][share], y[i][share]))
+    assert bool(metrics["emitted"])
+    assert float(metrics["aux"]["close"]) == pytest.approx(np.mean(np.abs(y) < 1), rel=1e-6)
+    assert float(metrics["loss"]) == pytest.approx(np.mean(y**2), rel=1e-6)
+
+
 def test_an_uncaught_exception_on_one_of_two_processes_ends_the_launch_at_once(tmp_path):
     # Without jaxdp.initialize's excepthook, rank 1 would sit in JAX's shutdown
     # barrier for timeout_s (300 s here) while rank 0 blocks in its collective.
