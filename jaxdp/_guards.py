@@ -175,5 +175,6 @@ def check_loader_batch(batch: Any, *, path: str, num_devices: int, accum_steps: 
             f"the batch comes from a Loader with path={batch.path!r}, "
             f"{batch.sizes.describe()}; this step has path={path!r}, "
             f"num_devices={num_devices}, accum_steps={accum_steps}: build "
-            "the Loader with the step's path, mesh and accum_steps"
+            "the Loader with the step's path, mesh and accum_steps (Loader.for_step(step, "
+            "source, micro_batch_size=...) takes them from the step)"
         )

@@ -135,10 +135,22 @@ np.testing.assert_array_equal(restored.state.params["w"], state.params["w"])
 """,
     },
     "data.md": {
-        -1: """
+        0: """
 assert again.position == restored.position == jaxdp.SamplerPosition(1, 2, 0)
 np.testing.assert_array_equal(restored.state.params, state.params)
 assert again.samples == loader.samples == 7 * sizes.global_batch_size  # 5 + 2 steps
+""",
+        2: """
+assert first["x"].shape == (16, 6) and first["label"].shape == (16,)
+np.testing.assert_array_equal(np.asarray(first["x"])[0], columns["x"][int(
+    jaxdp.epoch_schedule(64, split, seed=0).rows[0][0])])
+""",
+        4: """
+assert calls == shards.reads == 4
+""",
+        -1: """
+assert feed.sizes == jaxdp.batch_sizes(num_devices=2, accum_steps=2, micro_batch_size=4)
+assert int(trained.step) == 4  # 64 rows, 16 a step
 """,
     },
     "scaling-out.md": {

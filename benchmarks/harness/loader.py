@@ -10,6 +10,11 @@
 3. Memory: the loop stops taking batches; after a wait, the calls the loader
    has read ahead and the placed batches alive on the devices
    (``jax.live_arrays``), against its ``prefetch`` depth.
+4. Sources: rows per second through the loader (read, stacked, placed) of one
+   data set as numpy arrays, a Hugging Face ``datasets.Dataset`` read record by
+   record (as the loader read one before issue 26) and read a call at a time,
+   and a grain ``MapDataset``; HF's own batched indexing (``ds[rows]``, no
+   loader) is the ceiling.
 
 Run: ``python -m benchmarks.harness.loader --out DIR [--quick]``.
 """
@@ -178,6 +183,7 @@ def held(bm: BenchModel, mesh: Any, *, prefetch: int, workers: int) -> dict[str,
     seen = {id(a) for a in earlier}
     x = SlowArray(data[0], 0.0)
     loader = Loader((x, data[1]), sizes, mesh=mesh, epochs=None, workers=workers, prefetch=prefetch)
+    x.rows_read = 0  # the fingerprint's pass over the data at construction is no read-ahead
     batches = iter(loader)
     first = next(batches)
     shapes = {leaf.shape for leaf in jax.tree.leaves(first.data)}
@@ -194,6 +200,90 @@ def held(bm: BenchModel, mesh: Any, *, prefetch: int, workers: int) -> dict[str,
         "placed_bytes": sum(a.nbytes for a in alive),
         "batch_bytes": sum(leaf.nbytes for leaf in data) // STEPS_OF_DATA,
         "calls_read": read_calls,  # the first call's included
+    }
+
+
+class OneByOne:
+    """A source with only ``__len__`` and ``__getitem__(i)``: read one record at a time."""
+
+    def __init__(self, source: Any):
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.source[index]
+
+
+SOURCE_ROWS, SOURCE_FEATURES = 20_000, 6
+SOURCE_CALLS = 8  # calls read per sample, by a fresh iteration of the loader
+
+
+def _reading(loader: Any, calls: int) -> Callable[[], Any]:
+    """``calls`` calls of the loader, read by a fresh iteration (no head start)."""
+
+    def run() -> Any:
+        for _, batch in zip(range(calls), loader, strict=False):
+            last = batch.data
+        return last
+
+    return run
+
+
+def sources(mesh: Any, *, quick: bool, repeats: int, seconds: float) -> dict[str, Any]:
+    """Rows per second through the loader, one worker thread, fused calls of 4 devices x
+    2 micro-batches of 32 rows (256 rows), shuffled, from each kind of source."""
+    import grain
+
+    from jaxdp import batch_sizes, epoch_schedule
+    from jaxdp.data import Loader
+
+    sizes = batch_sizes(num_devices=NUM_DEVICES, accum_steps=ACCUM_STEPS, micro_batch_size=32)
+    n = SOURCE_ROWS // 10 if quick else SOURCE_ROWS
+    rng = np.random.default_rng(0)
+    arrays = {
+        "x": rng.normal(size=(n, SOURCE_FEATURES)).astype(np.float32),
+        "y": rng.integers(0, 10, n),
+    }
+    records = [{"x": arrays["x"][i], "y": arrays["y"][i]} for i in range(n)]
+    kinds: dict[str, Any] = {
+        "numpy arrays": arrays,
+        "grain MapDataset": grain.MapDataset.source(records),
+    }
+    try:
+        import datasets
+    except ImportError:  # a test extra: the HF rows are left out without it
+        datasets = None
+    if datasets is not None:
+        hf = datasets.Dataset.from_dict(arrays)  # default (python) format
+        kinds["HF Dataset, record by record"] = OneByOne(hf.with_format("numpy"))
+        kinds["HF Dataset, batched (jaxdp)"] = hf
+    variants = {
+        name: _reading(Loader(kind, sizes, mesh=mesh, workers=1, epochs=None), SOURCE_CALLS)
+        for name, kind in kinds.items()
+    }
+    if datasets is not None:
+        view, rows = hf.with_format("numpy"), epoch_schedule(n, sizes).rows
+        calls = itertools.cycle([r.tolist() for r in rows])
+        variants["HF's own ds[rows] (ceiling)"] = lambda: [
+            view[next(calls)] for _ in range(SOURCE_CALLS)
+        ][-1]["x"]
+    samples, _ = interleaved(variants, repeats=repeats, sample_seconds=seconds)
+    rows_per_sample = SOURCE_CALLS * sizes.global_batch_size
+    return {
+        "rows": n,
+        "features": SOURCE_FEATURES,
+        "global_batch_size": sizes.global_batch_size,
+        "workers": 1,
+        "kinds": [
+            {
+                "source": name,
+                "seconds": (t := median(samples[name])),
+                "rows_per_second": rows_per_sample / t,
+            }
+            for name in variants
+        ],
     }
 
 
@@ -221,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ],
         "slow_source": slow_source(models[0], mesh, workers, repeats=repeats, seconds=seconds),
         "memory": [held(models[0], mesh, prefetch=p, workers=2) for p in (1, 2, 4)],
+        "sources": sources(mesh, quick=args.quick, repeats=repeats, seconds=seconds),
     }
     from ._common import write_result
 

@@ -21,7 +21,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._checks import is_integer
-from .._layout import BatchSizes, EpochSchedule, LastWindow, epoch_schedule, process_share
+from .._layout import (
+    BatchSizes,
+    EpochSchedule,
+    LastWindow,
+    batch_sizes,
+    epoch_schedule,
+    process_share,
+)
 from .._mesh import DATA_AXIS, place
 from .._position import SamplerPosition, resume_position
 from .._sampler import Permutation, numpy_permutation
@@ -31,6 +38,8 @@ from ._source import Source, Transform
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
+
+    from .._step import TrainStep
 
 
 class Batch(NamedTuple):
@@ -52,6 +61,12 @@ _ORDER = ("dataset_size", "shuffle", "seed", "drop_last", "last_window")
 
 class Loader:
     """This process's rows of every call of a data-parallel step, placed on the mesh.
+
+    Build it from the step, ``Loader.for_step(step, source, micro_batch_size=...)``
+    (its mesh, path and split taken from the step), or give them:
+    ``Loader(source, sizes, mesh=step.mesh, path=step.path)``; either way
+    ``step(state, batch)`` checks the batch's path and split against its own at
+    every call, naming both.
 
     Yields :class:`Batch` es: on the ``fused`` path one per optimizer step (the
     process's rows of the global batch, device-major), on ``multisteps`` one per
@@ -142,6 +157,41 @@ class Loader:
         self.samples = 0  # rows of weight > 0 given to the loop, all processes
         self._sharding = NamedSharding(mesh, P(DATA_AXIS))
         self._iterations: weakref.WeakSet[Placed] = weakref.WeakSet()
+
+    @classmethod
+    def for_step(
+        cls,
+        step: TrainStep,
+        source: Any,
+        *,
+        micro_batch_size: int | None = None,
+        global_batch_size: int | None = None,
+        **options: Any,
+    ) -> Loader:
+        """A loader for ``step``'s calls: its mesh, path, ``num_devices`` and
+        ``accum_steps`` taken from the step, and one of ``micro_batch_size`` (rows per
+        device per micro-batch) or ``global_batch_size`` (rows per optimizer step, all
+        processes). ``options`` are the constructor's (``seed``, ``epochs``, ...).
+
+        Raises ``ValueError`` as :func:`jaxdp.batch_sizes` does (neither size,
+        both inconsistent, a global batch that does not divide by
+        ``num_devices * accum_steps``), and ``TypeError`` for an option that the
+        step decides (``sizes``, ``mesh``, ``path``).
+        """
+        taken = sorted({"sizes", "mesh", "path"} & set(options))
+        if taken:
+            raise TypeError(
+                f"Loader.for_step takes {', '.join(taken)} from the step (path="
+                f"{step.path!r}, num_devices={step.num_devices}, accum_steps="
+                f"{step.accum_steps}); pass micro_batch_size or global_batch_size only"
+            )
+        sizes = batch_sizes(
+            num_devices=step.num_devices,
+            accum_steps=step.accum_steps,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size,
+        )
+        return cls(source, sizes, mesh=step.mesh, path=step.path, **options)
 
     # ---- the order ------------------------------------------------------------------
 

@@ -3,10 +3,18 @@
 A source is a numpy array or ``np.memmap`` (rows on the leading axis), a dict or
 tuple of them (one field each, the same number of rows), or anything
 with ``__len__`` and ``__getitem__(index) -> record`` (a Hugging Face
-``datasets.Dataset``, a torch map-style ``Dataset``, a grain data source). An
-array field is read with one fancy index per call (a memmap reads only those
-rows, from its file: ``_fingerprint.read_rows``); any other source, or any
-source with a ``transform``, one record at a time, and the records are stacked.
+``datasets.Dataset``, a grain ``MapDataset`` or data source, a torch map-style
+``Dataset``). Each call's rows are read together where the source allows it:
+
+- array fields with one fancy index per field (a memmap reads only those rows,
+  from its file: ``_fingerprint.read_rows``);
+- a Hugging Face ``Dataset``, in any format, with one ``ds[rows]`` of its numpy
+  format: a dict of arrays (``_kinds.hugging_face_columns``);
+- a grain ``MapDataset``, or a source with ``__getitems__``, with one batched read
+  of the call's records (``_kinds.batched_records``);
+- anything else one record at a time.
+
+Records (with a ``transform``, every source's) are stacked field by field.
 """
 
 from __future__ import annotations
@@ -19,7 +27,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._fingerprint import DataChangedError, check_files, fingerprint, memmapped_files, read_rows
+from ._fingerprint import (
+    DataChangedError,
+    batched_fingerprint,
+    check_files,
+    fingerprint,
+    memmapped_files,
+    read_rows,
+)
+from ._kinds import batched_records, hugging_face_columns, no_random_access
 
 Transform = Callable[[Any], Any]
 """``transform(record) -> record``, applied to every record read, in a loader worker."""
@@ -45,10 +61,14 @@ class Source:
     """A checked random-access source: ``len(source)`` rows, ``read(rows)`` a stacked batch.
 
     Raises ``ValueError`` at construction for an empty source, array fields of
-    different lengths (naming each), a field without rows (a 0-d array), and
-    ``TypeError`` for an object without ``__len__`` and ``__getitem__``. A read
-    raises :class:`~jaxdp.data.DataChangedError` once a file behind a memmapped
-    field has changed since construction.
+    different lengths (naming each), a field without rows (a 0-d array), an
+    endless grain ``MapDataset``, and ``TypeError`` for an object without
+    ``__len__`` and ``__getitem__`` (naming what to pass instead of a grain
+    ``IterDataset``, a torch ``DataLoader`` or a streaming Hugging Face dataset).
+    A read raises :class:`~jaxdp.data.DataChangedError` once a file behind a
+    memmapped field has changed since construction, and ``ValueError`` for a
+    missing record (``None``: a grain ``filter``) or a batched read that returns
+    another number of records than asked.
     """
 
     def __init__(self, source: Any, transform: Transform | None = None):
@@ -56,14 +76,19 @@ class Source:
             raise TypeError(f"transform={transform!r} must be callable (record -> record) or None")
         self.transform = transform
         self.fields = _fields(source)
+        self.columns = self.batched = None
         if self.fields is not None:
             self.length = _common_length(self.fields)
         elif hasattr(source, "__len__") and hasattr(source, "__getitem__"):
+            self.columns = hugging_face_columns(source)
+            source = source if self.columns is None else self.columns
+            self.batched = batched_records(source)
             self.length = len(source)
         else:
             raise TypeError(
                 f"source is a {type(source).__name__}: it must be an array, a dict/tuple of "
                 "arrays, or have __len__ and __getitem__ (random access by record index)"
+                + no_random_access(source)
             )
         if self.length == 0:
             raise ValueError("source is empty (0 rows): there is nothing to train on")
@@ -79,10 +104,13 @@ class Source:
     def fingerprint(self) -> dict[str, Any]:
         """Rows, fields and a content digest of the data as read (no transform).
 
-        Array fields are hashed at construction; a record-by-record source at the
-        first call (a checkpoint or a restore), since its reads may fail or count.
+        Array fields are hashed at construction; a Hugging Face ``Dataset`` (its
+        numpy batches) or a record-by-record source at the first call (a
+        checkpoint or a restore), since its reads may fail or count.
         """
-        if self._fingerprint is None:
+        if self._fingerprint is None and self.columns is not None:
+            self._fingerprint = batched_fingerprint(self._columns, self.length)
+        elif self._fingerprint is None:
             self._fingerprint = fingerprint(None, self.source, self.length)
         return self._fingerprint
 
@@ -103,10 +131,33 @@ class Source:
                 except DataChangedError:
                     check_files(self.files)  # the usual words (what changed) where it can tell
                     raise
-            records = [self._record(int(i), me) for i in rows]
+            if self.columns is not None and self.transform is None:
+                self._reading[me] = (int(rows[0]), time.monotonic())
+                return self._columns(rows)
+            if self.batched is not None:
+                self._reading[me] = (int(rows[0]), time.monotonic())
+                records = self._batch(rows)
+            else:
+                records = [self._record(int(i), me) for i in rows]
             return _stack(records, rows)
         finally:
             self._reading.pop(me, None)
+
+    def _columns(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """A Hugging Face dataset's rows in one read: a dict of arrays, in numpy format."""
+        assert self.columns is not None
+        return {name: np.asarray(a) for name, a in self.columns[rows.tolist()].items()}
+
+    def _batch(self, rows: np.ndarray) -> list[Any]:
+        """The records of ``rows`` in one batched read, each through the transform."""
+        assert self.batched is not None
+        records = list(self.batched(rows.tolist()))
+        if len(records) != len(rows):
+            raise ValueError(
+                f"the source's batched read of {len(rows)} records (from record "
+                f"{int(rows[0])}) returned {len(records)}: it must return one record per index"
+            )
+        return [self._transformed(r, int(i)) for i, r in zip(rows, records, strict=True)]
 
     def stuck(self) -> str:
         """The read that has run longest, in words (for a read timeout's error)."""
@@ -123,6 +174,15 @@ class Source:
             record = jax.tree.map(lambda x: x[index], self.fields, is_leaf=_is_array)
         else:
             record = self.source[index]
+        return self._transformed(record, index)
+
+    def _transformed(self, record: Any, index: int) -> Any:
+        if record is None:
+            raise ValueError(
+                f"source record {index} is None (a grain MapDataset's filter() leaves "
+                "None for a dropped record): every index up to len(source) must hold a "
+                "record; filter the data before the loader, or in its transform"
+            )
         if self.transform is None:
             return record
         try:
@@ -151,14 +211,18 @@ def _common_length(fields: Any) -> int:
 
 def _stack(records: list[Any], rows: np.ndarray) -> Any:
     """One array per field with the records on the leading axis; names a record that differs."""
-    first = jax.tree.map(np.shape, records[0])
-    structure = jax.tree.structure(records[0])
-    for index, record in zip(rows, records, strict=True):
-        if jax.tree.structure(record) != structure or jax.tree.map(np.shape, record) != first:
-            shapes = jax.tree.map(np.shape, record)
+    # One flatten per record (not a tree.map per check): a third of a record's cost.
+    flat = [jax.tree.flatten(record) for record in records]
+    structure = flat[0][1]
+    shapes = [np.shape(leaf) for leaf in flat[0][0]]
+    for index, record, (leaves, treedef) in zip(rows, records, flat, strict=True):
+        if treedef != structure or [np.shape(leaf) for leaf in leaves] != shapes:
+            first = jax.tree.map(np.shape, records[0])
+            theirs = jax.tree.map(np.shape, record)
             raise ValueError(
-                f"source record {int(index)} has fields and shapes {shapes}, record "
+                f"source record {int(index)} has fields and shapes {theirs}, record "
                 f"{int(rows[0])} has {first}: every record needs the same fields and shapes "
                 "to stack into a batch"
             )
-    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *records)
+    fields = [np.stack([np.asarray(leaves[k]) for leaves, _ in flat]) for k in range(len(shapes))]
+    return jax.tree.unflatten(structure, fields)
