@@ -46,12 +46,10 @@ class LinenModel(nnx.Module):
             variables["batch_stats"] = jax.tree.map(
                 lambda x: x.astype(jnp.promote_types(x.dtype, wide)), variables["batch_stats"]
             )
-        self.collections = nnx.data(
-            {
-                name: jax.tree.map(_KINDS.get(name, nnx.Variable), tree)
-                for name, tree in variables.items()
-            }
-        )
+        # Each collection an attribute: parameter paths read as Linen's, ("params", "fc1", ...).
+        self.collection_names = tuple(variables)
+        for name, tree in variables.items():
+            setattr(self, name, nnx.data(jax.tree.map(_KINDS.get(name, nnx.Variable), tree)))
         keys = {name: lazy.as_jax_rng() for name, lazy in bound.scope.rngs.items()}
         self.rngs = nnx.Rngs(**keys) if keys else None
 
@@ -59,8 +57,8 @@ class LinenModel(nnx.Module):
         """The Linen module bound to the current values: for a training forward
         ``batch_stats`` mutable and rngs drawn from the streams."""
         variables = {
-            name: jax.tree.map(lambda v: v.get_value(), tree, is_leaf=_is_variable)
-            for name, tree in self.collections.items()
+            name: jax.tree.map(lambda v: v.get_value(), getattr(self, name), is_leaf=_is_variable)
+            for name in self.collection_names
         }
         if not train:
             return self.module.bind(variables)
@@ -72,7 +70,7 @@ class LinenModel(nnx.Module):
         written = bound.variables.get("batch_stats", {})
         jax.tree.map(
             lambda var, value: var.set_value(value.astype(var.get_value().dtype)),
-            self.collections.get("batch_stats", {}),
+            getattr(self, "batch_stats", {}),
             dict(written),
             is_leaf=_is_variable,
         )

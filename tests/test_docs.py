@@ -201,6 +201,17 @@ assert (broken.first_failure, found.stage, found.module) == (1, "forward", "norm
 assert found.names == ["norm.bias", "norm.scale"], found.names
 """,
         3: "assert fixed.passed and 'inp.kernel' in fixed.max_abs[0]",
+        4: """
+assert rms.passed and "norm.scale" in rms.max_abs[0], rms.max_abs[0]
+found = rms_default.divergence
+assert (found.stage, found.module, found.names) == ("forward", "norm", ["norm.scale"]), found
+""",
+        6: """
+for r in (linen_report, eqx_report):
+    assert r.passed and len(r.max_abs) == 3 and r.rtol == 1e-10, r.max_rel
+assert sorted(linen_report.max_abs[0])[:2] == ["fc1.bias", "fc1.kernel"]
+assert sorted(eqx_report.max_abs[0])[:2] == ["fc1.bias", "fc1.weight"]
+""",
     },
 }
 

@@ -1,7 +1,8 @@
 """``jaxdp parity``: jaxdp and torch_ref trained side by side, compared step by step.
 
-Either a reference model (``--model NAME``) or a user's torch model and its NNX port
-(``--torch-model MODULE:ATTR --jax-model MODULE:ATTR --data PATH.npz``).
+Either a reference model (``--model NAME``) or a user's torch model and its JAX port, in
+Flax NNX, Flax Linen or equinox (``--torch-model MODULE:ATTR --jax-model MODULE:ATTR
+--data PATH.npz``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def add_parity_command(sub: Any) -> None:
         "parity",
         help="train jaxdp and torch_ref (PyTorch DDP + GA) side by side and compare",
         description="Same initial weights, data, order and hyper-parameters in jaxdp and in "
-        "torch_ref, on a reference model (--model) or on your torch model and its Flax NNX port "
+        "torch_ref, on a reference model (--model) or on your torch model and its JAX port (Flax "
+        "NNX, Flax Linen or equinox) "
         "(--torch-model, --jax-model, --data); compares weights and losses after every "
         "optimizer step and prints the largest differences, and for your models where they "
         "first diverge. Exit status 1 if a step is beyond tolerance.",
@@ -136,8 +138,9 @@ def _add_port_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--jax-model",
         metavar="MODULE:ATTR",
-        help=f"its Flax NNX port: {spec}, called with rngs= and param_dtype= if it takes them "
-        "(required with --torch-model)",
+        help=f"its JAX port: {spec}; a Flax NNX, Flax Linen or equinox module, or a class or "
+        "factory called with rngs=, key= and param_dtype= for those it takes; an unbound Linen "
+        "module is initialized on the data (required with --torch-model)",
     )
     p.add_argument(
         "--data",

@@ -4,7 +4,8 @@ every optimizer step.
 
 ``run_parity(ParityConfig(...))`` trains both sides on a reference model and
 returns a :class:`ParityReport`; ``compare_models(torch_model, jax_model, data)``
-does the same for a user's own torch model and its NNX port, and locates where
+does the same for a user's own torch model and its JAX port (Flax NNX, Flax Linen or
+equinox), and locates where
 they first diverge (``assert_trains_like`` for test suites);
 ``optax_like_torch(OptimizerSpec(...))`` is the optax chain that updates exactly
 as ``torch.optim`` does. torch and torch_ref are

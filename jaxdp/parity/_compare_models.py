@@ -44,17 +44,24 @@ def compare_models(
     atol: float | None = None,
 ) -> ParityReport:
     """Trains a torch model (torch_ref: real DDP + ``no_sync`` + ``loss / accum_steps``)
-    and its NNX port (jaxdp's step) from the same weights on the same data in the same
-    order, and compares weights and loss after every optimizer step.
+    and its JAX port (jaxdp's step; Flax NNX, Flax Linen or equinox) from the same
+    weights on the same data in the same order, and compares weights and loss after
+    every optimizer step.
 
     ``torch_model``: an ``nn.Module`` (its weights are the start), a class or factory
     taking no arguments (built after ``torch.manual_seed(seed)``), or ``"MODULE:ATTR"``
     (MODULE a module name or a ``.py`` path). Several devices train in spawned
     processes, which import a class or factory by name (so it must live in an
     importable module, not in a test's or notebook's own namespace) or unpickle a module.
-    ``jax_model``: an ``nnx.Module`` (its structure; its values are replaced), a
-    class or factory (called with ``rngs=nnx.Rngs(seed)`` if it takes ``rngs``), or
-    ``"MODULE:ATTR"``. Both models take ``x`` and return the output the loss reads.
+    ``jax_model`` (its structure; its values are replaced): an ``nnx.Module``; a Flax
+    Linen module, bound (``module.bind(variables)``) or not (then initialized with
+    ``jax.random.key(seed)`` on the first ``micro_batch_size`` rows of ``x``, in
+    inference mode, and bound); an equinox module (stateless); a class or factory of
+    any of them (called with ``rngs=nnx.Rngs(seed)``, ``key=jax.random.key(seed)``
+    and ``param_dtype`` for those it takes); or ``"MODULE:ATTR"``. Both models take
+    ``x`` and return the output the loss reads: an NNX port as ``model(x)``, a Linen
+    port as ``model(x, train=True)`` if its ``__call__`` takes ``train`` (else
+    ``model(x)``), an equinox port one example at a time (``jax.vmap(model)(x)``).
 
     ``data``: ``(x, y)`` arrays or a mapping with ``x`` and ``y`` (an ``.npz``);
     floating arrays become ``dtype`` on both sides. ``loss``: ``"cross_entropy"``
@@ -68,15 +75,19 @@ def compare_models(
     layers differ: a dict ``{torch name: JAX path | (path or paths, transform) |
     None}`` overriding the automatic rules per tensor, or a function ``state_dict ->
     {JAX path: array}``; without one, names and standard layers decide (Linear,
-    Conv1d/2d/3d, LayerNorm, GroupNorm, Embedding, BatchNorm and its buffers,
-    MultiheadAttention). Every unmapped, unused or mis-shaped parameter on either
-    side is listed in one ``ValueError`` before anything trains.
+    Conv1d/2d/3d, LayerNorm, GroupNorm, RMSNorm, Embedding, BatchNorm and its
+    buffers, MultiheadAttention; flax's layouts for NNX and Linen, torch's for
+    equinox). JAX paths are dotted: an NNX attribute path, a Linen variable's path in
+    its collection (``fc1.kernel``, ``bn.mean``), an equinox field path. Every
+    unmapped, unused or mis-shaped parameter on either side is listed in one
+    ``ValueError`` before anything trains.
 
     Layout: ``num_devices`` (jaxdp devices = DDP ranks) x ``accum_steps`` x
     ``micro_batch_size``; ``path``, ``strategy`` and ``step_options`` (more
     :func:`jaxdp.make_train_step` options) configure jaxdp's step; torch parameters
-    without ``requires_grad`` are frozen in the port, a model with BatchNorm trains
-    with DDP's per-rank statistics (``batch_stats="local"``). Tolerances:
+    without ``requires_grad`` are frozen in the port, a model with BatchNorm (NNX, or
+    Linen ``batch_stats``) trains with DDP's per-rank statistics
+    (``batch_stats="local"``). Tolerances:
     ``RTOL[dtype]``/``ATOL[dtype]`` unless given. ``locate``: run the divergence
     locator at the first step beyond tolerance (None, the default), also when every
     step passes (True, at the step that differs most), or never (False); its

@@ -1,14 +1,19 @@
 """Layer rules of the weight map: which JAX leaves a torch layer's tensor fills, and how
-its layout changes on the way (the table in :mod:`jaxdp.parity._mapping`)."""
+its layout changes on the way (the tables in :mod:`jaxdp.parity._mapping`).
+
+Two layouts: ``"flax"`` (NNX and Linen: ``kernel`` ``[in, out]`` and ``[*k, I, O]``,
+``scale``, ``embedding``) and ``"torch"`` (equinox: torch's names and layouts, a
+convolution's bias ``[O, 1, ...]``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 Transform = Callable[[np.ndarray], Any]
+Layout = Literal["flax", "torch"]
 
 
 def _transpose(w: np.ndarray) -> np.ndarray:
@@ -32,13 +37,18 @@ def kind(module: Any) -> str:
         return "linear"
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         return "conv"
-    if isinstance(module, (nn.LayerNorm, nn.GroupNorm)):
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm, *_rms_norm(nn))):
         return "norm"
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return "batchnorm"
     if isinstance(module, nn.Embedding):
         return "embedding"
     return "other"
+
+
+def _rms_norm(nn: Any) -> tuple[type, ...]:
+    # nn.RMSNorm came with torch 2.4; jaxdp names no oldest torch.
+    return (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()
 
 
 # (torch layer kind, tensor name) -> (JAX leaf names to try, transform, description)
@@ -53,18 +63,36 @@ _RULES: dict[tuple[str, str], tuple[tuple[str, ...], Transform, str]] = {
 }
 
 
-def rule(name: str, modules: dict[str, Any]) -> tuple[tuple[str, ...], Transform, str]:
+def rule(
+    name: str, modules: dict[str, Any], layout: Layout = "flax"
+) -> tuple[tuple[str, ...], Transform, str]:
+    """``(JAX leaf names, transform, description)`` of torch tensor ``name`` by its layer."""
     owner_path, _, leaf = name.rpartition(".")
     default = ((leaf,), same, "as is")
-    return _RULES.get((kind(modules.get(owner_path)), leaf), default)
+    owner = modules.get(owner_path)
+    if layout == "torch":
+        if kind(owner) == "conv" and leaf == "bias":
+            return (leaf,), _conv_bias(owner.weight.ndim), "Conv bias [O] -> [O, 1, ...]"
+        return default
+    return _RULES.get((kind(owner), leaf), default)
 
 
-def candidates(name: str, modules: dict[str, Any]) -> list[tuple[tuple[str, ...], Transform, str]]:
+def _conv_bias(ndim: int) -> Transform:
+    # equinox's Conv adds a bias of shape [O, 1, ...] to its [O, *spatial] output.
+    def reshape(b: np.ndarray) -> np.ndarray:
+        return b.reshape(b.shape[0], *(1,) * (ndim - 2))
+
+    return reshape
+
+
+def candidates(
+    name: str, modules: dict[str, Any], layout: Layout = "flax"
+) -> list[tuple[tuple[str, ...], Transform, str]]:
     """``(JAX paths, transform, description)`` to try, in order, for torch tensor ``name``."""
     owner_path, _, leaf = name.rpartition(".")
     prefix = owner_path + "." if owner_path else ""
-    out = _attention_candidates(name, modules)
-    targets, transform, how = rule(name, modules)
+    out = _attention_candidates(name, modules, layout)
+    targets, transform, how = rule(name, modules, layout)
     out += [((prefix + target,), transform, how) for target in targets]
     if (name,) not in [paths for paths, _, _ in out]:
         out.append(((name,), same, "as is"))
@@ -72,23 +100,35 @@ def candidates(name: str, modules: dict[str, Any]) -> list[tuple[tuple[str, ...]
 
 
 def _attention_candidates(
-    name: str, modules: dict[str, Any]
+    name: str, modules: dict[str, Any], layout: Layout
 ) -> list[tuple[tuple[str, ...], Transform, str]]:
-    """nnx.MultiHeadAttention's layout for a torch MultiheadAttention's tensors."""
+    """The layout of nnx.MultiHeadAttention and Linen's MultiHeadDotProductAttention
+    (``"flax"``) or of eqx.nn.MultiheadAttention (``"torch"``) for a torch
+    MultiheadAttention's tensors."""
     owner_path, _, leaf = name.rpartition(".")
     owner = modules.get(owner_path)
     prefix = owner_path + "." if owner_path else ""
+    flax = layout == "flax"
     if kind(owner) == "mha" and leaf in ("in_proj_weight", "in_proj_bias"):
-        target = "kernel" if leaf == "in_proj_weight" else "bias"
-        paths = tuple(f"{prefix}{p}.{target}" for p in ("query", "key", "value"))
-        return [(paths, _mha_in(owner, target == "kernel"), "in_proj split into q, k, v")]
+        weight = leaf == "in_proj_weight"
+        target = ("kernel" if weight else "bias") if flax else ("weight" if weight else "bias")
+        parts = ("query", "key", "value") if flax else ("query_proj", "key_proj", "value_proj")
+        paths = tuple(f"{prefix}{p}.{target}" for p in parts)
+        split = _mha_in(owner, weight) if flax else _thirds
+        return [(paths, split, "in_proj split into q, k, v")]
     parent_path, _, child = owner_path.rpartition(".")
     parent = modules.get(parent_path)
     if child == "out_proj" and kind(parent) == "mha" and leaf in ("weight", "bias"):
         base = parent_path + "." if parent_path else ""
+        if not flax:
+            return [((f"{base}output_proj.{leaf}",), same, "out_proj")]
         target = "kernel" if leaf == "weight" else "bias"
         return [((f"{base}out.{target}",), _mha_out(parent, leaf == "weight"), "out_proj")]
     return []
+
+
+def _thirds(w: np.ndarray) -> tuple[np.ndarray, ...]:
+    return tuple(np.split(w, 3, axis=0))
 
 
 def _mha_in(mha: Any, weight: bool) -> Transform:

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
+from .._forward import split_model
 from .._frozen import _named, split_trainable, trainable_mask
 from .._layout import micro_batches
 from .._mesh import data_mesh
@@ -130,16 +130,17 @@ class _Locator:
         converted = self.port.weights.to_jax(full)
         return {name: converted[name] for name in self.compared}
 
-    def jax_module(self, state: dict[str, np.ndarray]) -> nnx.Module:
+    def jax_module(self, state: dict[str, np.ndarray]) -> Any:
+        """The port holding torch's ``state``."""
         return self.port.weights.load(
             self.port.jax_module, state, jnp.dtype(self.port.config.dtype)
         )
 
     def jax_pass(self, state: dict[str, np.ndarray], micro: list) -> _Pass:
-        graphdef, params, rest = nnx.split(self.jax_module(state), nnx.Param, ...)
+        params, forward = self.port.weights.framework.apply(self.jax_module(state))
 
         def objective(params, x, y):
-            output = nnx.merge(graphdef, params, rest)(x)
+            output = forward(params, x)
             return self.port.jax_loss(output, y), output
 
         grad = jax.jit(jax.value_and_grad(objective, has_aux=True))
@@ -206,26 +207,33 @@ class _Locator:
             for x in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, _Captured))
             if isinstance(x, _Captured)
         ]
-        flat = flat_arrays(captured.grads)
+        flat = self.flat(captured.grads)
         return {name: flat[name] for name in self.compared}
 
+    def flat(self, tree: Any) -> dict[str, np.ndarray]:
+        """:func:`flat_arrays` of a tree of jaxdp's step, under the weight map's names."""
+        core_name = self.port.weights.framework.core_name
+        return {core_name(name): value for name, value in flat_arrays(tree).items()}
+
     def optimizer(self, step: int) -> StageDiff:
-        """Both optimizers replayed from step 1 on torch's gradients at torch's weights; the
-        first step whose new weights differ (or ``step``'s)."""
+        """Both optimizers replayed from step 1 on torch's gradients at torch's weights (the
+        parameter tree jaxdp's step gives optax); the first step whose new weights differ
+        (or ``step``'s)."""
+        core_name = self.port.weights.framework.core_name
         opt, mask, opt_state, result = self.port.jax_optimizer, None, None, None
         for t in range(1, step + 1):
             state = self.before(t)
             mean = self.ddp(t, self.torch_pass(state, self.micro(t)))
-            params = nnx.state(self.jax_module(state), nnx.Param)
+            _, params, _ = split_model(self.jax_module(state))
             if mask is None:
                 mask = trainable_mask(params, self.port.step_kwargs().get("trainable"))
                 opt_state = opt.init(split_trainable(params, mask))
             trainable = split_trainable(params, mask)
             grads = jax.tree_util.tree_map_with_path(
-                lambda p, _, mean=mean: mean[_dotted(p)], trainable
+                lambda p, _, mean=mean: mean[core_name(_dotted(p))], trainable
             )
             updates, opt_state = opt.update(grads, opt_state, trainable)
-            new = flat_arrays(optax.apply_updates(trainable, updates))
+            new = self.flat(optax.apply_updates(trainable, updates))
             after = self.port.weights.to_jax(self.states[t - 1])
             ours = {n: new[n] for n in self.compared}
             result = self.diff("optimizer update", ours, {n: after[n] for n in self.compared})

@@ -1,8 +1,9 @@
-"""Weights from a user's torch model to their NNX port: by names and layer kinds, or a mapping.
+"""Weights from a user's torch model to their JAX port: by names and layer kinds, or a mapping.
 
-Every tensor of the torch ``state_dict`` fills one or more JAX leaves (``nnx.Param``
-and ``nnx.BatchStat``, named by dotted paths) through a layout transform chosen
-from the torch layer that owns it:
+Every tensor of the torch ``state_dict`` fills one or more JAX leaves (parameters and
+batch statistics, named by dotted paths: :mod:`jaxdp.parity._frameworks`) through a
+layout transform chosen from the torch layer that owns it. For a Flax port (NNX or
+Linen):
 
 ==========================  ============================  ===========================
 torch layer, tensor         JAX leaf                      transform
@@ -10,7 +11,8 @@ torch layer, tensor         JAX leaf                      transform
 Linear ``weight``           ``kernel``                    ``[out, in]`` -> ``[in, out]``
 Conv1d/2d/3d ``weight``     ``kernel``                    ``[O, I, *k]`` -> ``[*k, I, O]``
 LayerNorm, GroupNorm,       ``scale``                     none
-BatchNorm ``weight``
+RMSNorm, BatchNorm
+``weight``
 Embedding ``weight``        ``embedding``                 none
 BatchNorm buffers           ``running_mean`` or ``mean``, none (``num_batches_tracked``
                             ``running_var`` or ``var``    is skipped if JAX has none)
@@ -19,6 +21,11 @@ MultiheadAttention          ``query``/``key``/``value``   split in three, ``[in,
 its ``out_proj``            ``out.kernel``/``out.bias``   ``[heads, head_dim, out]``
 anything else               the same name                 none
 ==========================  ============================  ===========================
+
+An equinox port keeps torch's names and layouts (``eqx.nn.Linear.weight`` is ``[out,
+in]``, ``eqx.nn.Conv``'s ``[O, I, *k]``), except a convolution's ``bias`` (``[O]`` ->
+``[O, 1, ...]``) and MultiheadAttention (``in_proj`` split into ``query_proj``,
+``key_proj``, ``value_proj``; ``out_proj`` is ``output_proj``).
 
 A ``mapping`` dict overrides these rules per torch name; a mapping function replaces
 them. Comparisons happen in the JAX layout, under the JAX names.
@@ -31,8 +38,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-from flax import nnx
 
+from ._frameworks import Framework, Leaf, framework_of
 from ._layer_rules import Transform, candidates, kind, rule, same
 
 Mapping_ = Mapping[str, Any] | Callable[[dict[str, np.ndarray]], dict[str, Any]] | None
@@ -56,7 +63,8 @@ class Link:
 class WeightMap:
     """How a torch ``state_dict`` becomes the JAX model's leaves (dotted JAX paths)."""
 
-    jax_leaves: dict[str, Any]  # JAX path -> its nnx.Variable (Param or BatchStat)
+    framework: Framework  # the port's library
+    jax_leaves: dict[str, Leaf]  # JAX path -> its value, and whether it trains
     links: tuple[Link, ...] = ()
     function: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None
     frozen: frozenset[str] = frozenset()  # JAX paths of torch tensors without requires_grad
@@ -81,65 +89,66 @@ class WeightMap:
 
     @property
     def params(self) -> list[str]:
-        """The JAX paths of ``nnx.Param`` leaves (the rest are batch statistics)."""
-        return [p for p, v in self.jax_leaves.items() if isinstance(v, nnx.Param)]
+        """The JAX paths of parameters (the rest are batch statistics)."""
+        return [p for p, leaf in self.jax_leaves.items() if leaf.param]
 
-    def load(self, module: nnx.Module, state_dict: Mapping[str, Any], dtype: Any) -> nnx.Module:
-        """A new module of ``module``'s structure with the torch values; floating leaves
+    def load(self, model: Any, state_dict: Mapping[str, Any], dtype: Any) -> Any:
+        """A new model of ``model``'s structure with the torch values; floating leaves
         in ``dtype``, integer leaves (counters) in their own dtype."""
-        values = self.to_jax(state_dict)
-        graphdef, state, rest = nnx.split(module, nnx.Any(nnx.Param, nnx.BatchStat), ...)
-        flat = []
-        for path, var in nnx.to_flat_state(state):
-            current = var.get_value()
-            value = np.asarray(values[dotted(path)])
-            kind = dtype if np.issubdtype(current.dtype, np.floating) else current.dtype
-            flat.append((path, var.replace(np.asarray(value, kind))))
-        return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+        return self.framework.load(model, self.to_jax(state_dict), dtype)
 
 
-def dotted(path: tuple) -> str:
-    return ".".join(map(str, path))
+def jax_leaves(model: Any) -> dict[str, Leaf]:
+    """Dotted path -> :class:`Leaf` of every parameter and batch statistic of a port
+    (an NNX module, a bound Linen module or an equinox module)."""
+    return _framework(model).leaves(model)
 
 
-def jax_leaves(module: nnx.Module) -> dict[str, Any]:
-    """Dotted path -> ``nnx.Variable`` of every Param and BatchStat of ``module``."""
-    state = nnx.state(module, nnx.Any(nnx.Param, nnx.BatchStat))
-    return {dotted(path): var for path, var in nnx.to_flat_state(state)}
+def _framework(model: Any) -> Framework:
+    framework = framework_of(model)
+    if framework is None:
+        raise TypeError(
+            f"jax_model is a {type(model).__name__}, not an nnx.Module, a bound Linen "
+            "module (module.bind(variables)) or an equinox Module"
+        )
+    return framework
 
 
-def build_weight_map(
-    torch_model: Any, jax_model: nnx.Module, mapping: Mapping_ = None
-) -> WeightMap:
+def build_weight_map(torch_model: Any, jax_model: Any, mapping: Mapping_ = None) -> WeightMap:
     """The :class:`WeightMap` of two models, checked: every torch tensor used, every JAX
-    leaf filled, every shape right. Raises one ``ValueError`` listing every problem."""
-    leaves = jax_leaves(jax_model)
+    leaf filled, every shape right. Raises one ``ValueError`` listing every problem.
+    ``jax_model``: an NNX module, a bound Linen module or an equinox module."""
+    framework = _framework(jax_model)
+    layout = framework.layout
+    leaves = framework.leaves(jax_model)
     state_dict = {k: _numpy(v) for k, v in torch_model.state_dict().items()}
     frozen_torch = {n for n, p in torch_model.named_parameters() if not p.requires_grad}
     if callable(mapping):
-        return _function_map(mapping, state_dict, leaves, frozen_torch)
+        return _function_map(framework, mapping, state_dict, leaves, frozen_torch)
     if mapping is not None and not isinstance(mapping, Mapping):
         raise TypeError(f"mapping={mapping!r} must be None, a dict or a function")
     modules = dict(torch_model.named_modules())
     links, unmapped = [], []
     for name in state_dict:
         if mapping is not None and name in mapping:
-            link = _user_link(name, mapping[name], modules)
+            link = _user_link(name, mapping[name], modules, layout)
         else:
-            link = _auto_link(name, modules, leaves)
+            link = _auto_link(name, modules, leaves, layout)
         if link is None and not _skippable(name, modules):
             unmapped.append(name)
         elif link is not None and link.jax:  # () for a tensor the mapping leaves out
             links.append(link)
-    problems = _check_links(links, unmapped, state_dict, leaves, modules)
+    problems = _check_links(links, unmapped, state_dict, leaves, modules, layout)
     if problems:
         raise ValueError(_mapping_error(problems))
     frozen = frozenset(p for link in links if link.torch in frozen_torch for p in link.jax)
-    return WeightMap(leaves, tuple(links), None, frozen)
+    return WeightMap(framework, leaves, tuple(links), None, frozen)
 
 
-def _auto_link(name: str, modules: dict[str, Any], leaves: dict[str, Any]) -> Link | None:
-    for paths, transform, how in candidates(name, modules):
+def _auto_link(
+    name: str, modules: dict[str, Any], leaves: dict[str, Leaf], layout: str
+) -> Link | None:
+    for paths, transform, how in candidates(name, modules, layout):
         if all(p in leaves for p in paths):
             return Link(name, paths, transform, how)
     return None
@@ -151,13 +160,13 @@ def _skippable(name: str, modules: dict[str, Any]) -> bool:
     return leaf == "num_batches_tracked" and kind(modules.get(owner_path)) == "batchnorm"
 
 
-def _user_link(name: str, target: Any, modules: dict[str, Any]) -> Link:
+def _user_link(name: str, target: Any, modules: dict[str, Any], layout: str) -> Link:
     """A mapping entry: None (leave the tensor out), a JAX path (the layer's own
     transform), or ``(path or paths, transform)``."""
     if target is None:
         return Link(name, (), same, "left out")
     if isinstance(target, str):
-        _, transform, how = rule(name, modules)
+        _, transform, how = rule(name, modules, layout)
         return Link(name, (target,), transform, how)
     if isinstance(target, tuple) and len(target) == 2 and callable(target[1]):
         paths = (target[0],) if isinstance(target[0], str) else tuple(target[0])
@@ -190,12 +199,13 @@ def _check_links(
     links: list[Link],
     unmapped: list[str],
     state_dict: dict[str, np.ndarray],
-    leaves: dict[str, Any],
+    leaves: dict[str, Leaf],
     modules: dict[str, Any],
+    layout: str,
 ) -> _Problems:
     problems = _Problems()
     for name in unmapped:
-        tried = ", ".join(p for paths, _, _ in candidates(name, modules) for p in paths)
+        tried = ", ".join(p for paths, _, _ in candidates(name, modules, layout) for p in paths)
         problems.torch.append(f"{name} {_shape(state_dict[name])}: no JAX leaf {tried}")
     filled: dict[str, str] = {}
     for link in links:
@@ -207,20 +217,20 @@ def _check_links(
             filled[path] = link.torch
         if all(p in leaves for p in link.jax):
             _check_shapes(link, state_dict[link.torch], leaves, problems)
-    for path, var in leaves.items():
+    for path, leaf in leaves.items():
         if path not in filled:
-            problems.jax.append(f"{path} {_shape(var.get_value())}: no torch tensor fills it")
+            problems.jax.append(f"{path} {_shape(leaf.value)}: no torch tensor fills it")
     return problems
 
 
-def _check_shapes(link: Link, tensor: np.ndarray, leaves: dict[str, Any], problems: _Problems):
+def _check_shapes(link: Link, tensor: np.ndarray, leaves: dict[str, Leaf], problems: _Problems):
     try:
         values = link.values(tensor)
     except Exception as e:  # noqa: BLE001 - a user's transform; its error goes in the list
         problems.shapes.append(f"{link.torch} {_shape(tensor)} -> {link.jax}: {link.how}: {e}")
         return
     for path, value in zip(link.jax, values, strict=True):
-        want = _shape(leaves[path].get_value())
+        want = _shape(leaves[path].value)
         if _shape(value) != want:
             problems.shapes.append(
                 f"{link.torch} {_shape(tensor)} -> {path}: {link.how} gives "
@@ -272,9 +282,10 @@ class _Reads(dict):
 
 
 def _function_map(
+    framework: Framework,
     function: Callable[[dict[str, np.ndarray]], dict[str, Any]],
     state_dict: dict[str, np.ndarray],
-    leaves: dict[str, Any],
+    leaves: dict[str, Leaf],
     frozen_torch: set[str],
 ) -> WeightMap:
     tensors = _Reads(state_dict)
@@ -288,23 +299,21 @@ def _function_map(
     problems.torch += [
         f"returned {k!r}: the JAX model has no such leaf" for k in values if k not in leaves
     ]
-    for path, var in leaves.items():
+    for path, leaf in leaves.items():
         if path not in values:
-            problems.jax.append(f"{path} {_shape(var.get_value())}: not returned")
-        elif _shape(values[path]) != _shape(var.get_value()):
+            problems.jax.append(f"{path} {_shape(leaf.value)}: not returned")
+        elif _shape(values[path]) != _shape(leaf.value):
             problems.shapes.append(
                 f"{path}: the mapping gives {_shape(values[path])}, the JAX leaf is "
-                f"{_shape(var.get_value())}"
+                f"{_shape(leaf.value)}"
             )
     if problems:
         raise ValueError(_mapping_error(problems))
     # A layout function takes ones to ones: a JAX parameter made only of the frozen
     # tensors' zeros is frozen.
     probe = function({k: np.full_like(v, k not in frozen_torch) for k, v in state_dict.items()})
-    frozen = frozenset(
-        p for p, var in leaves.items() if isinstance(var, nnx.Param) and not np.any(probe[p])
-    )
-    return WeightMap(leaves, (), function, frozen)
+    frozen = frozenset(p for p, leaf in leaves.items() if leaf.param and not np.any(probe[p]))
+    return WeightMap(framework, leaves, (), function, frozen)
 
 
 def _shape(x: Any) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""A user's torch model against their NNX port: resolved, converted and trained side by side.
+"""A user's torch model against their JAX port (Flax NNX, Flax Linen or equinox): resolved,
+converted and trained side by side.
 
 :func:`compare_models` is the entry point; :class:`Port` holds what it resolved before
 anything runs (so a mapping error comes first), and its parts are what the tests batch.
@@ -17,12 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from flax import linen, nnx
 
 from .._mesh import data_mesh
+from .._model_kinds import as_trainable
 from .._model_state import batch_norm_modules
 from .._options import AccumulationPath, fold
 from .._step import make_train_step
+from ._frameworks import LINEN, framework_of, train_mode
 from ._mapping import Mapping_, WeightMap, build_weight_map, jax_leaves
 from ._optim import OPTIMIZERS, OptimizerSpec, optax_like_torch
 from ._runner import (
@@ -59,7 +62,7 @@ class Port:
     config: ParityConfig  # the layout, steps, dtype, path; model is a label
     torch_model: Any  # what torch_ref builds in every rank: a spec, a callable or a module
     torch_loss: Any  # torch_ref's loss: a name, a spec or a callable
-    jax_module: nnx.Module  # the port, holding torch's initial weights in config.dtype
+    jax_module: Any  # the port (NNX, bound Linen, equinox), with torch's initial weights
     jax_loss: Callable[[Any, Any], Any]  # (output, y) -> scalar
     jax_optimizer: optax.GradientTransformation
     spec: OptimizerSpec  # torch's optimizer
@@ -68,9 +71,10 @@ class Port:
     initial: dict[str, np.ndarray]  # torch's initial state_dict
     step_options: dict[str, Any]  # make_train_step's, for the JAX side
 
-    def loss_fn(self, model: nnx.Module, batch: tuple[Any, Any]) -> jax.Array:
-        """jaxdp's ``loss_fn(model, (x, y))``: one micro-batch's loss."""
-        return self.jax_loss(model(batch[0]), batch[1])
+    def loss_fn(self, model: Any, batch: tuple[Any, Any]) -> jax.Array:
+        """jaxdp's ``loss_fn(model, (x, y))``: one micro-batch's loss, from the port's
+        training-mode output (:meth:`Framework.__call__`)."""
+        return self.jax_loss(self.weights.framework(model, batch[0]), batch[1])
 
     def torch_job(self) -> tuple[Any, tuple[np.ndarray, np.ndarray], dict[str, np.ndarray]]:
         """``(torch_ref.TrainConfig, data, initial_state)``: a job for ``torch_ref``."""
@@ -81,11 +85,13 @@ class Port:
         """make_train_step's options: the configured strategy, BatchNorm as DDP's, torch's
         frozen tensors, the user's (either spelling) over them."""
         kwargs: dict[str, Any] = {}
-        if batch_norm_modules(self.jax_module):
+        stats = any(not leaf.param for leaf in self.weights.jax_leaves.values())
+        if batch_norm_modules(self.jax_module) or (self.weights.framework is LINEN and stats):
             kwargs["batch_stats"] = "local"  # DDP's per-rank statistics, rank 0's buffers
         if self.weights.frozen:
             frozen = self.weights.frozen
-            kwargs["trainable"] = lambda path, value: ".".join(path) not in frozen
+            core_name = self.weights.framework.core_name
+            kwargs["trainable"] = lambda path, value: core_name(".".join(path)) not in frozen
         return fold({**kwargs, **self.step_options}, parallel={"strategy": self.config.strategy})
 
 
@@ -117,7 +123,7 @@ def prepare(
     check_config(config)
     module = build_user_model(torch_model, seed=config.seed, dtype=_torch_dtype(dtype))
     initial = torch_ref.numpy_state_dict(module)
-    port_module = _jax_module(jax_model, config.seed, dtype)
+    port_module = _jax_module(jax_model, config.seed, dtype, arrays[0][: config.micro_batch_size])
     weights = build_weight_map(module, port_module, mapping)
     torch_loss, jax_loss = _losses(loss)
     if config.num_devices > 1:
@@ -171,9 +177,9 @@ def run_jax_port(port: Port, path: AccumulationPath | None = None) -> Trajectory
         return train_steps(config, step, state, port.data, torch_ref.torch_permutation, snapshot)
 
 
-def snapshot(module: nnx.Module) -> dict[str, np.ndarray]:
-    """Every Param and BatchStat of a module, by dotted path (host copies)."""
-    return {path: np.asarray(var.get_value()) for path, var in jax_leaves(module).items()}
+def snapshot(model: Any) -> dict[str, np.ndarray]:
+    """Every parameter and batch statistic of a port, by dotted path (host copies)."""
+    return {path: np.asarray(leaf.value) for path, leaf in jax_leaves(model).items()}
 
 
 # ---- resolving the arguments ------------------------------------------------------------------
@@ -231,22 +237,42 @@ def _torch_dtype(dtype: Dtype) -> Any:
     return {"float32": torch.float32, "float64": torch.float64}[dtype]
 
 
-def _jax_module(jax_model: Any, seed: int, dtype: Dtype) -> nnx.Module:
-    """The port: a module, or a class or factory called with ``rngs=nnx.Rngs(seed)`` and
-    ``param_dtype=dtype`` for those of the two it takes (``"MODULE:ATTR"`` names either)."""
+def _jax_module(jax_model: Any, seed: int, dtype: Dtype, sample: np.ndarray) -> Any:
+    """The port: a built model (NNX, bound Linen, equinox, or an unbound Linen module,
+    initialized on ``sample`` and bound), or a class or factory called with
+    ``rngs=nnx.Rngs(seed)``, ``key=jax.random.key(seed)`` and ``param_dtype=dtype`` for
+    those it takes (``"MODULE:ATTR"`` names any of them)."""
     from torch_ref import load_attr
 
     if isinstance(jax_model, str):
         jax_model = load_attr(jax_model)
-    if not isinstance(jax_model, nnx.Module):
-        if not callable(jax_model):
-            raise TypeError(f"jax_model={jax_model!r} must be an nnx.Module, a class or a factory")
-        given = {"rngs": nnx.Rngs(seed), "param_dtype": jnp.dtype(dtype)}
+    built = framework_of(jax_model) is not None or isinstance(jax_model, linen.Module)
+    if not built and callable(jax_model):
+        given = {
+            "rngs": nnx.Rngs(seed),
+            "key": jax.random.key(seed),
+            "param_dtype": jnp.dtype(dtype),
+        }
         jax_model = jax_model(**{k: v for k, v in given.items() if k in _keywords(jax_model)})
-        if not isinstance(jax_model, nnx.Module):
-            raise TypeError(f"jax_model returned {type(jax_model).__name__}, not nnx.Module")
-    _check_compute_dtypes(jax_model, dtype)
+    if isinstance(jax_model, linen.Module) and jax_model.scope is None:
+        variables = jax_model.init(jax.random.key(seed), sample, **_init_mode(jax_model))
+        jax_model = jax_model.bind(variables)
+    framework = framework_of(jax_model)
+    if framework is None:
+        raise TypeError(
+            f"jax_model gave {type(jax_model).__name__}, not an nnx.Module, a flax.linen "
+            "Module or an equinox Module (or a class or factory returning one)"
+        )
+    as_trainable(jax_model)  # refuses what jaxdp's step cannot train (stateful equinox)
+    if isinstance(jax_model, nnx.Module):
+        _check_compute_dtypes(jax_model, dtype)
     return jax_model
+
+
+def _init_mode(module: linen.Module) -> dict[str, bool]:
+    # Initialized in inference mode: no dropout key is needed, BatchNorm creates its
+    # statistics all the same.
+    return {k: False for k in train_mode(module)}
 
 
 def _keywords(factory: Any) -> set[str]:

@@ -1,10 +1,11 @@
-"""Every submodule's input and output in one forward pass of a torch model and its NNX port,
+"""Every submodule's input and output in one forward pass of a torch model and its JAX port,
 and the innermost submodule that computes differently from the same input.
 
-torch records through forward hooks; the NNX side runs eagerly with the ``__call__`` of
-its submodules' classes wrapped for the pass (and restored after it). Modules are
-matched by path; an activation is compared as it is, or with torch's channel axis 1
-moved last (NCHW against NHWC).
+torch records through forward hooks. The port runs eagerly: an NNX or equinox port with
+the ``__call__`` of its submodules' classes wrapped for the pass (and restored after
+it), an equinox port one example at a time (its records stacked into a batch), a Linen
+port under ``flax.linen.intercept_methods``. Modules are matched by path; an activation
+is compared as it is, or with torch's channel axis 1 moved last (NCHW against NHWC).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import numpy as np
-from flax import nnx
+from flax import linen, nnx
 
-from ._mapping import dotted
+from .._frozen import _named
+from ._frameworks import EQUINOX, LINEN, framework_of, linen_forward
 
 # Modules listed after the one that first differs.
 MORE_LINES = 3
@@ -51,31 +54,94 @@ def torch_calls(model: Any, x: Any) -> tuple[Any, list[Call]]:
     return out, list(calls.values())
 
 
-def jax_calls(model: nnx.Module, x: Any) -> tuple[Any, dict[str, Call]]:
-    """``(output, calls by path)`` of ``model(x)``, run eagerly."""
-    paths = {id(m): dotted(p) for p, m in nnx.iter_modules(model)}
+def jax_calls(model: Any, x: Any) -> tuple[Any, dict[str, Call]]:
+    """``(output, calls by path)`` of the port's training-mode forward on ``x``, run eagerly."""
+    framework = framework_of(model)
+    if framework is LINEN:
+        return _linen_calls(model, x)
+    if framework is EQUINOX:
+        modules = _equinox_modules(model)
+        rows = [_module_calls(model, modules, row) for row in x]
+        output = np.stack([np.asarray(out) for out, _ in rows])
+        return output, {path: _stack([calls[path] for _, calls in rows]) for path in rows[0][1]}
+    modules = {id(m): (".".join(map(str, p)), m) for p, m in nnx.iter_modules(model)}
+    return _module_calls(model, modules, x)
+
+
+def _module_calls(
+    model: Any, modules: dict[int, tuple[str, Any]], x: Any
+) -> tuple[Any, dict[str, Call]]:
+    """``model(x)`` with the first call of each of ``modules`` (id -> (dotted path,
+    module)) recorded."""
     calls: dict[str, Call] = {}
     active: set[int] = set()
 
     def record(call):
         def wrapper(self, *args, **kwargs):
             key = id(self)
-            if key in active or key not in paths:  # a super().__call__, or another model
+            if key in active or key not in modules:  # a super().__call__, or another model
                 return call(self, *args, **kwargs)
             active.add(key)
             try:
                 out = call(self, *args, **kwargs)
             finally:
                 active.discard(key)
-            path = paths[key]
+            path = modules[key][0]
             if path not in calls:
                 calls[path] = Call(path, _array(args[0] if args else None), _array(out))
             return out
 
         return wrapper
 
-    with _wrapped({type(m) for _, m in nnx.iter_modules(model)}, record):
+    with _wrapped({type(m) for _, m in modules.values()}, record):
         out = model(x)
+    return out, calls
+
+
+def _equinox_modules(model: Any) -> dict[int, tuple[str, Any]]:
+    """Every equinox module inside ``model`` (fields, lists, dicts), by dotted path."""
+    import equinox as eqx
+
+    found = {id(model): ("", model)}
+
+    def visit(node: Any, prefix: str) -> None:
+        children = jax.tree_util.tree_flatten_with_path(
+            node, is_leaf=lambda n: n is not node and isinstance(n, eqx.Module)
+        )[0]
+        for path, child in children:
+            if isinstance(child, eqx.Module) and id(child) not in found:
+                name = prefix + ".".join(_named(path))
+                found[id(child)] = (name, child)
+                visit(child, name + ".")
+
+    visit(model, "")
+    return found
+
+
+def _stack(calls: list[Call]) -> Call:
+    """One example's calls, stacked into the batch's."""
+
+    def stack(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+        return None if any(a is None for a in arrays) else np.stack(arrays)
+
+    return Call(calls[0].path, stack([c.input for c in calls]), stack([c.output for c in calls]))
+
+
+def _linen_calls(model: linen.Module, x: Any) -> tuple[Any, dict[str, Call]]:
+    """A bound Linen module's training-mode forward (batch statistics updated in a copy),
+    each submodule's first ``__call__`` recorded through ``linen.intercept_methods``."""
+    calls: dict[str, Call] = {}
+
+    def intercept(call, args, kwargs, context):
+        out = call(*args, **kwargs)
+        path = ".".join(context.module.path)
+        if context.method_name == "__call__" and path not in calls:
+            calls[path] = Call(path, _array(args[0] if args else None), _array(out))
+        return out
+
+    module, variables = model.unbind()
+    with linen.intercept_methods(intercept):
+        out = linen_forward(module, dict(variables), x)
     return out, calls
 
 

@@ -126,12 +126,12 @@ def test_linen_dropout_draws_from_jaxdp_streams_per_device_and_micro_batch():
     assert_trees_close(run(1, 4, 2), everywhere, rtol=0, atol=0)  # reproducible
     # With one mask for all 8 copies the update would equal the single copy's.
     assert not np.allclose(
-        everywhere["collections"]["params"]["Dense_1"]["kernel"],
-        once["collections"]["params"]["Dense_1"]["kernel"],
+        everywhere["params"]["Dense_1"]["kernel"],
+        once["params"]["Dense_1"]["kernel"],
     )
     assert not np.allclose(
-        run(2, 4, 2)["collections"]["params"]["Dense_1"]["kernel"],
-        everywhere["collections"]["params"]["Dense_1"]["kernel"],
+        run(2, 4, 2)["params"]["Dense_1"]["kernel"],
+        everywhere["params"]["Dense_1"]["kernel"],
     )
 
 
