@@ -12,6 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).parent.parent
 CORE = {"jax", "flax", "optax", "numpy", "orbax-checkpoint"}
 COMMAND_LINE = {
+    "filelock",  # the compilation cache's lock (its size bound)
     "scikit-learn",
     "tqdm",
     "matplotlib",
