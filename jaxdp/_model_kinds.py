@@ -107,9 +107,8 @@ def as_trainable(model: Any) -> Any:
                 "module bound to them, step.init(module.bind(variables)): 'params' train, "
                 "'batch_stats' are carried as batch statistics, the rest stays constant"
             )
-    eqx = sys.modules.get("equinox")
-    if eqx is not None and isinstance(model, eqx.Module):
-        _refuse_state(eqx, model)
+    if is_equinox(model):
+        _refuse_state(sys.modules["equinox"], model)
     return model
 
 

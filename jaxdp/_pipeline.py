@@ -234,11 +234,8 @@ def empty_window(
     ``aux``: the shapes of ``loss_fn``'s aux (:func:`aux_like`)."""
     n = o.num_devices
 
-    def zeros(x: Any, *rows: int) -> jax.Array:
-        return jnp.zeros((*rows, *x.shape), dtype)
-
     def rows(x: Any) -> jax.Array:
-        return zeros(x, n)
+        return jnp.zeros((n, *x.shape), dtype)
 
     grads = jax.tree.map(rows, trainable)
     if o.zero_stage == 2:
@@ -257,7 +254,9 @@ def empty_window(
         weight=jnp.zeros([n], dtype),
         batch_stats=jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), batch_stats),
         position=jnp.zeros([], jnp.int32),
-        last=LastUpdate(zero, zero, jnp.ones([], bool), jax.tree.map(zeros, aux)),
+        last=LastUpdate(
+            zero, zero, jnp.ones([], bool), jax.tree.map(lambda x: jnp.zeros(x.shape, dtype), aux)
+        ),
         aux=jax.tree.map(rows, aux),
     )
 

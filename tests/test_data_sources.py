@@ -5,6 +5,7 @@ and a loader made from the step takes its path and split from it."""
 import subprocess
 import sys
 
+import datasets
 import grain
 import numpy as np
 import optax
@@ -12,8 +13,6 @@ import pytest
 
 import jaxdp
 import jaxdp.data
-
-datasets = pytest.importorskip("datasets")
 
 SIZES = jaxdp.batch_sizes(num_devices=2, accum_steps=2, micro_batch_size=3)  # 12 rows a step
 N = 40

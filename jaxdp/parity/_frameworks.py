@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ import numpy as np
 from flax import linen, nnx
 
 from .._frozen import _named
+from .._model_kinds import is_equinox, merge_equinox, split_equinox
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,9 +176,8 @@ class _Equinox(Framework):
         return jax.tree_util.tree_map_with_path(fill, model)
 
     def apply(self, model: Any) -> tuple[Any, Callable[[Any, Any], Any]]:
-        eqx = _equinox()
-        params, static = eqx.partition(model, eqx.is_inexact_array)
-        return params, lambda p, x: jax.vmap(eqx.combine(p, static))(x)
+        static, params = split_equinox(model)  # as jaxdp's step splits it
+        return params, lambda p, x: jax.vmap(merge_equinox(static, p))(x)
 
     def __call__(self, model: Any, x: Any) -> Any:
         # equinox layers take one example: the port is mapped over the batch.
@@ -201,8 +200,7 @@ def framework_of(model: Any) -> Framework | None:
         return NNX
     if isinstance(model, linen.Module) and model.scope is not None:
         return LINEN
-    eqx = sys.modules.get("equinox")  # a user's equinox module has imported it
-    if eqx is not None and isinstance(model, eqx.Module):
+    if is_equinox(model):
         return EQUINOX
     return None
 
