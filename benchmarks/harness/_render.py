@@ -320,15 +320,17 @@ def gpu_section(g: dict[str, Any] | None) -> str:
             "jax[cuda] and torch._"
         )
     d = g["device"]
+    t = d.get("torch") if isinstance(d.get("torch"), dict) else {}
+    labels = {
+        "jaxdp": "jaxdp fused, stage 0",
+        "jaxdp_multisteps": "jaxdp multisteps, stage 0 (K calls)",
+        "jaxdp_zero1": "jaxdp fused, ZeRO-1",
+        "torch": "torch.compile" if g.get("torch", {}).get("compiled") else "torch eager",
+    }
     rows = []
-    for name in ("jaxdp", "torch"):
+    for name, label in labels.items():
         if name in g:
             s = g[name]
-            label = (
-                "torch.compile"
-                if s.get("compiled")
-                else ("torch eager" if name == "torch" else "jaxdp fused")
-            )
             rows.append(
                 [
                     label,
@@ -338,9 +340,13 @@ def gpu_section(g: dict[str, Any] | None) -> str:
                     f"{100 * s['mfu']['6N']:.1f}%",
                 ]
             )
+    where = (
+        "each framework in a process of its own" if g.get("separate_processes") else "one process"
+    )
     return (
-        f"{d.get('torch_device') or d['jax_device']}; jax {d['jax']}, torch {d.get('torch')}, CUDA "
-        f"{d.get('cuda')}. Measured bf16 matmul peak ({g['peak']['n']}^3 `jnp.dot`): "
+        f"{t.get('device') or d.get('torch_device') or d['jax_device']}; jax {d['jax']}, torch "
+        f"{t.get('version') or d.get('torch')}, CUDA {t.get('cuda') or d.get('cuda')}; {where}. "
+        f"Measured bf16 matmul peak ({g['peak']['n']}^3 `jnp.dot`): "
         f"{g['peak']['flops_per_second'] / 1e12:.0f} TFLOP/s. {g['params']:,} parameters, "
         f"micro-batch {g['micro_batch_size']} x {g['config']['block_size']} tokens, K="
         f"{g['accum_steps']}: {g['tokens_per_step']:,} tokens per step.\n\n"

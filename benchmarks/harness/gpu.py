@@ -190,25 +190,50 @@ def batch(cfg: GPTConfig, rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def jaxdp_run(
-    cfg: GPTConfig, micro: int, accum_steps: int, *, dtype: Any, repeats: int, calls: int
+    cfg: GPTConfig,
+    micro: int,
+    accum_steps: int,
+    *,
+    dtype: Any,
+    repeats: int,
+    calls: int,
+    path: str = "fused",
+    zero_stage: int = 0,
 ) -> list[float]:
+    """Seconds per optimizer step of jaxdp's step: one call of ``accum_steps`` micro-batches
+    (``fused``), or ``accum_steps`` consecutive calls of one micro-batch (``multisteps``)."""
     import jax
     import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdp import data_mesh, make_train_step
+    from jaxdp import Parallel, data_mesh, make_train_step
 
     mesh = data_mesh(1)
     step = make_train_step(
-        nnx_loss, optax.adamw(3e-4, weight_decay=0.1), mesh=mesh, accum_steps=accum_steps
+        nnx_loss,
+        optax.adamw(3e-4, weight_decay=0.1),
+        mesh=mesh,
+        accum_steps=accum_steps,
+        path=path,
+        parallel=Parallel(zero_stage=zero_stage),
     )
     box = [step.init(nnx_model(cfg, dtype=dtype))]
     sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
-    data = jax.device_put(batch(cfg, micro * accum_steps), sharding)
+    x, y = batch(cfg, micro * accum_steps)
+    if path == "fused":
+        calls_per_step = [jax.device_put((x, y), sharding)]
+    else:
+        calls_per_step = [
+            jax.device_put(
+                (x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]), sharding
+            )
+            for i in range(accum_steps)
+        ]
 
     def run() -> Any:
-        box[0], metrics = step(box[0], data)
+        for data in calls_per_step:
+            box[0], metrics = step(box[0], data)
         return metrics["loss"]
 
     return _timed(run, jax.block_until_ready, warmup=3, repeats=repeats, calls=calls)
@@ -257,25 +282,76 @@ def _summary(seconds: list[float], tokens: int, flops: dict[str, int], peak: flo
 
 
 def _device() -> dict[str, Any]:
+    """The JAX device and the versions of the jax side (torch's come from its own process)."""
     import importlib.metadata
 
     import jax
 
     info = {"jax_device": str(jax.devices()[0].device_kind), "platform": jax.default_backend()}
-    for package in ("jax", "jaxlib", "flax", "optax", "torch"):
+    for package in ("jax", "jaxlib", "flax", "optax"):
         try:
             info[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             info[package] = None
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            info["torch_device"] = torch.cuda.get_device_name(0)
-            info["cuda"] = torch.version.cuda
-    except ImportError:
-        pass
     return info
+
+
+# The jaxdp step variants timed besides the default one (fused, stage 0): the name of the
+# result row, then make_train_step's path and ZeRO stage.
+VARIANTS = {"jaxdp_multisteps": ("multisteps", 0), "jaxdp_zero1": ("fused", 1)}
+
+
+def _side(args: argparse.Namespace) -> dict[str, Any]:
+    """One framework's measurements, in this process (``--side jax`` or ``--side torch``)."""
+    cfg = TINY if args.tiny else GPT2_SMALL
+    micro, k = (2, 2) if args.tiny else (args.micro_batch_size, args.accum_steps)
+    repeats, calls = (1, 1) if args.tiny else (5, 3)
+    if args.side == "torch":
+        compile = not args.no_compile and not args.tiny
+        seconds = torch_run(cfg, micro, k, compile=compile, repeats=repeats, calls=calls)
+        return {"torch": {"seconds": seconds, "compiled": compile}}
+    import jax.numpy as jnp
+
+    out: dict[str, Any] = {
+        "peak": matmul_peak(256 if args.tiny else 8192, repeats=repeats),
+        "device": _device(),
+    }
+    out["jaxdp"] = {
+        "seconds": jaxdp_run(cfg, micro, k, dtype=jnp.bfloat16, repeats=repeats, calls=calls)
+    }
+    for name, (path, stage) in VARIANTS.items() if args.variants else ():
+        seconds = jaxdp_run(
+            cfg,
+            micro,
+            k,
+            dtype=jnp.bfloat16,
+            repeats=repeats,
+            calls=calls,
+            path=path,
+            zero_stage=stage,
+        )
+        out[name] = {"seconds": seconds, "path": path, "zero_stage": stage}
+    return out
+
+
+def _in_own_process(args: argparse.Namespace, side: str, timeout: float | None) -> dict[str, Any]:
+    """Runs one side in a fresh process: timing torch and XLA in turns inside one process
+    is biased (torch's OpenMP threads keep spinning; shared/DESIGN.md)."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / f"{side}.json"
+        argv = [sys.executable, "-m", "benchmarks.harness.gpu", "--side", side, "--out", tmp]
+        argv += ["--micro-batch-size", str(args.micro_batch_size)]
+        argv += ["--accum-steps", str(args.accum_steps)]
+        argv += ["--tiny"] * args.tiny + ["--no-compile"] * args.no_compile
+        argv += ["--variants"] * args.variants
+        root = Path(__file__).resolve().parents[2]
+        subprocess.run(argv, check=True, cwd=root, timeout=timeout)
+        return json.loads(result.read_text())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -286,23 +362,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--accum-steps", type=int, default=8)
     p.add_argument("--no-torch", action="store_true", help="jaxdp only")
     p.add_argument("--no-compile", action="store_true", help="torch eager instead of compile")
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help=f"also time jaxdp's {', '.join(VARIANTS)} (one compilation each)",
+    )
+    p.add_argument(
+        "--side",
+        choices=["both", "jax", "torch"],
+        default="both",
+        help="both (default): each framework in a fresh process of its own; jax or torch: "
+        "that one, in this process, into <out>/<side>.json",
+    )
+    p.add_argument("--timeout-s", type=float, default=None, help="per side (default: none)")
     args = p.parse_args(argv)
-    import jax
-    import jax.numpy as jnp
-
-    if not args.tiny and jax.default_backend() != "gpu":
-        print(
-            f"jaxdp bench gpu: no GPU (JAX backend {jax.default_backend()!r}); "
-            "run it on a GPU machine, or with --tiny to check the code"
-        )
-        return 2
     started = time.perf_counter()
+    if args.side != "both":
+        import json
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.side}.json").write_text(json.dumps(_side(args)) + "\n")
+        return 0
+    if not args.tiny:
+        import jax
+
+        if jax.default_backend() != "gpu":
+            print(
+                f"jaxdp bench gpu: no GPU (JAX backend {jax.default_backend()!r}); "
+                "run it on a GPU machine, or with --tiny to check the code"
+            )
+            return 2
     cfg = TINY if args.tiny else GPT2_SMALL
     micro, k = (2, 2) if args.tiny else (args.micro_batch_size, args.accum_steps)
-    repeats, calls = (1, 1) if args.tiny else (5, 3)
-    peak = matmul_peak(256 if args.tiny else 8192, repeats=repeats)
     flops = flops_per_token(cfg)
     tokens = micro * k * cfg.block_size
+    jax_side = _in_own_process(args, "jax", args.timeout_s)
+    peak = jax_side["peak"]
     result = {
         "tiny": args.tiny,
         "config": dataclasses.asdict(cfg),
@@ -312,20 +407,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tokens_per_step": tokens,
         "flops_per_token": flops,
         "peak": peak,
-        "device": _device(),
+        "device": jax_side["device"],
+        "separate_processes": True,
     }
-    jax_s = jaxdp_run(cfg, micro, k, dtype=jnp.bfloat16, repeats=repeats, calls=calls)
-    result["jaxdp"] = _summary(jax_s, tokens, flops, peak["flops_per_second"])
+    for name, row in jax_side.items():
+        if name.startswith("jaxdp"):
+            summary = _summary(row.pop("seconds"), tokens, flops, peak["flops_per_second"])
+            result[name] = {**summary, **row}
     if not args.no_torch:
-        compile = not args.no_compile and not args.tiny
-        torch_s = torch_run(cfg, micro, k, compile=compile, repeats=repeats, calls=calls)
-        result["torch"] = _summary(torch_s, tokens, flops, peak["flops_per_second"])
-        result["torch"]["compiled"] = compile
+        row = _in_own_process(args, "torch", args.timeout_s)["torch"]
+        result["torch"] = {
+            **_summary(row["seconds"], tokens, flops, peak["flops_per_second"]),
+            "compiled": row["compiled"],
+        }
+        result["device"]["torch"] = _torch_versions()
     from ._common import write_result
 
     path = write_result(args.out, "gpu", result, started)
     print(f"wrote {path}")
     return 0
+
+
+def _torch_versions() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"version": torch.__version__}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
 
 
 if __name__ == "__main__":
