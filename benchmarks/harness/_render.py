@@ -315,9 +315,8 @@ def gpu_section(g: dict[str, Any] | None) -> str:
     if g is None or g.get("tiny"):
         return (
             "_Pending a lent GPU: no GPU was available to the session that made this file. "
-            "The script is ready: `bin/jaxdp bench --only gpu` (or "
-            "`python benchmarks/gpu_gpt2.py --out benchmarks/results`) on a machine with "
-            "jax[cuda] and torch._"
+            "The script is ready: `python3 benchmarks/gpu_checks.py --out DIR` (or "
+            "`bin/jaxdp bench --only gpu`) on a machine with jax[cuda] and torch._"
         )
     d = g["device"]
     t = d.get("torch") if isinstance(d.get("torch"), dict) else {}
