@@ -1,11 +1,13 @@
-"""The four reference models, their losses and their synthetic data sets.
+"""The reference models, their losses and their synthetic data sets.
 
 Attribute names are the parameter layout shared with jaxdp's Flax NNX models:
 the state_dict key ``a.b.weight`` is the NNX parameter path ``a.b.kernel`` (or
 ``scale``/``embedding``), see ``_notes/models.md``. Only ``cnn_bn`` registers
 buffers (BatchNorm's ``running_mean``, ``running_var``, ``num_batches_tracked``,
 the names jaxdp's ``BatchNorm`` uses); ``embed_branch`` has a frozen embedding
-(``requires_grad=False``) and a branch only some micro-batches use.
+(``requires_grad=False``) and a branch only some micro-batches use; ``stack`` holds
+its repeated layers in an ``nn.ModuleList`` (the blocks FSDP2 shards one by one) and
+has a 5-class head, whose 5 rows 2 or 4 devices do not divide.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-MODELS = ("linear", "mlp", "cnn", "transformer", "cnn_bn", "embed_branch")
+MODELS = ("linear", "mlp", "cnn", "transformer", "cnn_bn", "embed_branch", "stack")
 """The reference model names, as ``build_model``, ``compute_loss`` and ``make_data`` take them."""
 
 DTypeLike = str | np.dtype | torch.dtype
@@ -229,6 +231,40 @@ class Transformer(nn.Module):
         return self.head(self.ln_f(self.block(h)))
 
 
+class ResidualBlock(nn.Module):
+    """Pre-LayerNorm residual MLP block: ``h + proj(gelu(fc(norm(h))))``, width ``d -> 2d -> d``."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model, eps=1e-5)
+        self.fc = nn.Linear(d_model, 2 * d_model)
+        self.proj = nn.Linear(2 * d_model, d_model)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.proj(F.gelu(self.fc(self.norm(h)), approximate="tanh"))
+
+
+class Stack(nn.Module):
+    """The sharded-parameter reference: ``[B, 6]`` -> ``embed`` (to width 12) -> 3
+    identical ``ResidualBlock`` s in ``blocks`` (an ``nn.ModuleList``) -> ``norm`` ->
+    ``head``: 5 logits. ``head``'s weight ``[5, 12]`` and bias ``[5]`` split unevenly
+    along dimension 0 over 2 or 4 devices (FSDP2 pads them); the bias has no
+    dimension 2 or 4 divides."""
+
+    def __init__(self, *, d_in: int = 6, d_model: int = 12, n_blocks: int = 3, classes: int = 5):
+        super().__init__()
+        self.embed = nn.Linear(d_in, d_model)
+        self.blocks = nn.ModuleList(ResidualBlock(d_model) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(d_model, eps=1e-5)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
 _CLASSES: dict[str, type[nn.Module]] = {
     "linear": LinearModel,
     "mlp": MLP,
@@ -236,6 +272,7 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "transformer": Transformer,
     "cnn_bn": CNNBN,
     "embed_branch": EmbedBranch,
+    "stack": Stack,
 }
 
 
@@ -282,9 +319,9 @@ def numpy_state_dict(model: nn.Module) -> dict[str, np.ndarray]:
 def compute_loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The loss of ONE micro-batch, a scalar.
 
-    linear: ``model(x).sum()`` (the seed's SUM; ``y`` is unused). mlp, cnn:
-    cross-entropy, mean over the micro-batch. transformer: cross-entropy over
-    all ``B * T`` positions, mean.
+    linear: ``model(x).sum()`` (the seed's SUM; ``y`` is unused). The others:
+    cross-entropy, mean over the micro-batch (transformer: over all ``B * T``
+    positions).
     """
     check_model_name(name)
     out = model(x)
@@ -307,8 +344,9 @@ def make_data(
     of blocks 0, 3, 6, ... starts with token 0, only the block's row 1 in
     blocks 1, 4, ..., and none in blocks 2, 5, ... transformer: int64 token
     sequences ``[n, 9]`` in [0, 32) that step by +1 or +2 (mod 32) from a
-    random start; x is the first 8 tokens, y the next-token targets.
-    Floating arrays are in ``dtype``; the same ``seed`` gives the same arrays.
+    random start; x is the first 8 tokens, y the next-token targets. stack: x
+    normal ``[n, 6]``, y int64 in [0, 5) from a linear teacher. Floating arrays
+    are in ``dtype``; the same ``seed`` gives the same arrays.
     """
     check_model_name(name)
     if num_samples < 1:
@@ -333,7 +371,7 @@ def make_data(
         counts = np.stack([np.bincount(row, minlength=16) for row in tokens])
         y = np.argmax(counts @ rng.normal(size=(16, 4)), axis=1).astype(np.int64)
         return tokens.astype(np.int64), y
-    shape, classes = ((16,), 4) if name == "mlp" else ((8, 8, 1), 10)
+    shape, classes = {"mlp": ((16,), 4), "stack": ((6,), 5)}.get(name, ((8, 8, 1), 10))
     x = rng.normal(size=(num_samples, *shape))
     teacher = rng.normal(size=(math.prod(shape), classes))
     y = np.argmax(x.reshape(num_samples, -1) @ teacher, axis=1).astype(np.int64)
