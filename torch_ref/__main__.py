@@ -4,7 +4,8 @@ JOBS is a file written by ``torch_ref.save_jobs`` (``(config, data,
 initial_state)`` tuples, all with ``num_devices == W``); rank 0 writes the
 ``Result`` of every job to RESULTS, read back with ``torch_ref.load_results``.
 ``--zero`` and ``--comm-hook bf16`` set ``TrainConfig.zero`` and
-``TrainConfig.comm_hook`` in every job.
+``TrainConfig.comm_hook`` in every job; ``--fsdp`` (FSDP2 instead of DDP) and
+``--shards S`` (HSDP with ``S`` ranks per shard group) set ``fsdp`` and ``shards``.
 """
 
 from __future__ import annotations
@@ -36,13 +37,29 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="every job's DDP communication hook (bf16: torch's bf16_compress_hook)",
     )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="every job trained with FSDP2 (fully_shard per block, then the root) instead of DDP",
+    )
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        metavar="S",
+        help="with --fsdp: parameters split over S ranks, W // S replicas (HSDP); default W",
+    )
     args = parser.parse_args(argv)
+    if args.shards is not None and not args.fsdp:
+        parser.error(f"--shards {args.shards} needs --fsdp")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         parser.error("RANK and WORLD_SIZE are unset: start this module with torchrun")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     overrides = {"zero": True} if args.zero else {}
     if args.comm_hook is not None:
         overrides["comm_hook"] = args.comm_hook
+    if args.fsdp:
+        overrides.update(fsdp=True, shards=args.shards)
     run = functools.partial(_run_overridden, overrides)
     worker(rank, world_size, run, args.jobs, args.results)
 

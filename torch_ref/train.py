@@ -22,6 +22,22 @@ backward sends each rank's gradient bucket as bfloat16 (cast, divided by ``W``,
 all-reduced with SUM in bfloat16 by gloo or nccl, cast back into ``.grad``;
 on CPU under another name, see ``torch_ref.comm_hooks``).
 
+``fsdp=True`` trains with PyTorch's FSDP2 instead of DDP, as its docs teach it
+(ZeRO stage 3: parameters, gradients and optimizer state sharded):
+``fully_shard(block, mesh=mesh)`` on every block of each ``nn.ModuleList`` in
+the model, then ``fully_shard(model, mesh=mesh)`` on the root; each parameter
+is split along its dimension 0 (padded where ``num_devices`` does not divide
+it), gathered for a block's forward and again for its backward, and its
+gradient reduce-scattered, averaged over the ranks. The mesh is
+``init_device_mesh(device, (num_devices,))``; with ``shards=S < num_devices``
+it is HSDP's 2-D mesh ``(num_devices // S, S)`` named ``("replicate",
+"shard")``: parameters split over the ``S`` ranks of a shard group, the
+gradient reduce-scattered within it and all-reduced across the groups. The
+first ``K - 1`` micro-batches run under ``set_requires_gradient_sync(False)``
+(FSDP2's ``no_sync``: no reduce-scatter, no all-reduce), the last one synced;
+the clip (``clip_grad_norm_`` on the sharded gradients) and the optimizer work
+on the shards. The data, its order and the update are DDP's.
+
 The last, incomplete window of an epoch (``r = micro-batches % K > 0``) follows
 ``last_window``: ``"drop"`` (default) skips its ``r`` micro-batches without a
 forward, so every update averages exactly ``W K`` micro-batches (the same
@@ -58,7 +74,7 @@ from .models import (
     numpy_state_dict,
     torch_dtype,
 )
-from .optim import OptimConfig, build_optimizer, optimizer_state_bytes
+from .optim import OptimConfig, build_optimizer, local_bytes, optimizer_state_bytes
 from .user import build_user_model, check_user_model, is_user_model, loss_function
 
 Data = tuple[np.ndarray, np.ndarray]
@@ -95,6 +111,11 @@ class TrainConfig:
     # all-reduces whole gradients), and a DDP communication hook (torch_ref.comm_hooks).
     zero: bool = False
     comm_hook: Literal["bf16"] | None = None
+    # Instead of DDP (train_ddp): FSDP2 (fully_shard per block, then the root), the
+    # parameters split over `shards` ranks (None: all num_devices); shards < num_devices
+    # is HSDP, num_devices // shards replicas of a sharded model on a 2-D mesh.
+    fsdp: bool = False
+    shards: int | None = None
 
     def __post_init__(self) -> None:
         if is_user_model(self.model):
@@ -124,6 +145,36 @@ class TrainConfig:
             raise TypeError(f"zero={self.zero!r} must be True or False")
         if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook={self.comm_hook!r} must be None or one of {COMM_HOOKS}")
+        if not isinstance(self.fsdp, bool):
+            raise TypeError(f"fsdp={self.fsdp!r} must be True or False")
+        if self.shards is not None:
+            if not self.fsdp:
+                raise ValueError(f"shards={self.shards} needs fsdp=True (DDP shards nothing)")
+            if self.shards < 1 or self.num_devices % self.shards:
+                raise ValueError(
+                    f"shards={self.shards} must be a divisor of num_devices={self.num_devices} "
+                    f"(num_devices // shards replicas of shards ranks each)"
+                )
+        if self.fsdp:
+            ddp_only = {
+                "zero": self.zero,
+                "comm_hook": self.comm_hook,
+                "sync_batchnorm": self.sync_batchnorm,
+                "find_unused_parameters": self.find_unused_parameters,
+            }
+            if any(ddp_only.values()):
+                given = ", ".join(f"{k}={v!r}" for k, v in ddp_only.items() if v)
+                raise ValueError(
+                    f"{given} configures DDP; fsdp=True trains with FSDP2 instead (it shards "
+                    "the optimizer state itself): leave it at its default"
+                )
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """FSDP2's device mesh: ``(num_devices,)``, or HSDP's ``(replicas, shards)``."""
+        if self.shards is None or self.shards == self.num_devices:
+            return (self.num_devices,)
+        return (self.num_devices // self.shards, self.shards)
 
 
 @dataclass
@@ -133,8 +184,10 @@ class Result:
     states: list[dict[str, np.ndarray]]  # state_dict (no "module." prefix) after EVERY step
     losses: list[float]  # per step: mean over ranks of sum_j loss_j / k
     final: dict[str, np.ndarray]  # the state_dict at the end
-    # Per rank, at the end: bytes of optimizer state the rank holds (1/W-ish with zero).
+    # Per rank, at the end: bytes of optimizer state the rank holds (1/W-ish with zero
+    # or fsdp), and of parameters (its shards under fsdp).
     optimizer_state_bytes: list[int] = field(default_factory=list)
+    parameter_bytes: list[int] = field(default_factory=list)
 
 
 def torch_permutation(n: int, seed: int) -> np.ndarray:
@@ -198,17 +251,17 @@ def train_ga(config: TrainConfig, data: Data, initial_state: State) -> Result:
             f"train_ga runs one process: num_devices={config.num_devices} must be 1 "
             "(use train_ddp for several ranks)"
         )
-    ddp_only = {"zero": config.zero, "comm_hook": config.comm_hook}
-    if any(ddp_only.values()):
-        given = ", ".join(f"{k}={v!r}" for k, v in ddp_only.items() if v)
+    grouped = {"zero": config.zero, "comm_hook": config.comm_hook, "fsdp": config.fsdp}
+    if any(grouped.values()):
+        given = ", ".join(f"{k}={v!r}" for k, v in grouped.items() if v)
         raise ValueError(
             f"train_ga runs without DDP or a process group: {given} needs train_ddp "
-            "(with num_devices=1 it runs one DDP rank)"
+            "(with num_devices=1 it runs one rank)"
         )
     check_job(config, data, initial_state)
     if config.device == "cuda":
         pin_cuda_precision()
-    return _run(config, data, initial_state, rank=0, world_size=1, ddp=False)
+    return _run(config, data, initial_state, rank=0, world_size=1, grouped=False)
 
 
 def train_ddp(
@@ -218,7 +271,8 @@ def train_ddp(
     *,
     launcher: Literal["spawn", "torchrun"] = "spawn",
 ) -> Result:
-    """DDP over ``config.num_devices`` real processes (gloo on CPU, nccl on CUDA).
+    """DDP (or FSDP2 with ``config.fsdp``) over ``config.num_devices`` real processes
+    (gloo on CPU, nccl on CUDA).
 
     ``launcher="spawn"``: ``torch.multiprocessing.spawn``; ``"torchrun"``: a
     ``torchrun --standalone --nproc-per-node W -m torch_ref JOBS RESULTS``
@@ -254,9 +308,16 @@ def train_ddp_many(
 
 
 def _run(
-    config: TrainConfig, data: Data, initial_state: State, *, rank: int, world_size: int, ddp: bool
+    config: TrainConfig,
+    data: Data,
+    initial_state: State,
+    *,
+    rank: int,
+    world_size: int,
+    grouped: bool,
 ) -> Result:
-    """The loop of one rank: ``ddp`` wraps the model in DDP (a process group must be up)."""
+    """The loop of one rank: ``grouped`` wraps the model in DDP, or shards it with FSDP2
+    under ``config.fsdp`` (a process group must be up)."""
     device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
     dtype = torch_dtype(config.dtype)
     module = _build(config)
@@ -269,7 +330,11 @@ def _run(
     )
     module.to(device)
     model = module
-    if ddp:
+    state_dict = numpy_state_dict
+    if grouped and config.fsdp:
+        model = _fully_shard(module, config)  # module itself, sharded in place
+        state_dict = _full_state_dict
+    elif grouped:
         if config.sync_batchnorm:
             module = convert_sync_batchnorm(module, config.device)
         # Buffers at their default: rank 0's buffers (BatchNorm's running statistics)
@@ -288,21 +353,56 @@ def _run(
     result = Result(states=[], losses=[], final={})
     for window in _windows(config, sampler, loader):
         loss = train_window(config, model, optimizer, window, device)
-        if ddp:  # for logging only: the mean over ranks, one all_reduce after the step
+        if grouped:  # for logging only: the mean over ranks, one all_reduce after the step
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)
             loss /= world_size
         result.losses.append(loss.item())
+        state = state_dict(module) if rank == 0 or config.fsdp else None  # fsdp: collective
         if rank == 0:
-            result.states.append(numpy_state_dict(module))
+            result.states.append(state)
         if len(result.losses) == config.max_steps:
             break
+    final = state_dict(module) if rank == 0 or config.fsdp else None
     if rank == 0:
-        result.final = numpy_state_dict(module)
-    held = optimizer_state_bytes(optimizer.optim if config.zero else optimizer)
-    result.optimizer_state_bytes = [held] * world_size
-    if ddp:  # every rank's own count
-        dist.all_gather_object(result.optimizer_state_bytes, held)
+        result.final = final
+    held = (
+        optimizer_state_bytes(optimizer.optim if config.zero else optimizer),
+        sum(local_bytes(p) for p in module.parameters()),
+    )
+    counts = [held] * world_size
+    if grouped:  # every rank's own counts
+        dist.all_gather_object(counts, held)
+    result.optimizer_state_bytes = [c[0] for c in counts]
+    result.parameter_bytes = [c[1] for c in counts]
     return result
+
+
+def _fully_shard(module: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
+    """FSDP2 as its docs apply it: ``fully_shard`` on every block of each
+    ``nn.ModuleList`` (one all-gather and one reduce-scatter per block), then on the
+    root (the remaining parameters, one group). Returns ``module``, sharded in place."""
+    # Imported here: the DDP runs never need them, and DTensor takes seconds to import.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    names = ("replicate", "shard") if len(config.mesh_shape) == 2 else None
+    mesh = init_device_mesh(config.device, config.mesh_shape, mesh_dim_names=names)
+    for child in module.modules():
+        if isinstance(child, torch.nn.ModuleList):
+            for block in child:
+                fully_shard(block, mesh=mesh)
+    return fully_shard(module, mesh=mesh)
+
+
+def _full_state_dict(module: torch.nn.Module) -> State:
+    """``numpy_state_dict`` of an FSDP2 module: every sharded tensor (a DTensor)
+    gathered whole with ``full_tensor()``, a collective that every rank must join."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().numpy().copy()
+        for k, v in module.state_dict().items()
+    }
 
 
 Batch = list[torch.Tensor]
@@ -356,8 +456,9 @@ def train_window(
 ) -> torch.Tensor:
     """One optimizer step on a window of ``k`` micro-batches, as DDP with gradient
     accumulation is written: ``loss / k`` and ``backward`` per micro-batch (under DDP
-    inside ``no_sync`` for all but the last, so one all-reduce per step), the gradient
-    clip if configured, ``optimizer.step()``, ``zero_grad``. Returns ``sum_j loss_j / k``
+    inside ``no_sync`` for all but the last, so one all-reduce per step; under FSDP2
+    with ``set_requires_gradient_sync`` true only for the last), the gradient clip if
+    configured, ``optimizer.step()``, ``zero_grad``. Returns ``sum_j loss_j / k``
     (this rank's; a tensor, not synchronized)."""
     k = len(window)
     total = torch.zeros((), dtype=torch_dtype(config.dtype), device=device)
@@ -365,6 +466,8 @@ def train_window(
         # Only the window's last backward all-reduces; the others accumulate
         # locally, so no_sync() must cover forward AND backward.
         sync = j == k - 1 or not isinstance(model, DDP)
+        if config.fsdp:  # FSDP2's no_sync; the model is an FSDPModule
+            model.set_requires_gradient_sync(j == k - 1)
         with nullcontext() if sync else model.no_sync():
             loss = _micro_loss(config, model, x.to(device), y.to(device)) / k
             loss.backward()
@@ -394,5 +497,6 @@ def _micro_loss(
 
 
 def _run_rank_jobs(rank: int, world_size: int, jobs: Sequence[Job]) -> list[Result]:
-    """Every job on this rank of an initialized process group, each with a fresh DDP model."""
-    return [_run(*job, rank=rank, world_size=world_size, ddp=True) for job in jobs]
+    """Every job on this rank of an initialized process group, each with a fresh model
+    (DDP, or FSDP2 under ``fsdp``)."""
+    return [_run(*job, rank=rank, world_size=world_size, grouped=True) for job in jobs]
