@@ -23,8 +23,9 @@ STEPS = 3
 MICRO_BATCH_SIZE = 2
 NUM_SAMPLES = 72  # 4 ranks x K=3 x 2 rows: 24 rows per step, 3 steps
 # FSDP2 sums the same micro-batch gradients as DDP, in other groupings (a reduce-scatter
-# per block, the clip's norm from each rank's shard); the update is elementwise. Observed
-# at most 1.1e-15 (4 ranks, K=1), 0 or 1.5e-16 at 2 ranks: a few float64 roundings.
+# per block, the clip's norm from each rank's shard); the update is elementwise. Observed:
+# bitwise at 2 ranks (K=1 and 3), 3.9e-16 FSDP on 4 ranks, 1.2e-15 and 6.9e-16 HSDP 2 x 2
+# (K=1, 3): a few float64 roundings, 8x below the bound the issue sets.
 PIN_RTOL = 1e-14
 # AdamW's state per parameter of n elements: two float64 moments of the rank's shard and
 # one float32 step count on every rank (torch's scalar dtype).

@@ -1,7 +1,9 @@
 """torch_ref: the PyTorch reference for jaxdp, plain DDP + gradient accumulation.
 
 Plain PyTorch as its documentation teaches it (DistributedSampler, DDP,
-``no_sync``, ``loss / accum_steps``); it never imports jaxdp or jax. Besides its
+``no_sync``, ``loss / accum_steps``; ZeroRedundancyOptimizer, FSDP2's
+``fully_shard`` and HSDP as options of ``TrainConfig``); it never imports jaxdp
+or jax. Besides its
 reference models it trains a user's own (``TrainConfig(model=..., loss=...)``,
 see ``torch_ref.user``).
 """
