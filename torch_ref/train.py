@@ -251,9 +251,9 @@ def train_ga(config: TrainConfig, data: Data, initial_state: State) -> Result:
             f"train_ga runs one process: num_devices={config.num_devices} must be 1 "
             "(use train_ddp for several ranks)"
         )
-    grouped = {"zero": config.zero, "comm_hook": config.comm_hook, "fsdp": config.fsdp}
-    if any(grouped.values()):
-        given = ", ".join(f"{k}={v!r}" for k, v in grouped.items() if v)
+    needs_group = {"zero": config.zero, "comm_hook": config.comm_hook, "fsdp": config.fsdp}
+    if any(needs_group.values()):
+        given = ", ".join(f"{k}={v!r}" for k, v in needs_group.items() if v)
         raise ValueError(
             f"train_ga runs without DDP or a process group: {given} needs train_ddp "
             "(with num_devices=1 it runs one rank)"
