@@ -32,6 +32,7 @@ from .._options import AccumulationPath, Strategy, fold
 from .._sampler import Permutation
 from .._step import make_train_step
 from ..models import TRAINABLE, build_model, model_loss
+from ..testing._tolerances import tolerances
 from ._locate_text import Divergence
 from ._optim import OPTIMIZERS, OptimizerSpec, optax_like_torch
 
@@ -43,22 +44,11 @@ Dtype = Literal["float32", "float64"]
 # of a parameter whose .grad is None).
 UNUSED_BRANCH = frozenset({"embed_branch"})
 
-# Allowed |jaxdp - torch| <= ATOL + RTOL * |torch|, elementwise, per dtype.
-RTOL = {
-    # The issue's bound. Both sides compute in float64; only summation order
-    # and a few reassociated optimizer formulas differ (observed up to 1.6e-12
-    # relative, on the CNN's conv weights under clipping: 60x inside).
-    "float64": 1e-10,
-    # PyTorch's assertEqual defaults for float32.
-    "float32": 1.3e-6,
-}
+# Allowed |jaxdp - torch| <= ATOL + RTOL * |torch|, elementwise, per dtype: the
+# "torch_trajectory" rows of the one tolerance table, each with its reason there.
+RTOL = {dtype: tol.rtol for dtype, tol in tolerances("torch_trajectory").items()}
 """Parity's relative tolerance per dtype: ``|jaxdp - torch| <= ATOL + RTOL * |torch|``."""
-ATOL = {
-    # An absolute floor of 1e-12 on O(0.1) parameters: relative error means
-    # nothing for an element that passes through zero.
-    "float64": 1e-12,
-    "float32": 1e-5,  # PyTorch's assertEqual default for float32
-}
+ATOL = {dtype: tol.atol for dtype, tol in tolerances("torch_trajectory").items()}
 """Parity's absolute floor per dtype, for elements that pass near zero."""
 
 
