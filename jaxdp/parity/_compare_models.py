@@ -75,9 +75,10 @@ def compare_models(
     layers differ: a dict ``{torch name: JAX path | (path or paths, transform) |
     None}`` overriding the automatic rules per tensor, or a function ``state_dict ->
     {JAX path: array}``; without one, names and standard layers decide (Linear,
-    Conv1d/2d/3d, LayerNorm, GroupNorm, RMSNorm, Embedding, BatchNorm and its
-    buffers, MultiheadAttention; flax's layouts for NNX and Linen, torch's for
-    equinox). JAX paths are dotted: an NNX attribute path, a Linen variable's path in
+    Conv1d/2d/3d, transformers' Conv1D, LayerNorm, GroupNorm, RMSNorm, Embedding,
+    BatchNorm and its buffers, MultiheadAttention; flax's layouts for NNX and Linen,
+    torch's for equinox), and a tensor tied to another (GPT-2's ``lm_head.weight``)
+    may stay unmapped. JAX paths are dotted: an NNX attribute path, a Linen variable's path in
     its collection (``fc1.kernel``, ``bn.mean``), an equinox field path. Every
     unmapped, unused or mis-shaped parameter on either side is listed in one
     ``ValueError`` before anything trains.

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._interop import params_to_torch, torch_to_params
 from .._layout import (
     BatchSizes,
     LastWindow,
@@ -33,6 +32,7 @@ from .._sampler import Permutation
 from .._step import make_train_step
 from ..models import TRAINABLE, build_model, model_loss
 from ..testing._tolerances import tolerances
+from ._convert import params_to_torch, torch_to_params
 from ._locate_text import Divergence
 from ._optim import OPTIMIZERS, OptimizerSpec, optax_like_torch
 
@@ -205,7 +205,8 @@ def _run_jaxdp(
             skips={"unused": config.model in UNUSED_BRANCH},
         ),
     )
-    state = step.init(torch_to_params(initial, model))
+    # torch_ref's models are nn.Linear and nn.Conv layers: [out, in, *k].
+    state = step.init(torch_to_params(initial, model, layouts="out_in"))
     return train_steps(config, step, state, data, permutation, params_to_torch)
 
 
