@@ -34,6 +34,7 @@ from ..models import TRAINABLE, build_model, model_loss
 from ..testing._tolerances import tolerances
 from ._convert import params_to_torch, torch_to_params
 from ._locate_text import Divergence
+from ._main_guard import check_main_guard
 from ._optim import OPTIMIZERS, OptimizerSpec, optax_like_torch
 
 Dtype = Literal["float32", "float64"]
@@ -273,6 +274,8 @@ def compare(
 def run_parity(config: ParityConfig) -> ParityReport:
     """Trains both sides and compares them after every optimizer step."""
     check_config(config)
+    if config.num_devices > 1:
+        check_main_guard(f"run_parity(num_devices={config.num_devices})")
     data, initial = torch_inputs(config)
     return compare(config, run_jaxdp(config, data, initial), run_torch(config, data, initial))
 
