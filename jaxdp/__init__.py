@@ -22,8 +22,6 @@ from ._inspect import Collective as Collective
 from ._inspect import all_reduces as all_reduces
 from ._inspect import collectives as collectives
 from ._inspect import format_report as format_report
-from ._interop import params_to_torch as params_to_torch
-from ._interop import torch_to_params as torch_to_params
 from ._layout import BatchSizes as BatchSizes
 from ._layout import EpochSchedule as EpochSchedule
 from ._layout import LastWindow as LastWindow
@@ -95,9 +93,6 @@ __all__ = [
     "collectives",
     "Collective",
     "format_report",
-    # Weights from and to PyTorch
-    "params_to_torch",
-    "torch_to_params",
 ]
 
 # The tools, imported on first use (``jaxdp.checkpoint.Checkpoints`` after ``import jaxdp``).
@@ -116,7 +111,24 @@ def __getattr__(name: str) -> _Any:
             stacklevel=2,
         )
         return Window
+    if name in ("torch_to_params", "params_to_torch"):  # jaxdp 0.2's names
+        return _moved_to_parity(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _moved_to_parity(name: str) -> _Any:
+    import functools
+    import warnings
+
+    warnings.warn(
+        f"jaxdp.{name} is deprecated: it is jaxdp.parity.{name} since jaxdp 0.3, which "
+        "reads each weight's layout from the torch module (torch_to_params(model, like))",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    moved = getattr(_importlib.import_module(f"{__name__}.parity"), name)
+    # jaxdp 0.2 read every kernel as nn.Linear's or nn.Conv's [out, in, *k].
+    return functools.partial(moved, layouts="out_in")
 
 
 def __dir__() -> list[str]:

@@ -212,6 +212,18 @@ for r in (linen_report, eqx_report):
 assert sorted(linen_report.max_abs[0])[:2] == ["fc1.bias", "fc1.kernel"]
 assert sorted(eqx_report.max_abs[0])[:2] == ["fc1.bias", "fc1.weight"]
 """,
+        # A Hugging Face GPT-2 (Conv1D) into an NNX port (issue 34 item 1).
+        8: "assert np.abs(ours - theirs).max() <= 1e-12 * np.abs(theirs).max()",
+        9: """
+assert gpt2.passed and gpt2.rtol == 1e-10 and len(gpt2.max_abs) == 2, gpt2.max_rel
+assert "transformer.h.0.attn.c_proj.kernel" in gpt2.max_abs[0]
+""",
+        10: """
+found = wrong.divergence
+assert (wrong.first_failure, found.stage, found.module) == (
+    1, "forward", "transformer.h.0.attn.c_proj"
+), found
+""",
     },
 }
 

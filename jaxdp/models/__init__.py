@@ -1,5 +1,5 @@
 """Reference models in Flax NNX, the twins of ``torch_ref.models`` (same attribute
-names, so weights convert with :func:`jaxdp.torch_to_params`).
+names, so weights convert with :func:`jaxdp.parity.torch_to_params`).
 
 They are what the parity tests, ``jaxdp train``, ``jaxdp plan`` and the
 benchmarks train; a model of your own needs none of this. Everything not

@@ -2,7 +2,7 @@
 
 Attribute names are the torch module names, so the state_dict key
 ``block.attn.query.weight`` is the NNX parameter ``block.attn.query.kernel``
-(see :func:`jaxdp.torch_to_params`). Each model comes with its loss: the mean
+(see :func:`jaxdp.parity.torch_to_params`). Each model comes with its loss: the mean
 over the micro-batch, except ``linear`` whose loss is the seed example's sum.
 Batches are ``(x, y)``; images are NHWC.
 """

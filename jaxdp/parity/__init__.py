@@ -8,12 +8,16 @@ does the same for a user's own torch model and its JAX port (Flax NNX, Flax Line
 equinox), and locates where
 they first diverge (``assert_trains_like`` for test suites);
 ``optax_like_torch(OptimizerSpec(...))`` is the optax chain that updates exactly
-as ``torch.optim`` does. torch and torch_ref are
+as ``torch.optim`` does; ``torch_to_params(torch_model, jax_params)`` and
+``params_to_torch(jax_params, torch_model)`` carry weights each way, every layer in
+its own layout (a Hugging Face GPT-2's Conv1D too). torch and torch_ref are
 imported only when a run starts. Everything not re-exported here is private.
 """
 
 from ._compare_models import assert_trains_like as assert_trains_like
 from ._compare_models import compare_models as compare_models
+from ._convert import params_to_torch as params_to_torch
+from ._convert import torch_to_params as torch_to_params
 from ._locate_text import Divergence as Divergence
 from ._optim import OPTIMIZERS as OPTIMIZERS
 from ._optim import OptimizerSpec as OptimizerSpec
@@ -48,10 +52,12 @@ __all__ = [
     "compare_models",
     "format_parity",
     "optax_like_torch",
+    "params_to_torch",
     "plot_parity",
     "run_jaxdp",
     "run_parity",
     "run_torch",
     "torch_config",
     "torch_inputs",
+    "torch_to_params",
 ]

@@ -11,6 +11,7 @@ import optax
 from .._layout import LastWindow
 from .._options import AccumulationPath, Strategy
 from ._locate import locate as _locate
+from ._main_guard import check_main_guard
 from ._mapping import Mapping_
 from ._optim import OptimizerSpec
 from ._port import Loss, prepare, run_jax_port, run_torch_port, torch_trajectory
@@ -52,7 +53,9 @@ def compare_models(
     taking no arguments (built after ``torch.manual_seed(seed)``), or ``"MODULE:ATTR"``
     (MODULE a module name or a ``.py`` path). Several devices train in spawned
     processes, which import a class or factory by name (so it must live in an
-    importable module, not in a test's or notebook's own namespace) or unpickle a module.
+    importable module, not in a test's or notebook's own namespace) or unpickle a module;
+    they import the calling script again, so a script calls ``compare_models`` under
+    ``if __name__ == "__main__":`` (a call outside it is refused before anything runs).
     ``jax_model`` (its structure; its values are replaced): an ``nnx.Module``; a Flax
     Linen module, bound (``module.bind(variables)``) or not (then initialized with
     ``jax.random.key(seed)`` on the first ``micro_batch_size`` rows of ``x``, in
@@ -75,9 +78,10 @@ def compare_models(
     layers differ: a dict ``{torch name: JAX path | (path or paths, transform) |
     None}`` overriding the automatic rules per tensor, or a function ``state_dict ->
     {JAX path: array}``; without one, names and standard layers decide (Linear,
-    Conv1d/2d/3d, LayerNorm, GroupNorm, RMSNorm, Embedding, BatchNorm and its
-    buffers, MultiheadAttention; flax's layouts for NNX and Linen, torch's for
-    equinox). JAX paths are dotted: an NNX attribute path, a Linen variable's path in
+    Conv1d/2d/3d, transformers' Conv1D, LayerNorm, GroupNorm, RMSNorm, Embedding,
+    BatchNorm and its buffers, MultiheadAttention; flax's layouts for NNX and Linen,
+    torch's for equinox), and a tensor tied to another (GPT-2's ``lm_head.weight``)
+    may stay unmapped. JAX paths are dotted: an NNX attribute path, a Linen variable's path in
     its collection (``fc1.kernel``, ``bn.mean``), an equinox field path. Every
     unmapped, unused or mis-shaped parameter on either side is listed in one
     ``ValueError`` before anything trains.
@@ -93,6 +97,8 @@ def compare_models(
     step passes (True, at the step that differs most), or never (False); its
     :class:`Divergence` is ``report.divergence``.
     """
+    if num_devices > 1:
+        check_main_guard(f"compare_models(num_devices={num_devices})")
     port = prepare(
         torch_model,
         jax_model,

@@ -7,6 +7,7 @@ convolution's bias ``[O, 1, ...]``)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -31,6 +32,8 @@ def same(w: np.ndarray) -> np.ndarray:
 def kind(module: Any) -> str:
     from torch import nn
 
+    if _is_hf_conv1d(module):
+        return "hf_conv1d"
     if isinstance(module, nn.MultiheadAttention):
         return "mha"
     if isinstance(module, nn.Linear):
@@ -46,6 +49,15 @@ def kind(module: Any) -> str:
     return "other"
 
 
+def _is_hf_conv1d(module: Any) -> bool:
+    """transformers' Conv1D (GPT-2's projections: ``weight`` ``[in, out]``). An instance
+    exists only once transformers has imported the module that defines it, so it is
+    looked up there, never imported."""
+    defining = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(defining, "Conv1D", None)
+    return isinstance(conv1d, type) and isinstance(module, conv1d)
+
+
 def _rms_norm(nn: Any) -> tuple[type, ...]:
     # nn.RMSNorm came with torch 2.4; jaxdp names no oldest torch.
     return (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()
@@ -54,6 +66,7 @@ def _rms_norm(nn: Any) -> tuple[type, ...]:
 # (torch layer kind, tensor name) -> (JAX leaf names to try, transform, description)
 _RULES: dict[tuple[str, str], tuple[tuple[str, ...], Transform, str]] = {
     ("linear", "weight"): (("kernel",), _transpose, "Linear [out, in] -> [in, out]"),
+    ("hf_conv1d", "weight"): (("kernel",), same, "Conv1D [in, out], as is"),
     ("conv", "weight"): (("kernel",), _conv, "Conv [O, I, *k] -> [*k, I, O]"),
     ("norm", "weight"): (("scale",), same, "as is"),
     ("batchnorm", "weight"): (("scale",), same, "as is"),
@@ -71,6 +84,8 @@ def rule(
     default = ((leaf,), same, "as is")
     owner = modules.get(owner_path)
     if layout == "torch":
+        if kind(owner) == "hf_conv1d" and leaf == "weight":  # as eqx.nn.Linear: [out, in]
+            return (leaf,), _transpose, "Conv1D [in, out] -> [out, in]"
         if kind(owner) == "conv" and leaf == "bias":
             return (leaf,), _conv_bias(owner.weight.ndim), "Conv bias [O] -> [O, 1, ...]"
         return default

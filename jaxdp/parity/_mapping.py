@@ -10,6 +10,8 @@ torch layer, tensor         JAX leaf                      transform
 ==========================  ============================  ===========================
 Linear ``weight``           ``kernel``                    ``[out, in]`` -> ``[in, out]``
 Conv1d/2d/3d ``weight``     ``kernel``                    ``[O, I, *k]`` -> ``[*k, I, O]``
+transformers' Conv1D        ``kernel``                    none (``[in, out]``, GPT-2's
+``weight``                                                projections)
 LayerNorm, GroupNorm,       ``scale``                     none
 RMSNorm, BatchNorm
 ``weight``
@@ -21,6 +23,9 @@ MultiheadAttention          ``query``/``key``/``value``   split in three, ``[in,
 its ``out_proj``            ``out.kernel``/``out.bias``   ``[heads, head_dim, out]``
 anything else               the same name                 none
 ==========================  ============================  ===========================
+
+A tensor tied to another (GPT-2's ``lm_head.weight``, which is ``wte.weight``) may stay
+unmapped: the port reads the one it ties to.
 
 An equinox port keeps torch's names and layouts (``eqx.nn.Linear.weight`` is ``[out,
 in]``, ``eqx.nn.Conv``'s ``[O, I, *k]``), except a convolution's ``bias`` (``[O]`` ->
@@ -39,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from ._convert import tied_keys
 from ._frameworks import Framework, Leaf, framework_of
 from ._layer_rules import Transform, candidates, kind, rule, same
 
@@ -121,7 +127,9 @@ def build_weight_map(torch_model: Any, jax_model: Any, mapping: Mapping_ = None)
     framework = _framework(jax_model)
     layout = framework.layout
     leaves = framework.leaves(jax_model)
-    state_dict = {k: _numpy(v) for k, v in torch_model.state_dict().items()}
+    tensors = torch_model.state_dict()
+    state_dict = {k: _numpy(v) for k, v in tensors.items()}
+    tied = tied_keys(tensors)  # lm_head.weight that is wte.weight: the port ties them its own way
     frozen_torch = {n for n, p in torch_model.named_parameters() if not p.requires_grad}
     if callable(mapping):
         return _function_map(framework, mapping, state_dict, leaves, frozen_torch)
@@ -134,7 +142,7 @@ def build_weight_map(torch_model: Any, jax_model: Any, mapping: Mapping_ = None)
             link = _user_link(name, mapping[name], modules, layout)
         else:
             link = _auto_link(name, modules, leaves, layout)
-        if link is None and not _skippable(name, modules):
+        if link is None and not (_skippable(name, modules) or name in tied):
             unmapped.append(name)
         elif link is not None and link.jax:  # () for a tensor the mapping leaves out
             links.append(link)

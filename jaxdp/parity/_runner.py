@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._interop import params_to_torch, torch_to_params
 from .._layout import (
     BatchSizes,
     LastWindow,
@@ -32,7 +31,10 @@ from .._options import AccumulationPath, Strategy, fold
 from .._sampler import Permutation
 from .._step import make_train_step
 from ..models import TRAINABLE, build_model, model_loss
+from ..testing._tolerances import tolerances
+from ._convert import params_to_torch, torch_to_params
 from ._locate_text import Divergence
+from ._main_guard import check_main_guard
 from ._optim import OPTIMIZERS, OptimizerSpec, optax_like_torch
 
 Dtype = Literal["float32", "float64"]
@@ -43,22 +45,11 @@ Dtype = Literal["float32", "float64"]
 # of a parameter whose .grad is None).
 UNUSED_BRANCH = frozenset({"embed_branch"})
 
-# Allowed |jaxdp - torch| <= ATOL + RTOL * |torch|, elementwise, per dtype.
-RTOL = {
-    # The issue's bound. Both sides compute in float64; only summation order
-    # and a few reassociated optimizer formulas differ (observed up to 1.6e-12
-    # relative, on the CNN's conv weights under clipping: 60x inside).
-    "float64": 1e-10,
-    # PyTorch's assertEqual defaults for float32.
-    "float32": 1.3e-6,
-}
+# Allowed |jaxdp - torch| <= ATOL + RTOL * |torch|, elementwise, per dtype: the
+# "torch_trajectory" rows of the one tolerance table, each with its reason there.
+RTOL = {dtype: tol.rtol for dtype, tol in tolerances("torch_trajectory").items()}
 """Parity's relative tolerance per dtype: ``|jaxdp - torch| <= ATOL + RTOL * |torch|``."""
-ATOL = {
-    # An absolute floor of 1e-12 on O(0.1) parameters: relative error means
-    # nothing for an element that passes through zero.
-    "float64": 1e-12,
-    "float32": 1e-5,  # PyTorch's assertEqual default for float32
-}
+ATOL = {dtype: tol.atol for dtype, tol in tolerances("torch_trajectory").items()}
 """Parity's absolute floor per dtype, for elements that pass near zero."""
 
 
@@ -215,7 +206,8 @@ def _run_jaxdp(
             skips={"unused": config.model in UNUSED_BRANCH},
         ),
     )
-    state = step.init(torch_to_params(initial, model))
+    # torch_ref's models are nn.Linear and nn.Conv layers: [out, in, *k].
+    state = step.init(torch_to_params(initial, model, layouts="out_in"))
     return train_steps(config, step, state, data, permutation, params_to_torch)
 
 
@@ -282,6 +274,8 @@ def compare(
 def run_parity(config: ParityConfig) -> ParityReport:
     """Trains both sides and compares them after every optimizer step."""
     check_config(config)
+    if config.num_devices > 1:
+        check_main_guard(f"run_parity(num_devices={config.num_devices})")
     data, initial = torch_inputs(config)
     return compare(config, run_jaxdp(config, data, initial), run_torch(config, data, initial))
 

@@ -1,43 +1,16 @@
-"""One tree comparison, with tolerances named per dtype."""
+"""One tree comparison, with tolerances named per dtype (the ``"same_sums"`` rows of
+:mod:`jaxdp.testing._tolerances`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
 
+from ._tolerances import Tolerance, tolerances
 
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    """Elementwise ``|actual - expected| <= atol + rtol * |expected|``, and why."""
-
-    rtol: float
-    atol: float
-    why: str
-
-
-TOLERANCES: dict[str, Tolerance] = {
-    "float64": Tolerance(
-        1e-12,
-        1e-15,
-        "the same sums in another order (micro-batches, then devices, against one big batch) "
-        "differ by a few 1e-15 relative after several steps; 1e-15 absolute is a few ulps of 1.0",
-    ),
-    "float32": Tolerance(
-        1.3e-6, 1e-5, "PyTorch's assert_close defaults; after 5 steps jaxdp saw 1.1e-6 at most"
-    ),
-    "bfloat16": Tolerance(
-        1.6e-2, 1e-5, "PyTorch's assert_close defaults: 2 ulps of an 8-bit mantissa (eps 2^-7)"
-    ),
-    "float16": Tolerance(
-        1e-3, 1e-5, "PyTorch's assert_close defaults: 1 ulp of a 10-bit mantissa (eps 2^-10)"
-    ),
-    "exact": Tolerance(
-        0.0, 0.0, "integers and booleans: another order of the same sums cannot change them"
-    ),
-}
+TOLERANCES: dict[str, Tolerance] = tolerances("same_sums")
 """The tolerance of each dtype :func:`assert_trees_close` uses, with its reason."""
 
 
