@@ -88,8 +88,8 @@ def main() -> None:
         # The loader's pass over a field it hashes whole (rows=None: every byte).
         whole = timed(lambda: _hash_field(hashlib.sha256(), x, len(x), None), args.repeats)
         say("SHA-256 digest of every byte (512 MiB memmap)", whole, GB / x.nbytes, "s per GB")
-        sampled = timed(lambda: fingerprint({"x": x}, None, len(x)), args.repeats)
-        covers = fingerprint({"x": x}, None, len(x))["covers"]
+        sampled = timed(lambda: fingerprint({"x": x}, len(x)), args.repeats)
+        covers = fingerprint({"x": x}, len(x))["covers"]
         say(f"fingerprint of the 512 MiB memmap ({covers})", sampled, 1e3, "ms")
         data = np.asarray(x).tobytes()
         for name in ("sha256", "blake2b", "md5"):
