@@ -132,6 +132,8 @@ assert isinstance(restored, jaxdp.checkpoint.Restored)
 assert int(restored.state.step) == 2
 assert restored.position == jaxdp.SamplerPosition(0, 2, 0)
 np.testing.assert_array_equal(restored.state.params["w"], state.params["w"])
+assert (int(back.state.step), back.data, back.sizes) == (3, {"epoch": 0, "offset": 48}, None)
+np.testing.assert_array_equal(back.state.params["w"], mine.params["w"])
 """,
     },
     "data.md": {

@@ -38,15 +38,17 @@ def check_is_directory(directory: str | pathlib.Path, *, name: str) -> None:
 def check_compatible(
     meta: dict[str, Any],
     here: dict[str, Any],
-    sizes: BatchSizes,
+    sizes: BatchSizes | None,
     *,
     force: bool,
     path: pathlib.Path,
     validate: Callable[[dict[str, Any]], None] | None,
-) -> BatchSizes:
-    """Raises :class:`CheckpointError` unless checkpoint ``meta`` fits this run.
+) -> BatchSizes | None:
+    """Raises :class:`CheckpointError` unless checkpoint ``meta`` fits this run; returns
+    the batch identity it was saved with (None: saved without one).
 
-    ``here`` describes this run's state leaves (:func:`describe` by :func:`named`).
+    ``here`` describes this run's state leaves (:func:`describe` by :func:`named`);
+    ``sizes`` this run's batch identity (None: not checked, at a step boundary only).
     """
     saved_leaves = meta["leaves"]
     mismatches = _mismatches(saved_leaves, here, lambda name: name.startswith("params/"))
@@ -67,6 +69,17 @@ def check_compatible(
             f"checkpoint {path} holds a differently laid out training state (another "
             f"optimizer or accumulation path?); checkpoint vs this run: {'; '.join(mismatches)}"
         )
+    micro = meta["position"]["micro_batch"] if meta["position"] is not None else 0
+    if meta["batch"] is None or sizes is None:
+        # Saved or restored without a batch identity (a team's own pipeline): nothing to
+        # compare, and nothing mid-window (save refuses it without one).
+        if micro != 0:
+            raise CheckpointError(
+                f"checkpoint {path} was taken in the middle of an accumulation cycle "
+                f"(micro-batch {micro}); give sizes= (this run's batch identity) so its "
+                "per-device sums can be checked against this run's split"
+            )
+        return BatchSizes(**meta["batch"]) if meta["batch"] is not None else None
     saved = BatchSizes(**meta["batch"])
     if saved.global_batch_size != sizes.global_batch_size and not force:
         raise CheckpointError(
@@ -77,7 +90,6 @@ def check_compatible(
             "schedule). Keep global_batch_size and change accum_steps or micro_batch_size, "
             "or force the resume (--force-resume)"
         )
-    micro = meta["position"]["micro_batch"]
     if saved != sizes and micro != 0:
         raise CheckpointError(
             f"checkpoint {path} was taken in the middle of an accumulation cycle (micro-batch "
