@@ -103,6 +103,10 @@ assert wire == ["bf16[16]", "bf16[4,16]", "bf16[1]", "bf16[16,1]", "f32[]", "f32
 close = ((y**2 < 1) * mask).sum() / mask.sum()  # at w = 0, before the update
 assert abs(float(aux_metrics["aux"]["close"]) - close) < 1e-6, (aux_metrics, close)
 assert abs(float(aux_metrics["loss"]) - 0.6817) < 1e-4, aux_metrics  # the loss as before
+assert "learning_rate" not in metrics  # optax.sgd(0.1) keeps no learning rate in its state
+# The value each update used, in float32 (XLA may round the schedule's multiply-add once,
+# where optax outside jit rounds twice: 0.025000000372 against 0.024999998510).
+np.testing.assert_allclose(rates, [0.0, 0.025, 0.05], rtol=2**-23, atol=0)
 """,
     },
     "model-state.md": {
