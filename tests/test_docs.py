@@ -399,6 +399,19 @@ def test_readme_is_a_way_in():
     assert text.startswith(README_START)
 
 
+def test_readme_installing_names_every_extra_a_user_installs():
+    """Every extra of pyproject.toml but the developers' ``test`` has its line under
+    README's "Installing" (jaxdp[data] was missing while docs/data.md required it)."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    section = README.read_text().split("## Installing", 1)[1].split("\n## ", 1)[0]
+    named = {e for group in re.findall(r"jaxdp\[([\w,\-]+)\]", section) for e in group.split(",")}
+    assert set(extras) - {"test"} <= named, f"README's Installing names {named}: add the others"
+
+
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
