@@ -104,7 +104,13 @@ def test_data_that_json_cannot_hold_is_refused_before_writing(tmp_path, data, me
     assert Checkpoints(tmp_path).steps == []
 
 
-def test_position_sizes_and_samples_go_together(tmp_path):
+def test_position_sizes_and_samples_go_together_and_a_saved_batch_is_checked(tmp_path):
     step = make_step()
     with pytest.raises(ValueError, match=r"give sizes=, samples= too, or none of position="):
         Checkpoints(tmp_path).save(init(step), position=jaxdp.SamplerPosition(0, 0))
+    sizes = jaxdp.batch_sizes(num_devices=2, accum_steps=2, micro_batch_size=4)
+    Checkpoints(tmp_path).save(
+        init(step), position=jaxdp.SamplerPosition(0, 0), sizes=sizes, samples=0
+    )
+    with pytest.raises(CheckpointError, match=r"saved with global_batch_size=16 .* give sizes="):
+        Checkpoints(tmp_path).restore(init(step))

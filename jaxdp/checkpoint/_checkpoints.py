@@ -221,9 +221,9 @@ class Checkpoints:
         ``like`` is what :meth:`TrainStep.init` returns for this run (arrays or
         ``jax.ShapeDtypeStruct`` with shardings): the restored state takes its
         structure, shardings and NNX graph. ``sizes`` is this run's batch
-        identity; left out (a pipeline of your own), the batch rules below are
-        not checked, and a checkpoint taken mid-window is refused. Rules,
-        checked before any array is read:
+        identity, which may be left out only for a checkpoint saved without one
+        (``save(state)``, a pipeline of your own: the batch rules below then do
+        not apply). Rules, checked before any array is read:
 
         - parameters must have the saved names, shapes and dtypes (else
           :class:`CheckpointError` naming each mismatch);

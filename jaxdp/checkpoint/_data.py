@@ -107,7 +107,8 @@ def _own(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def sizes_of(data: DataPosition | None, sizes: BatchSizes | None) -> BatchSizes | None:
-    """``restore``'s batch identity: ``sizes``, else the loader's, else None (unchecked)."""
+    """``restore``'s batch identity: ``sizes``, else the loader's, else None (then only a
+    checkpoint saved without one restores)."""
     if sizes is not None or data is None:
         return sizes
     if isinstance(data, Mapping):

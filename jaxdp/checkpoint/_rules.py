@@ -48,7 +48,7 @@ def check_compatible(
     the batch identity it was saved with (None: saved without one).
 
     ``here`` describes this run's state leaves (:func:`describe` by :func:`named`);
-    ``sizes`` this run's batch identity (None: not checked, at a step boundary only).
+    ``sizes`` this run's batch identity (None: only for a checkpoint saved without one).
     """
     saved_leaves = meta["leaves"]
     mismatches = _mismatches(saved_leaves, here, lambda name: name.startswith("params/"))
@@ -69,18 +69,18 @@ def check_compatible(
             f"checkpoint {path} holds a differently laid out training state (another "
             f"optimizer or accumulation path?); checkpoint vs this run: {'; '.join(mismatches)}"
         )
-    micro = meta["position"]["micro_batch"] if meta["position"] is not None else 0
-    if meta["batch"] is None or sizes is None:
-        # Saved or restored without a batch identity (a team's own pipeline): nothing to
-        # compare, and nothing mid-window (save refuses it without one).
-        if micro != 0:
-            raise CheckpointError(
-                f"checkpoint {path} was taken in the middle of an accumulation cycle "
-                f"(micro-batch {micro}); give sizes= (this run's batch identity) so its "
-                "per-device sums can be checked against this run's split"
-            )
-        return BatchSizes(**meta["batch"]) if meta["batch"] is not None else None
+    if meta["batch"] is None:
+        # Saved without a batch identity (a pipeline of the user's own): nothing to compare,
+        # and never mid-window (save refuses that without one).
+        return None
     saved = BatchSizes(**meta["batch"])
+    if sizes is None:
+        raise CheckpointError(
+            f"checkpoint {path} was saved with {saved.describe()}; give sizes= (this run's "
+            "batch identity) or data= (a jaxdp.data.Loader) to restore it: a checkpoint "
+            "saved with a position is checked against the run that continues it"
+        )
+    micro = meta["position"]["micro_batch"]
     if saved.global_batch_size != sizes.global_batch_size and not force:
         raise CheckpointError(
             f"checkpoint {path} was trained with {saved.describe()}; this run has "
