@@ -6,17 +6,18 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from .._inspect import _BRANCHES, Collective, _parse, collectives, format_report
+from .._inspect import _BRANCHES, _CALLEE, Collective, _parse, collectives, format_report
 
 _KINDS = {
     "all_reduce": "all-reduce",
     "reduce_scatter": "reduce-scatter",
     "all_gather": "all-gather",
 }
-# A ``lax.cond`` lowers to a conditional of two branches, ``false_fun`` first: a jaxdp
+# A ``lax.cond`` lowers to a conditional of two branches, ``false_fun`` first (or, in
+# XLA's predicated form, a ``true_computation`` and a ``false_computation``): a jaxdp
 # step's ``lax.cond(ok, apply, keep)`` (the update, on CPU) and ``lax.cond(ends, ...)``
-# (a multisteps window's end) put the work in branch 1 and the state kept in branch 0.
-_BRANCH = {"applied": 1, "skipped": 0}
+# (a multisteps window's end) put the work in the true branch and the state kept in the
+# false one.
 _CONDITIONAL = re.compile(r"^conditional (.+)\[(\d+)\]$")
 
 
@@ -60,7 +61,7 @@ def assert_collectives(
         of more than two branches (a ``lax.switch``), which has no applied side.
       AssertionError: a count differs, with the table of every collective found.
     """
-    if branch is not None and branch not in _BRANCH:
+    if branch not in (None, "applied", "skipped"):
         raise ValueError(f"branch={branch!r} must be 'applied', 'skipped' or None")
     hlo = compiled if isinstance(compiled, str) else compiled.as_text()
     found = collectives(hlo)
@@ -88,19 +89,27 @@ def assert_collectives(
         raise AssertionError("; ".join(wrong) + taken + "\n" + format_report(found))
 
 
-def _branch_counts(hlo: str) -> dict[str, int]:
-    """How many branches each conditional of the program has, by its name."""
+def _branch_counts(hlo: str) -> dict[str, tuple[int, int]]:
+    """``name -> (branches, index of the true branch)`` of each conditional of the program
+    (the index as :func:`jaxdp.collectives` numbers its branches in ``context``)."""
     _, computations = _parse(hlo)
     counts = {}
     for instructions in computations.values():
         for name, _, opcode, rest in instructions:
-            if opcode == "conditional":
-                listed = _BRANCHES.search(rest)
-                counts[name] = len(listed.group(1).split(",")) if listed else 2
+            if opcode != "conditional":
+                continue
+            listed = _BRANCHES.search(rest)
+            if listed:  # an index: lax.cond's false_fun is branch 0
+                counts[name] = (len(listed.group(1).split(",")), 1)
+            else:  # a predicate: the branches in the order they are printed
+                order = [k for k, _ in _CALLEE.findall(rest) if k.endswith("_computation")]
+                counts[name] = (2, order.index("true_computation"))
     return counts
 
 
-def _runs(collective: Collective, branch: str | None, ways: dict[str, int]) -> tuple[int, int]:
+def _runs(
+    collective: Collective, branch: str | None, ways: dict[str, tuple[int, int]]
+) -> tuple[int, int]:
     """``collective``'s executions per call, in the calls that take ``branch``."""
     low, high = collective.executions
     if branch is None:
@@ -109,11 +118,12 @@ def _runs(collective: Collective, branch: str | None, ways: dict[str, int]) -> t
         conditional = _CONDITIONAL.match(where)
         if conditional is None:
             continue
-        if ways.get(conditional.group(1), 2) > 2:
+        count, true = ways[conditional.group(1)]
+        if count > 2:
             raise ValueError(
                 f"branch={branch!r}: conditional {conditional.group(1)} has more than two "
                 "branches (a lax.switch): it has no applied and skipped side"
             )
-        if int(conditional.group(2)) != _BRANCH[branch]:
+        if (int(conditional.group(2)) == true) != (branch == "applied"):
             return 0, 0
     return high, high  # every conditional around it taken: its loops' count

@@ -160,3 +160,29 @@ def test_branch_must_be_applied_skipped_or_none_and_a_switch_has_neither():
 
     with pytest.raises(ValueError, match=r"conditional \S+ has more than two branches"):
         assert_collectives(summed(body, varying=True), all_reduce=1, branch="applied")
+
+
+# XLA's predicated form of a two-way conditional: the true branch printed first.
+PREDICATED = """HloModule m
+
+%gather (a: f32[1]) -> f32[4] {
+  %a = f32[1]{0} parameter(0)
+  ROOT %g = f32[4]{0} all-gather(f32[1]{0} %a), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%keep (b: f32[1]) -> f32[4] {
+  %b = f32[1]{0} parameter(0)
+  ROOT %k = f32[4]{0} broadcast(f32[1]{0} %b), dimensions={0}
+}
+
+ENTRY %main (p: pred[], x: f32[1]) -> f32[4] {
+  %p = pred[] parameter(0)
+  %x = f32[1]{0} parameter(1)
+  ROOT %c = f32[4]{0} conditional(pred[] %p, f32[1]{0} %x, f32[1]{0} %x), BRANCHES
+}
+""".replace("BRANCHES", "true_computation=%gather, false_computation=%keep")
+
+
+def test_the_predicated_form_counts_its_true_branch_as_applied():
+    assert_collectives(PREDICATED, all_gather=1, branch="applied")
+    assert_collectives(PREDICATED, all_gather=0, branch="skipped")
