@@ -156,13 +156,12 @@ def _chunks(length: int, row_bytes: int, unit: str) -> tuple[list[np.ndarray], s
     row in reads of about 16 MiB up to :data:`FULL_BYTES`, else one of the sampled rows;
     and what they cover, in words."""
     row_bytes = max(1, row_bytes)
-    if length * row_bytes <= FULL_BYTES:
-        step = max(1, _CHUNK_BYTES // row_bytes)
-        return [
-            np.arange(i, min(i + step, length)) for i in range(0, length, step)
-        ], f"every {unit}"
-    rows = _sampled(length)
-    return [rows], f"{len(rows)} sampled {unit}s"
+    if length * row_bytes > FULL_BYTES:
+        rows = _sampled(length)
+        return [rows], f"{len(rows)} sampled {unit}s"
+    step = max(1, _CHUNK_BYTES // row_bytes)
+    reads = [np.arange(i, min(i + step, length)) for i in range(0, length, step)]
+    return reads, f"every {unit}"
 
 
 def _nbytes(array: np.ndarray) -> int:
