@@ -45,8 +45,8 @@ def assert_collectives(
     ``Parallel(zero_stage=1)`` "one reduce-scatter and one all-gather per step" reads
     ``assert_collectives(compiled, reduce_scatter=1, all_gather=1, all_reduce=None,
     branch="applied")``, and a skipped step gathers nothing (``all_gather=0,
-    branch="skipped"``). On a backend where the step selects instead of branching
-    (``Tuning(cpu=False)``) there is no conditional: both count every collective.
+    branch="skipped"``). Off CPU the update's skip is a select, not a branch: its
+    collectives run in every call, and both sides count them.
 
     Args:
       compiled: ``jitted.lower(*args).compile()`` (for a jaxdp step:
