@@ -14,7 +14,10 @@ Run from the repository root (about half a minute on 2 cores)::
 - the NaN/Inf scan of ``jaxdp train --data`` (``jaxdp/cli/_data.py``) over a
   100 MB float32 ``x`` in memory; seconds per 100 MB;
 - the watch of a memmap's file before each read (``check_files``: one ``os.stat``
-  per file), over one file; microseconds per call.
+  per file), over one file; microseconds per call;
+- the digest of a record-by-record source, every record of 20,000 (16 float32
+  and an integer label each), as a plain object with ``__getitem__`` and as a
+  grain ``MapDataset`` (read by its batched ``_getitems``); microseconds per record.
 
 Prints the machine (CPU model, core count), then each figure as the median of the
 repeats with their range. docs/data.md, docs/command-line.md, docs/decisions.md and
@@ -34,12 +37,20 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxdp.cli._data import _check_finite
-from jaxdp.data._fingerprint import _hash_field, check_files, fingerprint, memmapped_files
+from jaxdp.data._fingerprint import (
+    _hash_field,
+    check_files,
+    fingerprint,
+    memmapped_files,
+    records_fingerprint,
+)
+from jaxdp.data._kinds import batched_records
 
 GB = 10**9
 DIGEST_BYTES = 512 * 2**20
 SCAN_BYTES = 100 * 10**6
 STAT_CALLS = 20_000
+RECORDS = 20_000
 
 
 def timed(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -88,8 +99,8 @@ def main() -> None:
         # The loader's pass over a field it hashes whole (rows=None: every byte).
         whole = timed(lambda: _hash_field(hashlib.sha256(), x, len(x), None), args.repeats)
         say("SHA-256 digest of every byte (512 MiB memmap)", whole, GB / x.nbytes, "s per GB")
-        sampled = timed(lambda: fingerprint({"x": x}, None, len(x)), args.repeats)
-        covers = fingerprint({"x": x}, None, len(x))["covers"]
+        sampled = timed(lambda: fingerprint({"x": x}, len(x)), args.repeats)
+        covers = fingerprint({"x": x}, len(x))["covers"]
         say(f"fingerprint of the 512 MiB memmap ({covers})", sampled, 1e3, "ms")
         data = np.asarray(x).tobytes()
         for name in ("sha256", "blake2b", "md5"):
@@ -104,6 +115,39 @@ def main() -> None:
     x = rng.standard_normal((SCAN_BYTES // (64 * 4), 64), dtype=np.float32)
     scan = timed(lambda: _check_finite("x", x), args.repeats)
     say("NaN/Inf scan of x (float32, in memory)", scan, 100 * 10**6 / x.nbytes, "s per 100 MB")
+    record_digests(args.repeats)
+
+
+class Records:
+    """A record source of a team's own: ``__len__`` and ``__getitem__``."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def record_digests(repeats: int) -> None:
+    """The fingerprint of every record of a small record source, two ways of reading it."""
+    import grain
+
+    rng = np.random.default_rng(0)
+    plain = Records(rng.standard_normal((RECORDS, 16), dtype=np.float32), np.arange(RECORDS))
+    dataset = grain.MapDataset.source(plain)
+    for name, source, batched in [
+        ("a plain record source", plain, None),
+        ("a grain MapDataset", dataset, batched_records(dataset)),
+    ]:
+        covers = records_fingerprint(source, RECORDS, batched=batched)["covers"]
+        assert covers == "every record", covers
+        digest = timed(
+            lambda s=source, b=batched: records_fingerprint(s, RECORDS, batched=b), repeats
+        )
+        say(f"fingerprint of {name} ({covers})", digest, 1e6 / RECORDS, "us per record")
 
 
 if __name__ == "__main__":

@@ -56,13 +56,73 @@ def test_above_the_whole_bound_sampled_rows_are_hashed(monkeypatch):
         make_loader(changed).restore(saved)
 
 
-def test_a_record_source_is_sampled_at_its_first_checkpoint_and_compared():
-    records = [{"x": np.float32(i), "y": i % 4} for i in range(100)]
-    loader = make_loader(records)
-    assert loader.state()["fingerprint"]["covers"] == "64 sampled records"
-    other = [{"x": np.float32(i + 0.5), "y": i % 4} for i in range(100)]
-    with pytest.raises(ValueError, match="the same shapes with other contents"):
-        make_loader(other).restore(loader.state())
+class Records:
+    """A record source of a team's own: ``__len__`` and ``__getitem__``, nothing else."""
+
+    def __init__(self, columns):
+        self.columns = columns
+
+    def __len__(self):
+        return len(self.columns["y"])
+
+    def __getitem__(self, i):
+        return {"x": self.columns["x"][i], "y": self.columns["y"][i]}
+
+
+def grain_dataset(columns):
+    import grain
+
+    return grain.MapDataset.source(Records(columns))
+
+
+def hugging_face(columns):
+    import datasets
+
+    return datasets.Dataset.from_dict(columns)
+
+
+# Row 137 is none of the 64 records the fingerprint sampled before (issue 34, item 2).
+@pytest.mark.parametrize(
+    ("holder", "named"),
+    [
+        (Records, r"a [\w.]*test_data_identity\.Records of records"),
+        (grain_dataset, r"a grain MapDataset \(SourceMapDataset\)"),
+        (hugging_face, r"a Hugging Face datasets\.Dataset"),
+    ],
+)
+def test_one_label_changed_in_a_small_source_of_any_kind_is_refused_naming_it(holder, named):
+    saved = make_loader(holder(arrays(n=200))).state()
+    kind = "row" if holder is hugging_face else "record"
+    assert saved["fingerprint"]["covers"] == f"every {kind}"
+    assert make_loader(holder(arrays(n=200))).restore(saved) == (0, 0, 0)
+    changed = arrays(n=200)
+    changed["y"][137] = (changed["y"][137] + 1) % 4
+    with pytest.raises(ValueError, match=rf"SHA-256 of every {kind}: .*; the source is {named}"):
+        make_loader(holder(changed)).restore(saved)
+
+
+def test_above_the_whole_bound_sampled_records_are_hashed(monkeypatch):
+    monkeypatch.setattr(_fingerprint, "FULL_BYTES", 1000)  # 100 records of 20 bytes
+    monkeypatch.setattr(_fingerprint, "SAMPLED_ROWS", 10)  # records 0, 11, 22, ..., 99
+    saved = make_loader(Records(arrays())).state()
+    assert saved["fingerprint"]["covers"] == "10 sampled records"
+    unseen, seen = arrays(), arrays()
+    unseen["y"][12] += 1
+    seen["y"][11] += 1
+    assert make_loader(Records(unseen)).restore(saved) == (0, 0, 0)
+    with pytest.raises(ValueError, match="SHA-256 of 10 sampled records"):
+        make_loader(Records(seen)).restore(saved)
+
+
+def test_digests_of_other_rows_are_not_compared_and_another_kind_of_source_is_named():
+    saved = make_loader(Records(arrays())).state()
+    before = {**saved, "fingerprint": {**saved["fingerprint"], "covers": "64 sampled records"}}
+    before["fingerprint"]["digest"] = "0" * 64  # a digest of other rows than these
+    assert make_loader(Records(arrays())).restore(before) == (0, 0, 0)
+    wider = {**arrays(), "x": arrays()["x"].astype(np.float64)}
+    named = r"the source is array fields \(numpy.ndarray\), saved from a [\w.]*Records of records"
+    with pytest.raises(ValueError, match=r"float32\[3\] then, float64\[3\] now; " + named):
+        make_loader(wider).restore(saved)
 
 
 def test_checkpoints_refuse_another_source_before_reading_the_state(tmp_path):

@@ -103,6 +103,10 @@ assert wire == ["bf16[16]", "bf16[4,16]", "bf16[1]", "bf16[16,1]", "f32[]", "f32
 close = ((y**2 < 1) * mask).sum() / mask.sum()  # at w = 0, before the update
 assert abs(float(aux_metrics["aux"]["close"]) - close) < 1e-6, (aux_metrics, close)
 assert abs(float(aux_metrics["loss"]) - 0.6817) < 1e-4, aux_metrics  # the loss as before
+assert "learning_rate" not in metrics  # optax.sgd(0.1) keeps no learning rate in its state
+# The value each update used, in float32 (XLA may round the schedule's multiply-add once,
+# where optax outside jit rounds twice: 0.025000000372 against 0.024999998510).
+np.testing.assert_allclose(rates, [0.0, 0.025, 0.05], rtol=2**-23, atol=0)
 """,
     },
     "model-state.md": {
@@ -132,6 +136,8 @@ assert isinstance(restored, jaxdp.checkpoint.Restored)
 assert int(restored.state.step) == 2
 assert restored.position == jaxdp.SamplerPosition(0, 2, 0)
 np.testing.assert_array_equal(restored.state.params["w"], state.params["w"])
+assert (int(back.state.step), back.data, back.sizes) == (3, {"epoch": 0, "offset": 48}, None)
+np.testing.assert_array_equal(back.state.params["w"], mine.params["w"])
 """,
     },
     "data.md": {
@@ -403,6 +409,19 @@ def test_readme_is_a_way_in():
     text = README.read_text()
     assert len(text.splitlines()) <= 200
     assert text.startswith(README_START)
+
+
+def test_readme_installing_names_every_extra_a_user_installs():
+    """Every extra of pyproject.toml but the developers' ``test`` has its line under
+    README's "Installing" (jaxdp[data] was missing while docs/data.md required it)."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    section = README.read_text().split("## Installing", 1)[1].split("\n## ", 1)[0]
+    named = {e for group in re.findall(r"jaxdp\[([\w,\-]+)\]", section) for e in group.split(",")}
+    assert set(extras) - {"test"} <= named, f"README's Installing names {named}: add the others"
 
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")

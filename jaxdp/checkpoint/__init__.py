@@ -1,8 +1,10 @@
 """Checkpoints of a jaxdp training run (orbax): atomic, verified, resumable exactly.
 
-``Checkpoints(directory).save(state, position=..., sizes=..., samples=...)``
-writes a checkpoint named by the state's optimizer step (``directory/<step>``,
-never overwritten); ``restore(like, sizes=...)`` reads the newest readable one
+``Checkpoints(directory).save(state, position=..., sizes=..., samples=...)`` (or
+``data=`` a :class:`jaxdp.data.Loader`, or ``save(state, data={...})`` with a data
+pipeline of one's own, its JSON record handed back as ``Restored.data``) writes a
+checkpoint named by the state's optimizer step (``directory/<step>``, never
+overwritten); ``restore(like, sizes=...)`` reads the newest readable one
 into a state laid out like ``like`` (a fresh ``TrainStep.init``), on this run's
 mesh, with the data position to continue from (:func:`jaxdp.resume_position`);
 ``metadata()`` reads what the newest says about itself (step, position, batch,

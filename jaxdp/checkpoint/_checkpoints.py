@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pathlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -33,7 +33,7 @@ from .._position import SamplerPosition
 from .._train_state import TrainState, check_live
 from . import _format2
 from ._agree import process_0s
-from ._data import DataPosition, check_data, from_data, restore_data, sizes_of
+from ._data import OWN, DataPosition, check_data, from_data, restore_data, sizes_of
 from ._meta import FORMAT, array_sha256, check_sealed, check_sha256, sealed
 from ._quiet import quiet_failed_read_noise
 from ._rules import (
@@ -54,24 +54,26 @@ class Restored(NamedTuple):
     """A checkpoint read back by :meth:`Checkpoints.restore`."""
 
     state: TrainState  # placed on the current mesh with ``like``'s shardings
-    position: SamplerPosition  # as saved; see :func:`resume_position`
-    sizes: BatchSizes  # the batch identity the checkpoint was saved with
-    samples: int  # training samples consumed when it was saved
+    position: SamplerPosition | None  # as saved (None: without one); :func:`resume_position`
+    sizes: BatchSizes | None  # the batch identity it was saved with (None: without one)
+    samples: int | None  # training samples consumed when it was saved (None: not given)
     seed: int
     extra: dict[str, Any]
     path: pathlib.Path
+    data: dict[str, Any] | None = None  # the dict given as ``save(data={...})``, as JSON reads it
 
 
 class Metadata(NamedTuple):
     """A checkpoint's account of itself, read without its arrays (:meth:`Checkpoints.metadata`)."""
 
     step: int  # optimizer updates applied; the checkpoint's number
-    position: SamplerPosition  # the next data to train on, as saved
-    sizes: BatchSizes  # the batch identity it was saved with
-    samples: int  # training samples consumed
+    position: SamplerPosition | None  # the next data to train on, as saved (None: without one)
+    sizes: BatchSizes | None  # the batch identity it was saved with (None: without one)
+    samples: int | None  # training samples consumed (None: not given)
     seed: int
     extra: dict[str, Any]  # what ``save`` was given (``jaxdp train``: its config)
     path: pathlib.Path
+    data: dict[str, Any] | None = None  # the dict given as ``save(data={...})``
 
 
 class CorruptCheckpointWarning(UserWarning):
@@ -125,7 +127,7 @@ class Checkpoints:
         samples: int | None = None,
         seed: int | None = None,
         extra: dict[str, Any] | None = None,
-        data: DataPosition | None = None,
+        data: DataPosition | Mapping[str, Any] | None = None,
     ) -> pathlib.Path:
         """Writes ``state`` as checkpoint number ``int(state.step)``; returns its path.
 
@@ -135,7 +137,16 @@ class Checkpoints:
         ``data=`` a :class:`jaxdp.data.Loader`, its :meth:`~jaxdp.data.Loader.state`
         gives all four (the loader's position is what the loop was given last)
         and is saved whole, so :meth:`restore` can set the loader back; giving
-        ``position`` or ``sizes`` too is refused. Raises
+        ``position`` or ``sizes`` too is refused.
+
+        With a data pipeline of your own, ``save(state)`` alone writes the state,
+        and ``data=`` a dict (your pipeline's position, e.g. ``{"epoch": 3,
+        "offset": 120}``: JSON, string keys; tuples come back as lists) is kept
+        and handed back as :attr:`Restored.data`. ``position``, ``sizes`` and
+        ``samples`` go together (all or none); without them the checkpoint has
+        no batch identity to check, and a state mid-way through a ``multisteps``
+        window is refused (its sums belong to one split: save after the call that
+        ends the window, or give the three). Raises
         :class:`CheckpointError` if the step is not newer than every checkpoint
         there (one of that number exists already: checkpoints are never
         overwritten), if it cannot be written (a full disk is named as such,
@@ -144,7 +155,9 @@ class Checkpoints:
         buffers were donated to a step's call (save the state that call returned).
         """
         check_live(state)
-        position, sizes, samples, seed, loader = from_data(data, position, sizes, samples, seed)
+        position, sizes, samples, seed, loader, own = from_data(
+            state, data, position, sizes, samples, seed
+        )
         number, steps = int(state.step), self.steps
         if number in steps:
             raise CheckpointError(
@@ -156,20 +169,23 @@ class Checkpoints:
                 f"step={number} must exceed the newest checkpoint's step {steps[-1]} in "
                 f"{self.directory}; restore reads the newest"
             )
-        check_position(state, position)
+        if position is not None:
+            check_position(state, position)
         tree = saved_tree(state)
         meta = {
             "format": FORMAT,
             "samples": samples,
             "step": number,
-            "position": position._asdict(),
-            "batch": sizes._asdict(),
+            "position": position._asdict() if position is not None else None,
+            "batch": sizes._asdict() if sizes is not None else None,
             "seed": seed,
             "leaves": {name: {**describe(x), "sha256": array_sha256(x)} for name, x in named(tree)},
             "extra": extra or {},
         }
         if loader is not None:
             meta["data"] = loader
+        if own is not None:
+            meta[OWN] = own
         meta = sealed(meta)
         items = {"meta": ocp.args.JsonSave(meta)}
         for item, part in split(tree).items():  # every process writes its own blocks
@@ -205,7 +221,9 @@ class Checkpoints:
         ``like`` is what :meth:`TrainStep.init` returns for this run (arrays or
         ``jax.ShapeDtypeStruct`` with shardings): the restored state takes its
         structure, shardings and NNX graph. ``sizes`` is this run's batch
-        identity. Rules, checked before any array is read:
+        identity, which may be left out only for a checkpoint saved without one
+        (``save(state)``, a pipeline of your own: the batch rules below then do
+        not apply). Rules, checked before any array is read:
 
         - parameters must have the saved names, shapes and dtypes (else
           :class:`CheckpointError` naming each mismatch);
@@ -226,7 +244,8 @@ class Checkpoints:
         With ``data=`` a :class:`jaxdp.data.Loader`, ``sizes`` defaults to the
         loader's and the loader is set to continue where the checkpoint's data
         stood (:meth:`jaxdp.data.Loader.restore`: another data set length or
-        order refused with both values), before any array is read.
+        order refused with both values), before any array is read. A dict given
+        as ``save(data={...})`` comes back as :attr:`Restored.data`.
         """
         sizes = sizes_of(data, sizes)
         failures: list[tuple[int, Exception]] = []
@@ -241,18 +260,22 @@ class Checkpoints:
             if data is not None:
                 restore_data(data, meta, force=force, path=path)
             try:  # the window's sums: read mid-window (they fit), zero at a boundary
-                state = self._read(
-                    number, meta, like, accumulators=bool(meta["position"]["micro_batch"])
-                )
+                state = self._read(number, meta, like, accumulators=_mid_window(meta))
             except Exception as e:
                 failures.append((number, e))
                 quiet_failed_read_noise()
                 continue
             self._set_aside(failures, path)
             self._verified.add(number)
-            position = SamplerPosition(**meta["position"])
             return Restored(
-                state, position, saved, meta["samples"], meta["seed"], meta["extra"], path
+                state=state,
+                position=_position(meta),
+                sizes=saved,
+                samples=meta["samples"],
+                seed=meta["seed"],
+                extra=meta["extra"],
+                path=path,
+                data=meta.get(OWN),
             )
         raise self._nothing_readable(failures)
 
@@ -269,12 +292,13 @@ class Checkpoints:
         for number, meta in self._newest_first(failures):
             return Metadata(
                 step=meta["step"],
-                position=SamplerPosition(**meta["position"]),
-                sizes=BatchSizes(**meta["batch"]),
+                position=_position(meta),
+                sizes=BatchSizes(**meta["batch"]) if meta["batch"] is not None else None,
                 samples=meta["samples"],
                 seed=meta["seed"],
                 extra=meta["extra"],
                 path=self.directory / str(number),
+                data=meta.get(OWN),
             )
         raise self._nothing_readable(failures)
 
@@ -390,6 +414,15 @@ class Checkpoints:
             if number < newest_verified:
                 self._manager.delete(number)
                 self._verified.discard(number)
+
+
+def _position(meta: dict[str, Any]) -> SamplerPosition | None:
+    return SamplerPosition(**meta["position"]) if meta["position"] is not None else None
+
+
+def _mid_window(meta: dict[str, Any]) -> bool:
+    """Whether the checkpoint was taken inside a window (its sums are then read)."""
+    return meta["position"] is not None and bool(meta["position"]["micro_batch"])
 
 
 def _short(error: Exception) -> str:

@@ -38,15 +38,17 @@ def check_is_directory(directory: str | pathlib.Path, *, name: str) -> None:
 def check_compatible(
     meta: dict[str, Any],
     here: dict[str, Any],
-    sizes: BatchSizes,
+    sizes: BatchSizes | None,
     *,
     force: bool,
     path: pathlib.Path,
     validate: Callable[[dict[str, Any]], None] | None,
-) -> BatchSizes:
-    """Raises :class:`CheckpointError` unless checkpoint ``meta`` fits this run.
+) -> BatchSizes | None:
+    """Raises :class:`CheckpointError` unless checkpoint ``meta`` fits this run; returns
+    the batch identity it was saved with (None: saved without one).
 
-    ``here`` describes this run's state leaves (:func:`describe` by :func:`named`).
+    ``here`` describes this run's state leaves (:func:`describe` by :func:`named`);
+    ``sizes`` this run's batch identity (None: only for a checkpoint saved without one).
     """
     saved_leaves = meta["leaves"]
     mismatches = _mismatches(saved_leaves, here, lambda name: name.startswith("params/"))
@@ -67,7 +69,18 @@ def check_compatible(
             f"checkpoint {path} holds a differently laid out training state (another "
             f"optimizer or accumulation path?); checkpoint vs this run: {'; '.join(mismatches)}"
         )
+    if meta["batch"] is None:
+        # Saved without a batch identity (a pipeline of the user's own): nothing to compare,
+        # and never mid-window (save refuses that without one).
+        return None
     saved = BatchSizes(**meta["batch"])
+    if sizes is None:
+        raise CheckpointError(
+            f"checkpoint {path} was saved with {saved.describe()}; give sizes= (this run's "
+            "batch identity) or data= (a jaxdp.data.Loader) to restore it: a checkpoint "
+            "saved with a position is checked against the run that continues it"
+        )
+    micro = meta["position"]["micro_batch"]
     if saved.global_batch_size != sizes.global_batch_size and not force:
         raise CheckpointError(
             f"checkpoint {path} was trained with {saved.describe()}; this run has "
@@ -77,7 +90,6 @@ def check_compatible(
             "schedule). Keep global_batch_size and change accum_steps or micro_batch_size, "
             "or force the resume (--force-resume)"
         )
-    micro = meta["position"]["micro_batch"]
     if saved != sizes and micro != 0:
         raise CheckpointError(
             f"checkpoint {path} was taken in the middle of an accumulation cycle (micro-batch "

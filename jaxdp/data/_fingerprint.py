@@ -2,22 +2,31 @@
 and a watch on the files behind memmapped fields while the loader reads them.
 
 A position indexes one data set's order, so a restore must find the same data,
-wherever they now lie: the fingerprint holds the row count, each field's shape
-(per row) and dtype, and a SHA-256 of the contents, never a path. The digest
-covers every byte when the array fields hold at most :data:`FULL_BYTES` (a
-pass over the data at start: 0.83 s per GB, so at most about 0.22 s), else
-:data:`SAMPLED_ROWS` rows evenly spread over the data set plus the sizes (1.4 ms
-for a 512 MiB memmap in the page cache: a rewrite of the same shape is caught
-unless it leaves every sampled row as it was). Figures: medians of
-``benchmarks/check_costs.py`` on a 2-core AMD EPYC. A Hugging Face
-``Dataset`` is hashed as the loader reads it, numpy batches of rows (so any of
-its formats gives one digest), under the same bound: whole, or
-:data:`SAMPLED_ROWS` rows in one read, at its first checkpoint or restore. Its
-own ``_fingerprint`` is not used: it names the transforms that made the
-dataset, not its contents, and is private. A record-by-record source (a torch
-``Dataset``, a grain ``MapDataset``) is sampled, :data:`SAMPLED_RECORDS`
-records, at its first checkpoint or restore (each record is a Python call that
-may fail: then no digest is kept).
+wherever they now lie and whatever object holds them: the fingerprint holds the
+row count, each field's shape (per row) and dtype, and a SHA-256 of the
+contents, never a path. Every source is hashed under one bound: the digest
+covers every row when the data hold at most :data:`FULL_BYTES`, else
+:data:`SAMPLED_ROWS` rows evenly spread over the data set plus the sizes (a
+rewrite of the same shape is caught unless it leaves every sampled row as it
+was), and the fingerprint says which (``covers``). So a small data set's
+identity is exact whether arrays, a memmap, a Hugging Face ``Dataset``, a grain
+``MapDataset`` or a list of records hold it.
+
+- Array fields are hashed at construction, every byte a pass over the data
+  (0.83 s per GB, so at most about 0.22 s; 1.4 ms for the sampled rows of a
+  512 MiB memmap in the page cache).
+- A Hugging Face ``Dataset`` is hashed as the loader reads it, numpy batches of
+  rows (so any of its formats gives one digest), at its first checkpoint or
+  restore. Its own ``_fingerprint`` is not used: it names the transforms that
+  made the dataset, not its contents, and is private.
+- A record-by-record source (a grain ``MapDataset``, a torch ``Dataset``, any
+  object with ``__len__`` and ``__getitem__``) is hashed record by record as it
+  returns them (no transform), read in batches where it has a batched read, at
+  its first checkpoint or restore: each record is a Python call that may fail
+  (then no digest is kept). The bound is judged by record 0's bytes times the
+  row count, as for a Hugging Face ``Dataset``.
+
+Figures: medians of ``benchmarks/check_costs.py`` on a 2-core AMD EPYC.
 """
 
 from __future__ import annotations
@@ -25,15 +34,14 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-FULL_BYTES = 256 * 2**20  # array fields up to this size are hashed whole
-SAMPLED_ROWS = 1024  # rows hashed of larger array fields
-SAMPLED_RECORDS = 64  # records hashed of a record-by-record source (a Python call each)
+FULL_BYTES = 256 * 2**20  # data up to this size are hashed whole, any source
+SAMPLED_ROWS = 1024  # rows (or records) hashed of larger data
 _CHUNK_BYTES = 16 * 2**20  # read and hashed at a time
 
 
@@ -45,63 +53,119 @@ def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def fingerprint(fields: Any | None, records: Any, length: int) -> dict[str, Any]:
-    """The fingerprint of a source: ``fields`` (its tree of array fields, or None for a
-    record-by-record source, ``records[i]`` each record), ``length`` rows."""
+def source_name(source: Any) -> str:
+    """What holds the data, in words, for the error that refuses other data."""
+    if _is_array(source) or isinstance(source, (dict, tuple)):
+        kinds = {type(a) for a in jax.tree.leaves(source, is_leaf=_is_array)}
+        return "array fields (" + ", ".join(sorted(_type_name(k) for k in kinds)) + ")"
+    for cls in type(source).__mro__:
+        library = (cls.__module__ or "").partition(".")[0]
+        if (library, cls.__name__) == ("grain", "MapDataset"):
+            return f"a grain MapDataset ({type(source).__name__})"
+        if (library, cls.__name__) == ("datasets", "Dataset"):
+            return "a Hugging Face datasets.Dataset"
+    return f"a {_type_name(type(source))} of records"
+
+
+def _type_name(cls: type) -> str:
+    module = cls.__module__ or ""
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+
+
+def fingerprint(fields: Any, length: int) -> dict[str, Any]:
+    """The fingerprint of array ``fields`` (a tree of arrays, ``length`` rows each): every
+    byte if they hold at most :data:`FULL_BYTES`, else :data:`SAMPLED_ROWS` rows."""
     digest = hashlib.sha256()
-    if fields is not None:
-        named = jax.tree_util.tree_leaves_with_path(fields, is_leaf=_is_array)
-        described = {
-            jax.tree_util.keystr(path): _describe(leaf.shape[1:], leaf.dtype)
-            for path, leaf in named
-        }
-        size = sum(length * math.prod(leaf.shape[1:]) * np.dtype(leaf.dtype).itemsize
-                   for _, leaf in named)  # fmt: skip
-        whole = size <= FULL_BYTES
-        rows = None if whole else _sampled(length)
-        for _, leaf in named:
-            _hash_field(digest, leaf, length, rows)
-        covers = "every byte" if whole else f"{len(rows)} sampled rows"
-    else:
-        rows = _sampled(length, SAMPLED_RECORDS)
-        described = {}
-        for i in rows:
-            try:
-                record = records[int(i)]
-            except Exception as e:  # raised again where the loop reads it, at its call
-                return {"rows": length, "fields": {}, "digest": None, "covers": f"nothing "
-                        f"(record {int(i)} raised {type(e).__name__})"}  # fmt: skip
-            for path, leaf in jax.tree_util.tree_leaves_with_path(record):
-                array = np.asarray(leaf)
-                name = jax.tree_util.keystr(path)
-                described.setdefault(name, _describe(array.shape, array.dtype))
-                _hash_value(digest, leaf, array)
-        covers = f"{len(rows)} sampled records"
-    return {"rows": length, "fields": described, "digest": digest.hexdigest(), "covers": covers}
+    named = jax.tree_util.tree_leaves_with_path(fields, is_leaf=_is_array)
+    described = {
+        jax.tree_util.keystr(path): _describe(leaf.shape[1:], leaf.dtype) for path, leaf in named
+    }
+    size = sum(length * math.prod(leaf.shape[1:]) * np.dtype(leaf.dtype).itemsize
+               for _, leaf in named)  # fmt: skip
+    whole = size <= FULL_BYTES
+    rows = None if whole else _sampled(length)
+    for _, leaf in named:
+        _hash_field(digest, leaf, length, rows)
+    covers = "every byte" if whole else f"{len(rows)} sampled rows"
+    return {"rows": length, "fields": described, "digest": digest.hexdigest(),
+            "covers": covers, "source": source_name(fields)}  # fmt: skip
 
 
-def batched_fingerprint(read: Callable[[np.ndarray], Any], length: int) -> dict[str, Any]:
+def batched_fingerprint(
+    read: Callable[[np.ndarray], Any], length: int, *, source: Any = None
+) -> dict[str, Any]:
     """The fingerprint of a source read a batch at a time: ``read(rows)`` a tree of arrays
-    (rows on the leading axis), ``length`` rows. Every row is hashed if the fields of
-    ``length`` rows like row 0 hold at most :data:`FULL_BYTES`, in chunks of about 16 MiB;
-    else :data:`SAMPLED_ROWS` rows evenly spread, in one read."""
+    (rows on the leading axis), ``length`` rows, ``source`` the object (named in a refusal).
+    Every row is hashed if the fields of ``length`` rows like row 0 hold at most
+    :data:`FULL_BYTES`, in chunks of about 16 MiB; else :data:`SAMPLED_ROWS` rows evenly
+    spread, in one read."""
     first = jax.tree_util.tree_leaves_with_path(read(np.zeros(1, np.int64)))
     described = {jax.tree_util.keystr(p): _describe(a.shape[1:], a.dtype) for p, a in first}
-    row_bytes = max(1, sum(_nbytes(a) for _, a in first))
-    if length * row_bytes <= FULL_BYTES:
-        step = max(1, _CHUNK_BYTES // row_bytes)
-        chunks = [np.arange(i, min(i + step, length)) for i in range(0, length, step)]
-        covers = "every row"
-    else:
-        chunks = [_sampled(length)]
-        covers = f"{len(chunks[0])} sampled rows"
+    chunks, covers = _chunks(length, sum(_nbytes(a) for _, a in first), "row")
     digest = hashlib.sha256()
     for rows in chunks:
         for leaf in jax.tree.leaves(read(rows)):
             array = np.asarray(leaf)
             for value in array if array.dtype.hasobject else [array]:
                 _hash_value(digest, value, np.asarray(value))
-    return {"rows": length, "fields": described, "digest": digest.hexdigest(), "covers": covers}
+    return {"rows": length, "fields": described, "digest": digest.hexdigest(),
+            "covers": covers, "source": source_name(source)}  # fmt: skip
+
+
+def records_fingerprint(
+    source: Any, length: int, *, batched: Callable[[list[int]], Sequence[Any]] | None = None
+) -> dict[str, Any]:
+    """The fingerprint of a record-by-record source: ``source[i]`` each record (or
+    ``batched(rows)`` the records of ``rows`` together), ``length`` records. Every record
+    is hashed if ``length`` records like record 0 hold at most :data:`FULL_BYTES`, else
+    :data:`SAMPLED_ROWS` records evenly spread. A read that raises leaves the digest out
+    (``covers`` says which): the loop raises it again at its call."""
+
+    def read(rows: np.ndarray) -> Sequence[Any]:
+        if batched is not None:
+            return batched(rows.tolist())
+        return [source[int(i)] for i in rows]
+
+    described: dict[str, str] = {}
+    structures: set[Any] = set()
+    digest = hashlib.sha256()
+    nothing = {"rows": length, "fields": {}, "digest": None, "source": source_name(source)}
+    try:
+        first = read(np.zeros(1, np.int64))[0]
+    except Exception as e:  # raised again where the loop reads it, at its call
+        return {**nothing, "covers": f"nothing (record 0 raised {type(e).__name__})"}
+    row_bytes = sum(_nbytes(np.asarray(leaf)) for leaf in jax.tree.leaves(first))
+    chunks, covers = _chunks(length, row_bytes, "record")
+    for rows in chunks:
+        try:
+            records = read(rows)
+        except Exception as e:
+            return {**nothing, "covers": f"nothing (records {int(rows[0])} to "
+                    f"{int(rows[-1])} raised {type(e).__name__})"}  # fmt: skip
+        for record in records:
+            leaves, structure = jax.tree.flatten(record)
+            if structure not in structures:  # named once per structure: a third of the cost
+                structures.add(structure)
+                for path, leaf in jax.tree_util.tree_leaves_with_path(record):
+                    array = np.asarray(leaf)
+                    name = jax.tree_util.keystr(path)
+                    described.setdefault(name, _describe(array.shape, array.dtype))
+            for leaf in leaves:
+                _hash_value(digest, leaf, np.asarray(leaf))
+    return {**nothing, "fields": described, "digest": digest.hexdigest(), "covers": covers}
+
+
+def _chunks(length: int, row_bytes: int, unit: str) -> tuple[list[np.ndarray], str]:
+    """The reads that hash a source of ``length`` rows like one of ``row_bytes``: every
+    row in reads of about 16 MiB up to :data:`FULL_BYTES`, else one of the sampled rows;
+    and what they cover, in words."""
+    row_bytes = max(1, row_bytes)
+    if length * row_bytes > FULL_BYTES:
+        rows = _sampled(length)
+        return [rows], f"{len(rows)} sampled {unit}s"
+    step = max(1, _CHUNK_BYTES // row_bytes)
+    reads = [np.arange(i, min(i + step, length)) for i in range(0, length, step)]
+    return reads, f"every {unit}"
 
 
 def _nbytes(array: np.ndarray) -> int:
@@ -112,32 +176,43 @@ def _nbytes(array: np.ndarray) -> int:
 
 
 def difference(saved: dict[str, Any], here: dict[str, Any]) -> str | None:
-    """What differs between two fingerprints, in words; None if they match."""
+    """What differs between two fingerprints, in words, naming the source now (and the
+    one saved, if another kind); None if they match. Digests are compared where both
+    cover the same rows (a fingerprint from before a change of the bound is not)."""
     if saved["rows"] != here["rows"]:
-        return f"{saved['rows']} rows then, {here['rows']} now"
-    if saved["fields"] != here["fields"]:
-        changed = [
+        changed = f"{saved['rows']} rows then, {here['rows']} now"
+    elif saved["fields"] != here["fields"]:
+        changed = "fields (shape per row, dtype) " + "; ".join(
             f"{name}: {saved['fields'].get(name, 'absent')} then, "
             f"{here['fields'].get(name, 'absent')} now"
             for name in sorted(set(saved["fields"]) | set(here["fields"]))
             if saved["fields"].get(name) != here["fields"].get(name)
-        ]
-        return "fields (shape per row, dtype) " + "; ".join(changed)
-    if None not in (saved["digest"], here["digest"]) and saved["digest"] != here["digest"]:
-        return (
+        )
+    elif (
+        None not in (saved["digest"], here["digest"])
+        and saved.get("covers") == here.get("covers")
+        and saved["digest"] != here["digest"]
+    ):
+        changed = (
             f"the same shapes with other contents (SHA-256 of {here['covers']}: "
             f"{saved['digest'][:16]}... then, {here['digest'][:16]}... now)"
         )
-    return None
+    else:
+        return None
+    if "source" not in here:
+        return changed
+    then = saved.get("source")
+    was = f", saved from {then}" if then not in (None, here["source"]) else ""
+    return f"{changed}; the source is {here['source']}{was}"
 
 
 def _describe(shape: tuple[int, ...], dtype: Any) -> str:
     return f"{np.dtype(dtype).name}{list(shape)}"
 
 
-def _sampled(length: int, count: int | None = None) -> np.ndarray:
-    count = SAMPLED_ROWS if count is None else count
-    return np.unique(np.linspace(0, length - 1, min(length, count)).round().astype(np.int64))
+def _sampled(length: int) -> np.ndarray:
+    count = min(length, SAMPLED_ROWS)
+    return np.unique(np.linspace(0, length - 1, count).round().astype(np.int64))
 
 
 def _hash_field(digest: Any, leaf: Any, length: int, rows: np.ndarray | None) -> None:

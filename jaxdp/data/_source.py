@@ -34,6 +34,7 @@ from ._fingerprint import (
     fingerprint,
     memmapped_files,
     read_rows,
+    records_fingerprint,
 )
 from ._kinds import batched_records, hugging_face_columns, no_random_access
 
@@ -98,7 +99,7 @@ class Source:
         self._fingerprint: dict[str, Any] | None = None
         if self.fields is not None:
             # Taken now: a file changed later must not be hashed as this run's data.
-            self._fingerprint = fingerprint(self.fields, None, self.length)
+            self._fingerprint = fingerprint(self.fields, self.length)
 
     @property
     def fingerprint(self) -> dict[str, Any]:
@@ -109,9 +110,9 @@ class Source:
         checkpoint or a restore), since its reads may fail or count.
         """
         if self._fingerprint is None and self.columns is not None:
-            self._fingerprint = batched_fingerprint(self._columns, self.length)
+            self._fingerprint = batched_fingerprint(self._columns, self.length, source=self.source)
         elif self._fingerprint is None:
-            self._fingerprint = fingerprint(None, self.source, self.length)
+            self._fingerprint = records_fingerprint(self.source, self.length, batched=self.batched)
         return self._fingerprint
 
     def __len__(self) -> int:

@@ -1,16 +1,24 @@
-"""The collectives of a compiled program as a contract: how many run per call, of each kind."""
+"""The collectives of a compiled program as a contract: how many run per call, of each kind,
+in all of its calls or in those that take one side of its conditionals."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Literal
 
-from .._inspect import collectives, format_report
+from .._inspect import _BRANCHES, _CALLEE, Collective, _parse, collectives, format_report
 
 _KINDS = {
     "all_reduce": "all-reduce",
     "reduce_scatter": "reduce-scatter",
     "all_gather": "all-gather",
 }
+# A ``lax.cond`` lowers to a conditional of two branches, ``false_fun`` first (or, in
+# XLA's predicated form, a ``true_computation`` and a ``false_computation``): a jaxdp
+# step's ``lax.cond(ok, apply, keep)`` (the update, on CPU) and ``lax.cond(ends, ...)``
+# (a multisteps window's end) put the work in the true branch and the state kept in the
+# false one.
+_CONDITIONAL = re.compile(r"^conditional (.+)\[(\d+)\]$")
 
 
 def assert_collectives(
@@ -19,24 +27,45 @@ def assert_collectives(
     all_reduce: int | None = 0,
     reduce_scatter: int | None = 0,
     all_gather: int | None = 0,
+    branch: Literal["applied", "skipped"] | None = None,
 ) -> None:
     """Asserts how many collectives of each kind run per call of ``compiled``.
 
     Counts executions, not instructions: an all-reduce inside a ``lax.scan`` of 4
     steps counts 4 (see :func:`jaxdp.collectives`). A kind not named must not run at
-    all; ``None`` leaves it unchecked. A collective inside a conditional branch, or a
-    loop of unknown trip count, has no one count and fails the assertion.
+    all; ``None`` leaves it unchecked.
+
+    A collective inside a conditional runs only when its branch is taken, so without
+    ``branch`` it has no one count and fails the assertion ("found 0..1 per call").
+    ``branch`` counts the calls that take one side of every conditional of the
+    program: ``"applied"`` the true branch of each ``lax.cond`` (the update applied,
+    a multisteps window ended), ``"skipped"`` the false one (a step skipped for
+    non-finite gradients, a call inside a window); a collective in the other branch
+    then runs 0 times, one outside every conditional as usual. So a jaxdp step's
+    ``Parallel(zero_stage=1)`` "one reduce-scatter and one all-gather per step" reads
+    ``assert_collectives(compiled, reduce_scatter=1, all_gather=1, all_reduce=None,
+    branch="applied")``, and a skipped step gathers nothing (``all_gather=0,
+    branch="skipped"``). Off CPU the update's skip is a select, not a branch: its
+    collectives run in every call, and both sides count them.
 
     Args:
       compiled: ``jitted.lower(*args).compile()`` (for a jaxdp step:
         ``step.compile(state, batch)``) or its ``as_text()``.
       all_reduce, reduce_scatter, all_gather: the executions per call expected.
+      branch: which side of every two-way conditional the counted calls take; None
+        (the default): every call, so a collective in a branch fails.
 
     Raises:
-      ValueError: an expected count is not a non-negative integer.
+      ValueError: an expected count is not a non-negative integer or None, ``branch``
+        is not one of its values, or (with ``branch``) the program has a conditional
+        of more than two branches (a ``lax.switch``), which has no applied side.
       AssertionError: a count differs, with the table of every collective found.
     """
-    found = collectives(compiled)
+    if branch not in (None, "applied", "skipped"):
+        raise ValueError(f"branch={branch!r} must be 'applied', 'skipped' or None")
+    hlo = compiled if isinstance(compiled, str) else compiled.as_text()
+    found = collectives(hlo)
+    ways = _branch_counts(hlo) if branch is not None else {}
     expected = {
         "all_reduce": all_reduce,
         "reduce_scatter": reduce_scatter,
@@ -48,11 +77,53 @@ def assert_collectives(
             continue
         if type(want) is not int or want < 0:
             raise ValueError(f"{arg}={want!r} must be a non-negative integer or None")
-        runs = [c.executions for c in found if c.kind == _KINDS[arg]]
+        runs = [_runs(c, branch, ways) for c in found if c.kind == _KINDS[arg]]
         low, high = sum(lo for lo, _ in runs), sum(hi for _, hi in runs)
         if any(lo < 0 or lo != hi for lo, hi in runs):
-            wrong.append(f"{arg}={want}: found {low}..{high} per call (a branch or unknown loop)")
+            why = "an unknown loop" if branch else "a branch or unknown loop: see branch="
+            wrong.append(f"{arg}={want}: found {low}..{high} per call ({why})")
         elif low != want:
             wrong.append(f"{arg}={want}: found {low} per call")
     if wrong:
-        raise AssertionError("; ".join(wrong) + "\n" + format_report(found))
+        taken = f" (calls that take the {branch} branch)" if branch else ""
+        raise AssertionError("; ".join(wrong) + taken + "\n" + format_report(found))
+
+
+def _branch_counts(hlo: str) -> dict[str, tuple[int, int]]:
+    """``name -> (branches, index of the true branch)`` of each conditional of the program
+    (the index as :func:`jaxdp.collectives` numbers its branches in ``context``)."""
+    _, computations = _parse(hlo)
+    counts = {}
+    for instructions in computations.values():
+        for name, _, opcode, rest in instructions:
+            if opcode != "conditional":
+                continue
+            listed = _BRANCHES.search(rest)
+            if listed:  # an index: lax.cond's false_fun is branch 0
+                counts[name] = (len(listed.group(1).split(",")), 1)
+            else:  # a predicate: the branches in the order they are printed
+                order = [k for k, _ in _CALLEE.findall(rest) if k.endswith("_computation")]
+                counts[name] = (2, order.index("true_computation"))
+    return counts
+
+
+def _runs(
+    collective: Collective, branch: str | None, ways: dict[str, tuple[int, int]]
+) -> tuple[int, int]:
+    """``collective``'s executions per call, in the calls that take ``branch``."""
+    low, high = collective.executions
+    if branch is None:
+        return low, high
+    for where in collective.context:
+        conditional = _CONDITIONAL.match(where)
+        if conditional is None:
+            continue
+        count, true = ways[conditional.group(1)]
+        if count > 2:
+            raise ValueError(
+                f"branch={branch!r}: conditional {conditional.group(1)} has more than two "
+                "branches (a lax.switch): it has no applied and skipped side"
+            )
+        if (int(conditional.group(2)) == true) != (branch == "applied"):
+            return 0, 0
+    return high, high  # every conditional around it taken: its loops' count

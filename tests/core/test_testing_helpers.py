@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -98,3 +99,90 @@ def test_a_collective_in_a_branch_has_no_one_count():
 def test_a_bad_expected_count_is_refused_by_name():
     with pytest.raises(ValueError, match=r"all_gather=-1 must be a non-negative integer or None"):
         assert_collectives(summed(lambda x: jax.lax.psum(x, "data")), all_gather=-1)
+
+
+def zero_step(stage, *, path="fused", accum_steps=2):
+    """A ZeRO step on 4 devices of a linear model whose weight splits (8 rows of 4) and
+    whose bias stays whole (its 3 values do not divide by 4), with the call's batch."""
+    step = jaxdp.make_train_step(
+        lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2),
+        optax.adamw(1e-2),
+        mesh=jaxdp.data_mesh(4),
+        accum_steps=accum_steps,
+        path=path,
+        parallel=jaxdp.Parallel(zero_stage=stage),
+    )
+    state = step.init({"w": jnp.zeros((8, 3)), "b": jnp.zeros(3)})
+    rows = 4 * 2 * (accum_steps if path == "fused" else 1)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(rows, 8)), "y": rng.normal(size=(rows, 3))}
+    return step.compile(state, batch)
+
+
+def test_zero_1_is_one_reduce_scatter_and_one_all_gather_per_applied_step():
+    """README: ``Parallel(zero_stage=1)`` sends one reduce-scatter and one all-gather per
+    step. The all-gather of the updated shards sits in the update's branch: a step skipped
+    for non-finite gradients gathers nothing. The all-reduces (the whole bias, the loss and
+    weight sums, the norm's scalars) are left to test_zero.py's byte counts."""
+    compiled = zero_step(1, accum_steps=2)
+    assert_collectives(compiled, reduce_scatter=1, all_gather=1, all_reduce=None, branch="applied")
+    assert_collectives(compiled, reduce_scatter=1, all_gather=0, all_reduce=None, branch="skipped")
+    with pytest.raises(AssertionError, match=r"all_gather=1: found 0..1 per call \(a branch or"):
+        assert_collectives(compiled, reduce_scatter=1, all_gather=1, all_reduce=None)
+    with pytest.raises(AssertionError, match=r"all_gather=1: found 0 per call \(calls that take"):
+        assert_collectives(
+            compiled, reduce_scatter=1, all_gather=1, all_reduce=None, branch="skipped"
+        )
+
+
+def test_zero_2_reduce_scatters_every_micro_batch_and_gathers_once_per_applied_step():
+    """README: ``2`` shards the accumulator too: a reduce-scatter per micro-batch."""
+    compiled = zero_step(2, accum_steps=3)
+    expected = {"reduce_scatter": 3, "all_reduce": None}
+    assert_collectives(compiled, all_gather=1, **expected, branch="applied")
+    assert_collectives(compiled, all_gather=0, **expected, branch="skipped")
+
+
+def test_a_multisteps_call_inside_a_window_communicates_nothing_at_stage_1():
+    compiled = zero_step(1, path="multisteps", accum_steps=3)
+    assert_collectives(compiled, reduce_scatter=1, all_gather=1, all_reduce=None, branch="applied")
+    assert_collectives(compiled, branch="skipped")
+
+
+def test_branch_must_be_applied_skipped_or_none_and_a_switch_has_neither():
+    compiled = summed(lambda x: jax.lax.psum(x, "data"))
+    with pytest.raises(ValueError, match=r"branch='taken' must be 'applied', 'skipped' or None"):
+        assert_collectives(compiled, all_reduce=1, branch="taken")
+
+    def body(x):
+        ways = [lambda y: y, lambda y: y + jax.lax.psum(y, "data"), lambda y: 2 * y]
+        return jax.lax.switch(jnp.int32(x.sum() > 0), ways, x)
+
+    with pytest.raises(ValueError, match=r"conditional \S+ has more than two branches"):
+        assert_collectives(summed(body, varying=True), all_reduce=1, branch="applied")
+
+
+# XLA's predicated form of a two-way conditional: the true branch printed first.
+PREDICATED = """HloModule m
+
+%gather (a: f32[1]) -> f32[4] {
+  %a = f32[1]{0} parameter(0)
+  ROOT %g = f32[4]{0} all-gather(f32[1]{0} %a), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%keep (b: f32[1]) -> f32[4] {
+  %b = f32[1]{0} parameter(0)
+  ROOT %k = f32[4]{0} broadcast(f32[1]{0} %b), dimensions={0}
+}
+
+ENTRY %main (p: pred[], x: f32[1]) -> f32[4] {
+  %p = pred[] parameter(0)
+  %x = f32[1]{0} parameter(1)
+  ROOT %c = f32[4]{0} conditional(pred[] %p, f32[1]{0} %x, f32[1]{0} %x), BRANCHES
+}
+""".replace("BRANCHES", "true_computation=%gather, false_computation=%keep")
+
+
+def test_the_predicated_form_counts_its_true_branch_as_applied():
+    assert_collectives(PREDICATED, all_gather=1, branch="applied")
+    assert_collectives(PREDICATED, all_gather=0, branch="skipped")
