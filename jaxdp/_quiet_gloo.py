@@ -10,6 +10,11 @@ it at once cut it into pieces that land between the process's own lines
 the original stream, and the C-level file descriptor 1 goes through a pipe
 whose reader drops the note's pieces (and blank lines) and forwards everything else, whole
 lines, to the original stream.
+
+It changes the process, so the library never calls it (``jaxdp.initialize`` leaves fd 1
+alone): ``jaxdp launch``'s rank wrapper (:mod:`jaxdp.cli._rank`, which loads this file
+by its path: standard library only) and the pytest plugin's multi-process workers do,
+in processes of their own.
 """
 
 from __future__ import annotations
