@@ -22,6 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from ._checks import is_integer
 from ._mesh import data_mesh, emulate_cpu_devices
 
 ENV_COORDINATOR_ADDRESS = "JAXDP_COORDINATOR_ADDRESS"
@@ -145,11 +146,20 @@ class _Settings:
     def check(self) -> None:
         v, src = self.values, self.source
         for name in ("num_processes", "cpu_devices", "timeout_s", "heartbeat_timeout_s"):
-            if v[name] is not None and (not isinstance(v[name], int) or v[name] < 1):
+            if v[name] is not None and (not is_integer(v[name]) or v[name] < 1):
                 raise ValueError(f"{src[name]} must be a positive integer")
         pid, count = v["process_id"], v["num_processes"]
-        if pid is not None and (not isinstance(pid, int) or pid < 0):
+        if pid is not None and (not is_integer(pid) or pid < 0):
             raise ValueError(f"{src['process_id']} must be a non-negative integer")
+        ids = v["local_device_ids"]
+        if ids is not None and not all(is_integer(i) and i >= 0 for i in ids):
+            raise ValueError(f"{src['local_device_ids']} must be non-negative integers")
+        for name in ("num_processes", "process_id", "cpu_devices", "timeout_s"):
+            if v[name] is not None:
+                v[name] = int(v[name])
+        v["heartbeat_timeout_s"] = int(v["heartbeat_timeout_s"])
+        if ids is not None:
+            v["local_device_ids"] = [int(i) for i in ids]
         if pid is not None and count is not None and pid >= count:
             raise ValueError(
                 f"{src['process_id']} must be in [0, num_processes - 1] = [0, {count - 1}] "
