@@ -154,7 +154,7 @@ assert int(trained.step) == 4  # 64 rows, 16 a step
 """,
     },
     "scaling-out.md": {
-        1: """
+        2: """
 assert int(state.step) == 4 and checkpoints.steps == [2, 4]
 os.environ["JAXDP_RESTART_COUNT"] = "1"  # as a restarted group's process finds it
 again = train(epochs=3)  # resumes at step 4: the third epoch's 2 steps only
