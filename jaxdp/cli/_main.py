@@ -255,6 +255,11 @@ def _run_train(args: argparse.Namespace) -> int:
                 status = 130 if isinstance(e, KeyboardInterrupt) else 1
                 record_failure(status)
                 traceback.print_exc()
+                print(
+                    f"jaxdp train: process {jax.process_index()} ends on this "
+                    f"{type(e).__name__} at once; its peers stop when they miss its heartbeat",
+                    file=sys.stderr,
+                )
                 _exit_now(status)
         say(report())
     if args.summary_out and jax.process_index() == 0:

@@ -1,9 +1,9 @@
 """How ``jaxdp launch`` runs a Python rank: ``python _rank.py SCRIPT ARGS`` or
 ``python _rank.py -m MODULE ARGS``, as ``python SCRIPT ARGS`` or ``python -m MODULE ARGS``
 would, but a failure ends the process at once, its start is recorded for the launcher,
-and gloo's connection note is kept out of its stdout. The launcher's own process may
-do what the library may not (change the excepthook's effect, fd 1): ``jaxdp.initialize``
-leaves the process as it found it.
+and gloo's connection note is kept out of its stdout. This wrapper is jaxdp's own
+process, so it may do what the library may not (end the process on a failure, route
+fd 1): ``jaxdp.initialize`` leaves the process as it found it.
 
 A failing rank of a multi-process JAX run ends at once: with an uncaught exception
 (status 1, 130 for KeyboardInterrupt, after its traceback) or a non-zero ``sys.exit``
