@@ -17,11 +17,6 @@ from typing import Any as _Any
 from ._distributed import initialize as initialize
 from ._forward import LossReduction as LossReduction
 from ._frozen import Trainable as Trainable
-from ._inspect import AllReduce as AllReduce
-from ._inspect import Collective as Collective
-from ._inspect import all_reduces as all_reduces
-from ._inspect import collectives as collectives
-from ._inspect import format_report as format_report
 from ._layout import BatchSizes as BatchSizes
 from ._layout import EpochSchedule as EpochSchedule
 from ._layout import LastWindow as LastWindow
@@ -87,24 +82,24 @@ __all__ = [
     "LossReduction",
     "BatchStats",
     "Trainable",
-    # Inspection of compiled steps
-    "all_reduces",
-    "AllReduce",
-    "collectives",
-    "Collective",
-    "format_report",
 ]
 
 # The tools, imported on first use (``jaxdp.checkpoint.Checkpoints`` after ``import jaxdp``).
 _SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "models", "parity", "plan", "testing"})
+# Names that moved to a tool after jaxdp 0.3.0, still found here for one release (with a
+# DeprecationWarning): the inspection of compiled programs is a testing tool.
+_MOVED = {
+    name: "testing"
+    for name in ("all_reduces", "AllReduce", "collectives", "Collective", "format_report")
+}
 
 
 def __getattr__(name: str) -> _Any:
     if name in _SUBPACKAGES:
         return _importlib.import_module(f"{__name__}.{name}")
-    if name == "AccumState":  # jaxdp 0.2's name of the open window's record
-        import warnings
+    import warnings
 
+    if name == "AccumState":  # jaxdp 0.2's name of the open window's record
         warnings.warn(
             "jaxdp.AccumState is deprecated: the open window is jaxdp.Window since jaxdp 0.3",
             DeprecationWarning,
@@ -113,6 +108,15 @@ def __getattr__(name: str) -> _Any:
         return Window
     if name in ("torch_to_params", "params_to_torch"):  # jaxdp 0.2's names
         return _moved_to_parity(name)
+    if name in _MOVED:
+        tool = _MOVED[name]
+        warnings.warn(
+            f"jaxdp.{name} is deprecated: use jaxdp.{tool}.{name} (moved after jaxdp 0.3.0; "
+            "the old name is removed one release later)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(_importlib.import_module(f"{__name__}.{tool}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -121,8 +125,9 @@ def _moved_to_parity(name: str) -> _Any:
     import warnings
 
     warnings.warn(
-        f"jaxdp.{name} is deprecated: it is jaxdp.parity.{name} since jaxdp 0.3, which "
-        "reads each weight's layout from the torch module (torch_to_params(model, like))",
+        f"jaxdp.{name} is deprecated: use jaxdp.parity.{name} (moved after jaxdp 0.3.0; it "
+        "reads each weight's layout from the torch module, torch_to_params(model, like); the "
+        "old name is removed one release later)",
         DeprecationWarning,
         stacklevel=3,
     )

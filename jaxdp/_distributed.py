@@ -22,8 +22,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from ._checks import is_integer
 from ._mesh import data_mesh, emulate_cpu_devices
-from ._quiet_gloo import quiet_gloo_notes
 
 ENV_COORDINATOR_ADDRESS = "JAXDP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXDP_NUM_PROCESSES"
@@ -88,16 +88,15 @@ def initialize(
       ``data_mesh()``: every device of every process, ordered by process, so
       process ``p`` owns a contiguous block of data-parallel ranks.
 
-    On CPU, gloo's C++ connection note (``[Gloo] Rank 1 is connected to 3 peer
-    ranks ...``) is kept out of the process's stdout: Python's ``sys.stdout``
-    keeps the stream and the C-level stdout is filtered (see
-    :mod:`jaxdp._quiet_gloo`).
-
-    After a multi-process start, an uncaught exception ends its process at once
-    (status 1, 130 for KeyboardInterrupt) instead of waiting ``timeout_s`` in
-    JAX's shutdown barrier while its peers block in a collective; the peers then
-    end within ``heartbeat_timeout_s`` (under ``jaxdp launch``, within its
-    ``--grace-s``).
+    Nothing else of the process changes: its ``sys.excepthook``, signal
+    handlers and file descriptors stay as they were. ``jaxdp launch`` does two
+    things in each rank it runs (:mod:`jaxdp.cli._rank`): a rank that fails
+    (an uncaught exception, a non-zero ``sys.exit``) ends at once instead of
+    waiting ``timeout_s`` in JAX's shutdown barrier while its peers block in a
+    collective, and gloo's C++ connection note (``[Gloo] Rank 1 is connected
+    to 3 peer ranks ...``) is kept out of its stdout. Without the launcher, a
+    failing process ends after ``timeout_s`` and its peers
+    ``heartbeat_timeout_s`` later (docs/scaling-out.md).
 
     Raises:
       ValueError: a setting is malformed or out of range (naming it and where it
@@ -147,11 +146,20 @@ class _Settings:
     def check(self) -> None:
         v, src = self.values, self.source
         for name in ("num_processes", "cpu_devices", "timeout_s", "heartbeat_timeout_s"):
-            if v[name] is not None and (not isinstance(v[name], int) or v[name] < 1):
+            if v[name] is not None and (not is_integer(v[name]) or v[name] < 1):
                 raise ValueError(f"{src[name]} must be a positive integer")
         pid, count = v["process_id"], v["num_processes"]
-        if pid is not None and (not isinstance(pid, int) or pid < 0):
+        if pid is not None and (not is_integer(pid) or pid < 0):
             raise ValueError(f"{src['process_id']} must be a non-negative integer")
+        ids = v["local_device_ids"]
+        if ids is not None and not all(is_integer(i) and i >= 0 for i in ids):
+            raise ValueError(f"{src['local_device_ids']} must be non-negative integers")
+        for name in ("num_processes", "process_id", "cpu_devices", "timeout_s"):
+            if v[name] is not None:
+                v[name] = int(v[name])
+        v["heartbeat_timeout_s"] = int(v["heartbeat_timeout_s"])
+        if ids is not None:
+            v["local_device_ids"] = [int(i) for i in ids]
         if pid is not None and count is not None and pid >= count:
             raise ValueError(
                 f"{src['process_id']} must be in [0, num_processes - 1] = [0, {count - 1}] "
@@ -234,10 +242,6 @@ def _start(s: _Settings) -> None:
         ) from e
     finally:
         watchdog.cancel()
-    if jax.process_count() > 1:
-        sys.excepthook = _ExitAtOnce(sys.excepthook)
-        if jax.devices()[0].platform == "cpu":
-            quiet_gloo_notes()  # the CPU collectives' connection note
 
 
 def _check_port_free(address: str, source: str) -> None:
@@ -268,22 +272,3 @@ def _check_port_free(address: str, source: str) -> None:
             f"{source}: process 0 runs the coordinator on port {port}, which is in use on "
             f"this machine ({busy}); choose a free port"
         )
-
-
-class _ExitAtOnce:
-    """An excepthook that reports, then ends the process without JAX's shutdown barrier."""
-
-    def __init__(self, previous: Callable[..., Any]):
-        self.previous = previous
-
-    def __call__(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        status = 130 if issubclass(kind, KeyboardInterrupt) else 1
-        self.previous(kind, value, tb)
-        print(
-            f"jaxdp: process {jax.process_index()} ends on this {kind.__name__} at once; "
-            "its peers stop when they miss its heartbeat",
-            file=sys.stderr,
-        )
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)

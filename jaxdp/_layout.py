@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import jax
 import numpy as np
 
+from ._checks import is_integer
 from ._sampler import DistributedSampler, Permutation, numpy_permutation
 
 if TYPE_CHECKING:
@@ -50,8 +51,19 @@ def batch_sizes(
         ``num_devices * accum_steps``.
     """
     for name, value in (("num_devices", num_devices), ("accum_steps", accum_steps)):
-        if not isinstance(value, int) or value < 1:
+        if not is_integer(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
+    for name, value in (
+        ("micro_batch_size", micro_batch_size),
+        ("global_batch_size", global_batch_size),
+    ):
+        if value is not None and not is_integer(value):
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    num_devices, accum_steps = int(num_devices), int(accum_steps)
+    if global_batch_size is not None:
+        global_batch_size = int(global_batch_size)
+    if micro_batch_size is not None:
+        micro_batch_size = int(micro_batch_size)
     per_step = num_devices * accum_steps
     if global_batch_size is not None:
         if global_batch_size < 1 or global_batch_size % per_step:

@@ -31,8 +31,9 @@ def emulate_cpu_devices(num_devices: int) -> None:
       ValueError: ``num_devices`` is not a positive integer.
       RuntimeError: the backend already started with another device count.
     """
-    if not isinstance(num_devices, int) or num_devices < 1:
+    if not is_integer(num_devices) or num_devices < 1:
         raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
+    num_devices = int(num_devices)
     try:
         jax.config.update("jax_num_cpu_devices", num_devices)
     except RuntimeError:

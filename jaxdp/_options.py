@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from ._checks import is_integer
 from ._forward import LossReduction
 from ._frozen import Trainable, skip_unused
 from ._model_state import BatchStats
@@ -57,8 +58,9 @@ class Parallel:
     strategy: Strategy = "shard_map"
 
     def __post_init__(self) -> None:
-        if self.zero_stage not in (0, 1, 2) or isinstance(self.zero_stage, bool):
+        if not is_integer(self.zero_stage) or self.zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1 or 2")
+        object.__setattr__(self, "zero_stage", int(self.zero_stage))
         if self.strategy not in ("shard_map", "pmap"):
             raise ValueError(f"strategy={self.strategy!r} must be one of ('shard_map', 'pmap')")
         if self.comm_dtype is not None and _dtype_or_none(self.comm_dtype) != jnp.bfloat16:
@@ -95,8 +97,10 @@ class Skips:
 
     def __post_init__(self) -> None:
         limit = self.max_consecutive
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
+        if limit is not None and (not is_integer(limit) or limit < 1):
             raise ValueError(f"max_consecutive_skips={limit!r} must be a positive integer or None")
+        if limit is not None:
+            object.__setattr__(self, "max_consecutive", int(limit))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,8 +124,13 @@ class StepOptions:
 
     def __post_init__(self) -> None:
         _check_objects(self.loss_fn, self.optimizer, self.mesh)
-        if not isinstance(self.accum_steps, int) or self.accum_steps < 1:
+        if not is_integer(self.accum_steps) or self.accum_steps < 1:
             raise ValueError(f"accum_steps={self.accum_steps!r} must be a positive integer")
+        object.__setattr__(self, "accum_steps", int(self.accum_steps))
+        if self.rng_seed is not None and not is_integer(self.rng_seed):
+            raise ValueError(f"rng_seed={self.rng_seed!r} must be an integer or None")
+        if self.rng_seed is not None:
+            object.__setattr__(self, "rng_seed", int(self.rng_seed))
         for name, allowed in (
             ("path", ("fused", "multisteps")),
             ("loss_reduction", ("mean", "weighted")),

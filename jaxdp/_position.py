@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ._checks import is_integer
 from ._layout import BatchSizes
 
 
@@ -42,6 +43,8 @@ def resume_position(
     at the step holding the first unseen row, so up to ``G - 1`` rows of the
     epoch are seen twice. Past the epoch's last step: the next epoch's start.
     """
+    if not is_integer(steps_per_epoch) or steps_per_epoch < 1:
+        raise ValueError(f"steps_per_epoch={steps_per_epoch!r} must be a positive integer")
     epoch, step, micro = position
     if saved.global_batch_size != sizes.global_batch_size:
         assert micro == 0, "checked by check_compatible"

@@ -10,6 +10,11 @@ it at once cut it into pieces that land between the process's own lines
 the original stream, and the C-level file descriptor 1 goes through a pipe
 whose reader drops the note's pieces (and blank lines) and forwards everything else, whole
 lines, to the original stream.
+
+It changes the process, so the library never calls it (``jaxdp.initialize`` leaves fd 1
+alone): ``jaxdp launch``'s rank wrapper (:mod:`jaxdp.cli._rank`, which loads this file
+by its path: standard library only) and the pytest plugin's multi-process workers do,
+in processes of their own.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import re
 import sys
 import threading
 
+# Written through the pipe at exit, after C's buffer: the reader has forwarded everything
+# before it once it reads it, also while a child process still holds the pipe open.
+_DRAINED = b"\0jaxdp: drained\0"
 _PIECES = re.compile(
     r"\[Gloo\] Rank |is connected to|peer ranks\.|Expected number of connected peer ranks is :"
 )
@@ -64,28 +72,46 @@ def quiet_gloo_notes() -> bool:
         errors=old.errors,
         line_buffering=unbuffered or old.line_buffering,
     )
-    pump = threading.Thread(target=_forward, args=(read, original), daemon=True)
+    drained = threading.Event()
+    pump = threading.Thread(target=_forward, args=(read, original, drained), daemon=True)
     pump.start()
-    atexit.register(_drain, original, pump)
+    atexit.register(_drain, original, drained)
     return True
 
 
-def _forward(read: int, out: int) -> None:
+def _forward(read: int, out: int, drained: threading.Event) -> None:
     pending = b""
     while chunk := os.read(read, 65536):
-        *lines, pending = (pending + chunk).split(b"\n")
-        kept = [x for x in lines if not is_gloo_note(x.decode(errors="replace"))]
-        if kept:
-            os.write(out, b"".join(x + b"\n" for x in kept))
-    if pending and not is_gloo_note(pending.decode(errors="replace")):
-        os.write(out, pending)
+        pending += chunk
+        if _DRAINED in pending:  # the process exits: what it wrote before the mark goes out
+            before, _, pending = pending.partition(_DRAINED)
+            *lines, last = before.split(b"\n")
+            _write(out, lines, last)
+            drained.set()
+        *lines, pending = pending.split(b"\n")
+        _write(out, lines)
+    _write(out, [], pending)
     os.close(read)
+    drained.set()
 
 
-def _drain(original: int, pump: threading.Thread) -> None:
-    """Flushes C's stdout buffer into the pipe, closes it and waits for the reader."""
+def _write(out: int, lines: list[bytes], last: bytes = b"") -> None:
+    """Writes ``lines`` (each with its newline) and ``last`` (without one), less gloo's note."""
+    text = b"".join(x + b"\n" for x in lines if not is_gloo_note(x.decode(errors="replace")))
+    if last and not is_gloo_note(last.decode(errors="replace")):
+        text += last
+    if text:
+        os.write(out, text)
+
+
+def _drain(original: int, drained: threading.Event) -> None:
+    """Flushes C's stdout buffer into the pipe, marks its end and waits for the reader to
+    forward everything before the mark (not for the pipe's end: a child process the
+    program started may hold it open)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL(None).fflush(None)
     sys.stdout.flush()
-    os.dup2(original, 1)  # the pipe's last write end: the reader sees its end
-    pump.join(timeout=5)
+    with contextlib.suppress(OSError):
+        os.write(1, _DRAINED)
+    os.dup2(original, 1)  # this process's last write end of the pipe
+    drained.wait(timeout=5)

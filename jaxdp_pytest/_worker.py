@@ -80,8 +80,10 @@ class Worker:
         try:
             if self.processes > 1:
                 import jaxdp
+                from jaxdp._quiet_gloo import quiet_gloo_notes
 
                 jaxdp.initialize()
+                quiet_gloo_notes()  # the worker's own process: gloo's note stays out of its log
             devices = jax.local_devices()
         except Exception as e:  # reported with every test of this worker
             return f"JAX did not start: {type(e).__name__}: {e}"

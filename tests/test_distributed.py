@@ -289,8 +289,8 @@ def test_aux_metrics_average_over_every_process_as_the_loss():
 
 
 def test_an_uncaught_exception_on_one_of_two_processes_ends_the_launch_at_once(tmp_path):
-    # Without jaxdp.initialize's excepthook, rank 1 would sit in JAX's shutdown
-    # barrier for timeout_s (300 s here) while rank 0 blocks in its collective.
+    # Without jaxdp launch's rank wrapper (jaxdp/cli/_rank.py), rank 1 would sit in JAX's
+    # shutdown barrier for timeout_s (300 s here) while rank 0 blocks in its collective.
     start = time.monotonic()
     done = run_script(
         tmp_path,

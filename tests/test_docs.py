@@ -79,11 +79,11 @@ expected = float((y.astype(np.float64) ** 2 * mask).sum() / mask.sum())
 assert abs(float(metrics["loss"]) - expected) < 1e-5, (float(metrics["loss"]), expected)
 """,
         3: """
-reduces = jaxdp.all_reduces(step.compile(state, (x, y, mask)))
+reduces = jaxdp.testing.all_reduces(step.compile(state, (x, y, mask)))
 assert [(r.bytes, r.executions) for r in reduces] == [(24, (1, 1))], reduces
 """,
         4: """
-found = {c.kind: c for c in jaxdp.collectives(zero.compile(zero_state, batch))}
+found = {c.kind: c for c in jaxdp.testing.collectives(zero.compile(zero_state, batch))}
 assert found["reduce-scatter"].bytes == found["all-gather"].bytes == 96, found
 assert found["all-reduce"].bytes == 24 and zero_state.opt_state[0].mu["w"].shape == (6, 4)
 """,
@@ -96,7 +96,7 @@ for name, tree in [("params", mixed_state.params), ("mu", adam.mu), ("nu", adam.
     assert {str(x.dtype) for x in jax.tree.leaves(tree)} == {"float32"}, name
 assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(window.grads))
 assert set(re.findall(r"(\\w+)\\[[\\d,]*\\]\\{[\\d,]*\\} dot\\(", hlo)) == {"bf16"}
-wire = [c.shapes[0] for c in jaxdp.collectives(hlo)]
+wire = [c.shapes[0] for c in jaxdp.testing.collectives(hlo)]
 assert wire == ["bf16[16]", "bf16[4,16]", "bf16[1]", "bf16[16,1]", "f32[]", "f32[]"], wire
 """,
         6: """
@@ -114,7 +114,7 @@ np.testing.assert_allclose(rates, [0.0, 0.025, 0.05], rtol=2**-23, atol=0)
         1: """
 assert state.params["b"].tolist() == [1.0]
 assert isinstance(state.opt_state[0].mu["b"], optax.MaskedNode)
-assert [r.bytes for r in jaxdp.all_reduces(step.compile(state, batch))] == [24]
+assert [r.bytes for r in jaxdp.testing.all_reduces(step.compile(state, batch))] == [24]
 """,
         3: """
 assert isinstance(trained, LinenNet) and len(jax.tree.leaves(linen_state.params)) == 6
@@ -160,7 +160,7 @@ assert int(trained.step) == 4  # 64 rows, 16 a step
 """,
     },
     "scaling-out.md": {
-        1: """
+        2: """
 assert int(state.step) == 4 and checkpoints.steps == [2, 4]
 os.environ["JAXDP_RESTART_COUNT"] = "1"  # as a restarted group's process finds it
 again = train(epochs=3)  # resumes at step 4: the third epoch's 2 steps only

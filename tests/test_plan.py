@@ -280,7 +280,7 @@ def test_estimate_within_20_percent_of_xla(name, kwargs, micro_batch_size, accum
     assert actual.arguments - arguments == 3 * 4 + 4 + 4 * accum_steps
     assert abs(arguments + temporaries - actual.total) <= 0.2 * actual.total
     # The one all-reduce carries the fp32 gradient sums and two fp32 scalars.
-    reduces = jaxdp.all_reduces(compiled)
+    reduces = jaxdp.testing.all_reduces(compiled)
     assert sum(r.bytes * r.executions[1] for r in reduces) == plan.allreduce_bytes + 8
 
 

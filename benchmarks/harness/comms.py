@@ -2,7 +2,7 @@
 
 For the fused path, the multisteps path and a deliberately naive step that
 all-reduces every micro-batch's gradient (kept here, never in the library),
-the compiled programs are read with :func:`jaxdp.all_reduces`: each
+the compiled programs are read with :func:`jaxdp.testing.all_reduces`: each
 all-reduce's payload times how often it runs. The multisteps all-reduce sits
 in a conditional branch taken only on the emitting call; which calls emit is
 observed by running ``2 K`` calls. The ring model turns payloads into time at
@@ -89,7 +89,8 @@ def measure_model(bm: BenchModel, accum_steps: Sequence[int], mesh: Any) -> dict
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdp import all_reduces, make_train_step
+    from jaxdp import make_train_step
+    from jaxdp.testing import all_reduces
 
     module = bm.make()
     n = mesh.devices.size

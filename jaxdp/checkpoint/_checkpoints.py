@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import orbax.checkpoint as ocp
 
+from .._checks import is_integer
 from .._layout import BatchSizes
 from .._position import SamplerPosition
 from .._train_state import TrainState, check_live
@@ -92,11 +93,13 @@ class Checkpoints:
     """
 
     def __init__(self, directory: str | pathlib.Path, *, keep: int | None = 3, verify: bool = True):
-        if keep is not None and (not isinstance(keep, int) or keep < 1):
+        if keep is not None and (not is_integer(keep) or keep < 1):
             raise ValueError(f"keep={keep!r} must be a positive integer, or None to keep all")
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify={verify!r} must be True or False")
         self.directory = pathlib.Path(directory).absolute()
         check_is_directory(directory, name="directory")
-        self.keep = keep
+        self.keep = None if keep is None else int(keep)
         self.verify = verify
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,

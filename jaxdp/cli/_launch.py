@@ -25,6 +25,7 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from typing import IO, Any
 
+from .._checks import is_integer
 from .._distributed import (
     ENV_COORDINATOR_ADDRESS,
     ENV_CPU_DEVICES,
@@ -187,16 +188,18 @@ def _check(
     max_restarts: int,
     hang_timeout_s: float | None,
 ) -> None:
-    if not isinstance(nprocs, int) or nprocs < 1:
+    if not is_integer(nprocs) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
-    if devices_per_process is not None and devices_per_process < 1:
+    if devices_per_process is not None and (
+        not is_integer(devices_per_process) or devices_per_process < 1
+    ):
         raise ValueError(f"devices_per_process={devices_per_process!r} must be at least 1")
     if not 0 <= grace_s < float("inf"):  # NaN included
         raise ValueError(f"grace_s={grace_s!r} must be a finite number of seconds >= 0")
     for name, value in (("timeout_s", timeout_s), ("heartbeat_timeout_s", heartbeat_timeout_s)):
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is not None and (not is_integer(value) or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive integer (seconds)")
-    if not isinstance(max_restarts, int) or max_restarts < 0:
+    if not is_integer(max_restarts) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r} must be an integer >= 0")
     if hang_timeout_s is not None and not 0 < hang_timeout_s < float("inf"):
         raise ValueError(f"hang_timeout_s={hang_timeout_s!r} must be a finite number of seconds >0")

@@ -12,6 +12,7 @@ import os
 import pathlib
 import signal
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
@@ -246,6 +247,20 @@ def _run_train(args: argparse.Namespace) -> int:
                 print(f"jaxdp train: error: {e}", file=sys.stderr)
                 stack.close()  # releases the checkpoint directory's lock
                 _exit_now(1)
+            except (Exception, KeyboardInterrupt) as e:
+                if jax.process_count() == 1:
+                    raise
+                # Not in JAX's shutdown barrier while the peers block in a collective
+                # (under another launcher than jaxdp launch, whose ranks do the same).
+                status = 130 if isinstance(e, KeyboardInterrupt) else 1
+                record_failure(status)
+                traceback.print_exc()
+                print(
+                    f"jaxdp train: process {jax.process_index()} ends on this "
+                    f"{type(e).__name__} at once; its peers stop when they miss its heartbeat",
+                    file=sys.stderr,
+                )
+                _exit_now(status)
         say(report())
     if args.summary_out and jax.process_index() == 0:
         with open(args.summary_out, "w") as f:
@@ -317,8 +332,9 @@ def _start(args: argparse.Namespace) -> TrainConfig:
 
 
 def _exit_now(status: int) -> NoReturn:
-    """Exits with ``status``, at once with several processes (as jaxdp.initialize's excepthook):
-    a failure that reached this process alone must not wait in JAX's shutdown barrier."""
+    """Exits with ``status``, at once with several processes (as jaxdp launch's ranks do on
+    an uncaught exception, :mod:`jaxdp.cli._rank`): a failure that reached this process
+    alone must not wait in JAX's shutdown barrier."""
     import jax
 
     if jax.process_count() > 1:

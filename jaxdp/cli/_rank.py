@@ -1,22 +1,29 @@
 """How ``jaxdp launch`` runs a Python rank: ``python _rank.py SCRIPT ARGS`` or
 ``python _rank.py -m MODULE ARGS``, as ``python SCRIPT ARGS`` or ``python -m MODULE ARGS``
-would, but a non-zero ``sys.exit`` ends the process at once, and a failure's start
-is recorded for the launcher.
+would, but a failure ends the process at once, its start is recorded for the launcher,
+and gloo's connection note is kept out of its stdout. This wrapper is jaxdp's own
+process, so it may do what the library may not (end the process on a failure, route
+fd 1): ``jaxdp.initialize`` leaves the process as it found it.
 
-``sys.exit(3)`` raises SystemExit, which no excepthook sees; after it the
-interpreter runs JAX's exit handler, whose shutdown barrier waits for every
-process. Its peers are blocked in a collective that waits for it, so it sat there
-``timeout_s`` (100 s) and JAX then aborted it (134): the 3 was lost. Here, in a
-multi-process JAX run, it exits with its own status at once, as
-:func:`jaxdp.initialize`'s excepthook does for an uncaught exception.
+A failing rank of a multi-process JAX run ends at once: with an uncaught exception
+(status 1, 130 for KeyboardInterrupt, after its traceback) or a non-zero ``sys.exit``
+(its own status). Otherwise the interpreter runs JAX's exit handler, whose shutdown
+barrier waits for every process while its peers are blocked in a collective that
+waits for it: it sat there ``timeout_s`` (100 s) and JAX then aborted it (134), the
+status lost; no heartbeat failed meanwhile, so the launch hung that long.
 
 Before the rank's code runs, its heartbeat starts (the launcher finds a stopped
 rank by it). A non-zero ``sys.exit`` or an uncaught exception is recorded first
 (:mod:`jaxdp.cli._launch_link`): its peers fail when this process ends, and the
 launcher, which may reap them first, names the rank whose failure began first.
 
+In a launch of several processes, the C-level stdout goes through
+:func:`jaxdp._quiet_gloo.quiet_gloo_notes` before the rank's code runs: on CPU, gloo's
+C++ code writes a connection note there from several threads at once, cut into pieces
+between the rank's own lines. (It is harmless where gloo never speaks, on GPUs.)
+
 Run as a file, not ``-m jaxdp...``: nothing of jaxdp (or JAX) is imported before
-the rank's own code; the record's module is loaded by its path.
+the rank's own code; the modules it needs (stdlib only) are loaded by their paths.
 """
 
 import importlib.util
@@ -27,9 +34,8 @@ import sys
 import types
 
 
-def _load_launch_link() -> types.ModuleType:
-    path = pathlib.Path(__file__).parent / "_launch_link.py"
-    spec = importlib.util.spec_from_file_location("_jaxdp_launch_link", path)
+def _load(path: pathlib.Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_jaxdp_rank{path.stem}", path)
     assert spec is not None and spec.loader is not None  # a .py file that ships with jaxdp
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -37,9 +43,13 @@ def _load_launch_link() -> types.ModuleType:
 
 
 def main() -> None:
-    link = _load_launch_link()
+    here = pathlib.Path(__file__).parent
+    link = _load(here / "_launch_link.py")
     if beat := os.environ.get(link.ENV_HEARTBEAT_FILE):
         link.start_heartbeat(beat)  # alive from the start: importing JAX can take seconds
+    processes = os.environ.get("JAXDP_NUM_PROCESSES", "")  # set by jaxdp launch
+    if processes.isdigit() and int(processes) > 1:
+        _load(here.parent / "_quiet_gloo.py").quiet_gloo_notes()
     record = link.record_failure
     args = sys.argv[1:]
     try:
@@ -63,9 +73,21 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
-    except BaseException as e:  # the interpreter reports it: 1, or SIGINT's 130
-        record(130 if isinstance(e, KeyboardInterrupt) else 1)
-        raise
+    except BaseException as e:  # reported as the interpreter would: 1, or SIGINT's 130
+        status = 130 if isinstance(e, KeyboardInterrupt) else 1
+        record(status)
+        if not _in_a_multi_process_run():
+            raise
+        sys.excepthook(type(e), e, e.__traceback__)
+        jax = sys.modules["jax"]
+        print(
+            f"jaxdp: process {jax.process_index()} ends on this {type(e).__name__} at once; "
+            "its peers stop when they miss its heartbeat",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def _in_a_multi_process_run() -> bool:

@@ -131,6 +131,8 @@ class Loader:
         self.read_timeout_s = read_timeout_s
         if epochs is not None and (not is_integer(epochs) or epochs < 1):
             raise ValueError(f"epochs={epochs!r} must be a positive integer or None (endless)")
+        if not is_integer(seed) or seed < 0:  # before the schedule, whose error says rows
+            raise ValueError(f"seed={seed!r} must be a non-negative integer")
         self.source = Source(source, transform)
         self.sizes, self.mesh, self.path = sizes, mesh, path
         self.share = process_share(mesh, sizes)

@@ -23,7 +23,7 @@ from flax import linen, nnx
 from .._mesh import data_mesh
 from .._model_kinds import as_trainable
 from .._model_state import batch_norm_modules
-from .._options import AccumulationPath, fold
+from .._options import AccumulationPath
 from .._step import make_train_step
 from ._frameworks import LINEN, framework_of, train_mode
 from ._mapping import Mapping_, WeightMap, build_weight_map, jax_leaves
@@ -35,6 +35,7 @@ from ._runner import (
     check_config,
     torch_config,
     train_steps,
+    with_groups,
 )
 
 Loss = str | Callable[..., Any] | tuple[Any, Any]
@@ -83,7 +84,8 @@ class Port:
 
     def step_kwargs(self) -> dict[str, Any]:
         """make_train_step's options: the configured strategy, BatchNorm as DDP's, torch's
-        frozen tensors, the user's (either spelling) over them."""
+        frozen tensors, the user's over them (``parallel=`` and ``skips=`` groups taken
+        whole)."""
         kwargs: dict[str, Any] = {}
         stats = any(not leaf.param for leaf in self.weights.jax_leaves.values())
         if batch_norm_modules(self.jax_module) or (self.weights.framework is LINEN and stats):
@@ -92,7 +94,7 @@ class Port:
             frozen = self.weights.frozen
             core_name = self.weights.framework.core_name
             kwargs["trainable"] = lambda path, value: core_name(".".join(path)) not in frozen
-        return fold({**kwargs, **self.step_options}, parallel={"strategy": self.config.strategy})
+        return with_groups({**kwargs, **self.step_options}, strategy=self.config.strategy)
 
 
 def prepare(

@@ -27,7 +27,7 @@ from .._layout import (
 )
 from .._mesh import data_mesh
 from .._model_state import batch_norm_modules
-from .._options import AccumulationPath, Strategy, fold
+from .._options import AccumulationPath, Parallel, Skips, Strategy
 from .._sampler import Permutation
 from .._step import make_train_step
 from ..models import TRAINABLE, build_model, model_loss
@@ -200,15 +200,25 @@ def _run_jaxdp(
         batch_stats=batch_stats,
         trainable=TRAINABLE.get(config.model),
         # torch's optimizers skip the parameters DDP leaves without a gradient.
-        **fold(
-            options,
-            parallel={"strategy": config.strategy},
-            skips={"unused": config.model in UNUSED_BRANCH},
-        ),
+        **with_groups(options, strategy=config.strategy, unused=config.model in UNUSED_BRANCH),
     )
     # torch_ref's models are nn.Linear and nn.Conv layers: [out, in, *k].
     state = step.init(torch_to_params(initial, model, layouts="out_in"))
     return train_steps(config, step, state, data, permutation, params_to_torch)
+
+
+def with_groups(
+    options: dict[str, Any], *, strategy: Strategy, unused: bool | None = None
+) -> dict[str, Any]:
+    """:func:`jaxdp.make_train_step`'s keywords: ``options`` with the option groups the
+    comparison implies where they give none, ``Parallel(strategy=strategy)`` and (if
+    ``unused`` is set) ``Skips(unused=unused)``. A group given is taken whole."""
+    out = dict(options)
+    if out.get("parallel") is None:
+        out["parallel"] = Parallel(strategy=strategy)
+    if unused is not None and out.get("skips") is None:
+        out["skips"] = Skips(unused=unused)
+    return out
 
 
 def train_steps(

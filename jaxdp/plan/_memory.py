@@ -22,6 +22,8 @@ import math
 import re
 from typing import NamedTuple
 
+from .._checks import is_integer
+
 
 class DtypePolicy(NamedTuple):
     """Bytes per parameter of each part of the training state."""
@@ -116,7 +118,7 @@ def ring_all_reduce_bytes(payload_bytes: float, num_devices: int) -> float:
     A ring all-reduce is a reduce-scatter then an all-gather, each moving
     ``(N-1)/N`` of the payload through every device's link (it receives as much).
     """
-    if not isinstance(num_devices, int) or num_devices < 1:
+    if not is_integer(num_devices) or num_devices < 1:
         raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
     return 2 * (num_devices - 1) / num_devices * payload_bytes
 
@@ -256,12 +258,14 @@ def plan_memory(
         link_bandwidth = parse_bytes(link_bandwidth, name="link_bandwidth")
     _check_choice("policy", policy, DTYPE_POLICIES)
     _check_choice("optimizer", optimizer, OPTIMIZER_MOMENTS)
-    if not isinstance(num_devices, int) or num_devices < 1:
+    if not is_integer(num_devices) or num_devices < 1:
         raise ValueError(f"num_devices={num_devices!r} must be a positive integer")
+    num_devices = int(num_devices)
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1)")
-    if zero_stage not in (0, 1, 2) or isinstance(zero_stage, bool):
+    if not is_integer(zero_stage) or zero_stage not in (0, 1, 2):
         raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1 or 2")
+    zero_stage = int(zero_stage)
     if comm_dtype not in (None, "bfloat16"):
         raise ValueError(f"comm_dtype={comm_dtype!r} must be None or 'bfloat16'")
     for name, value in (
@@ -271,7 +275,7 @@ def plan_memory(
         if value is not None and not value >= 0:
             raise ValueError(f"{name}={value!r} must be a non-negative number of bytes")
     if global_batch_size is not None and (
-        not isinstance(global_batch_size, int)
+        not is_integer(global_batch_size)
         or global_batch_size < num_devices
         or global_batch_size % num_devices
     ):
@@ -280,6 +284,8 @@ def plan_memory(
             f"{num_devices}: global_batch_size = num_devices * accum_steps * "
             "micro_batch_size must be a positive multiple of num_devices"
         )
+    if global_batch_size is not None:
+        global_batch_size = int(global_batch_size)
     p = DTYPE_POLICIES[policy]
 
     def split(value: float, from_stage: int) -> float:

@@ -1,11 +1,30 @@
-"""Testing sharded code: assertion helpers, and (in the ``jaxdp_pytest`` module, loaded by
-pytest wherever jaxdp is installed; ``-p no:jaxdp`` turns it off) the pytest plugin of
-``@pytest.mark.devices(n)`` and ``@pytest.mark.devices(n, processes=p)``. See docs/testing.md.
+"""Testing sharded code: the collectives of a compiled program (:func:`all_reduces`,
+:func:`collectives`, :func:`format_report`), assertion helpers, and (in the
+``jaxdp_pytest`` module, loaded by pytest wherever jaxdp is installed; ``-p no:jaxdp``
+turns it off) the pytest plugin of ``@pytest.mark.devices(n)`` and
+``@pytest.mark.devices(n, processes=p)``. See docs/testing.md.
 """
 
+from .._inspect import AllReduce as AllReduce
+from .._inspect import Collective as Collective
+from .._inspect import all_reduces as all_reduces
+from .._inspect import collectives as collectives
+from .._inspect import format_report as format_report
 from ._collectives import assert_collectives as assert_collectives
 from ._trees import TOLERANCES as TOLERANCES
 from ._trees import Tolerance as Tolerance
 from ._trees import assert_trees_close as assert_trees_close
 
-__all__ = ["assert_trees_close", "Tolerance", "TOLERANCES", "assert_collectives"]
+__all__ = [
+    # The collectives of a compiled program
+    "all_reduces",
+    "AllReduce",
+    "collectives",
+    "Collective",
+    "format_report",
+    # Assertions
+    "assert_trees_close",
+    "Tolerance",
+    "TOLERANCES",
+    "assert_collectives",
+]

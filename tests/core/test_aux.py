@@ -146,8 +146,10 @@ def test_aux_rides_in_the_one_all_reduce(path):
     batch = (x[:rows], y[:rows])
     with_aux = make(mean_loss, path)
     without = make(lambda p, b: mean_loss(p, b)[0], path, has_aux=False)
-    reduces = jaxdp.all_reduces(with_aux.compile(with_aux.init(params(), batch=batch), batch))
-    plain = jaxdp.all_reduces(without.compile(without.init(params()), batch))
+    reduces = jaxdp.testing.all_reduces(
+        with_aux.compile(with_aux.init(params(), batch=batch), batch)
+    )
+    plain = jaxdp.testing.all_reduces(without.compile(without.init(params()), batch))
     assert len(reduces) == len(plain) == 1
     # 3 more float64 values: the mean absolute error and the two first errors.
     assert reduces[0].bytes - plain[0].bytes == 3 * 8

@@ -38,8 +38,8 @@ def compiled_step(path, strategy, accum_steps, params):
 def test_fused_path_reduces_once_per_step(accum_steps, strategy):
     params = mlp_params()
     step, state, batch = compiled_step("fused", strategy, accum_steps, params)
-    reduces = jaxdp.all_reduces(step.compile(state, batch))
-    assert len(reduces) == 1, jaxdp.format_report(reduces)
+    reduces = jaxdp.testing.all_reduces(step.compile(state, batch))
+    assert len(reduces) == 1, jaxdp.testing.format_report(reduces)
     (reduce,) = reduces
     assert reduce.executions == (1, 1)
     assert not reduce.in_loop and not reduce.in_conditional
@@ -52,8 +52,8 @@ def test_fused_path_reduces_once_per_step(accum_steps, strategy):
 def test_multisteps_path_reduces_only_on_the_emitting_call(accum_steps, strategy):
     params = mlp_params()
     step, state, batch = compiled_step("multisteps", strategy, accum_steps, params)
-    reduces = jaxdp.all_reduces(step.compile(state, batch))
-    assert len(reduces) == 1, jaxdp.format_report(reduces)
+    reduces = jaxdp.testing.all_reduces(step.compile(state, batch))
+    assert len(reduces) == 1, jaxdp.testing.format_report(reduces)
     (reduce,) = reduces
     assert reduce.bytes == gradient_bytes(params) + 2 * 8
     assert not reduce.in_loop
@@ -93,7 +93,7 @@ def test_inspection_counts_the_per_micro_batch_trap():
     batch = jax.device_put(
         regression_data(NUM_DEVICES * accum_steps * MICRO), NamedSharding(mesh, P("data"))
     )
-    reduces = jaxdp.all_reduces(naive.lower(params, batch).compile())
+    reduces = jaxdp.testing.all_reduces(naive.lower(params, batch).compile())
     per_call = sum(r.executions[1] * r.bytes for r in reduces)
     assert all(r.in_loop for r in reduces)
     assert per_call == accum_steps * gradient_bytes(params)
@@ -101,7 +101,7 @@ def test_inspection_counts_the_per_micro_batch_trap():
 
 def test_report_names_each_all_reduce():
     step, state, batch = compiled_step("fused", "shard_map", 2, mlp_params())
-    text = jaxdp.format_report(jaxdp.all_reduces(step.compile(state, batch)))
+    text = jaxdp.testing.format_report(jaxdp.testing.all_reduces(step.compile(state, batch)))
     assert "top level" in text and f"{gradient_bytes(mlp_params()) + 16:,}" in text
 
 
@@ -126,8 +126,8 @@ def cnn_bn_step(batch_stats, path, accum_steps=2):
 @pytest.mark.parametrize("path", ["fused", "multisteps"])
 def test_local_batch_statistics_ride_in_the_one_all_reduce(path):
     step, state, batch, grad_bytes, stats = cnn_bn_step("local", path)
-    reduces = jaxdp.all_reduces(step.compile(state, batch))
-    assert len(reduces) == 1, jaxdp.format_report(reduces)
+    reduces = jaxdp.testing.all_reduces(step.compile(state, batch))
+    assert len(reduces) == 1, jaxdp.testing.format_report(reduces)
     (reduce,) = reduces
     # Device 0's running mean and variance (8 + 16 channels) and two counters,
     # all as float64, next to the gradients and the loss and weight sums.
@@ -141,7 +141,7 @@ def test_sync_batch_statistics_cost_collectives_in_every_micro_batch():
     all-reduces in the forward (the mean, then the variance around it) and the backward."""
     accum_steps = 3
     step, state, batch, grad_bytes, _ = cnn_bn_step("sync", "fused", accum_steps)
-    reduces = jaxdp.all_reduces(step.compile(state, batch))
+    reduces = jaxdp.testing.all_reduces(step.compile(state, batch))
     top = [r for r in reduces if not r.in_loop]
     assert len(top) == 1 and top[0].bytes == grad_bytes + 2 * 8 + 50 * 8
     in_loop = [r for r in reduces if r.in_loop]
@@ -149,4 +149,4 @@ def test_sync_batch_statistics_cost_collectives_in_every_micro_batch():
     # Per layer 2 in the forward and their transposes in the backward (3 with jax
     # 0.10.2 on CPU: how XLA groups the backward's reductions is its choice).
     vectors, rest = divmod(sum(r.bytes for r in in_loop) // 8, 8 + 16)
-    assert rest == 0 and 4 <= vectors <= 6, jaxdp.format_report(reduces)
+    assert rest == 0 and 4 <= vectors <= 6, jaxdp.testing.format_report(reduces)

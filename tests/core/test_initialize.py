@@ -2,6 +2,7 @@
 batch, and what happens when a peer fails without a launcher. Multi-process runs are
 subprocesses with their own device counts, never this process's 8."""
 
+import json
 import os
 import signal
 import subprocess
@@ -151,6 +152,54 @@ def test_without_a_launcher_a_dead_peer_ends_the_others_after_the_heartbeat_time
     # About 6 to 10 s; jaxdp's default heartbeat timeout, were the setting lost, is 60 s.
     assert took < 40
     print(f"peer killed, no launcher: the survivor ended {took:.1f} s later")
+
+
+def test_import_and_initialize_leave_the_process_as_they_found_it(port):
+    """A library never changes its user's process (issue 31, item 4): after ``import jaxdp``
+    (and its tools) and ``jaxdp.initialize()`` joining two real processes over gloo, the
+    excepthook, the SIGTERM and SIGINT handlers and file descriptors 1 and 2 are the ones
+    the process had. jaxdp 0.3 replaced the excepthook and, on CPU, fd 1 here."""
+    code = textwrap.dedent("""
+        import json, os, signal, sys
+        def seen():
+            return {
+                "excepthook": id(sys.excepthook),
+                "stdout": id(sys.stdout),
+                "SIGTERM": repr(signal.getsignal(signal.SIGTERM)),
+                "SIGINT": repr(signal.getsignal(signal.SIGINT)),
+                **{f"fd {fd}": [os.fstat(fd).st_dev, os.fstat(fd).st_ino] for fd in (1, 2)},
+            }
+        before = seen()
+        import jaxdp, jaxdp.checkpoint, jaxdp.data, jaxdp.testing
+        imported = seen()
+        mesh = jaxdp.initialize()
+        import jax
+        assert jax.process_count() == 2 and mesh.devices.size == 4
+        sys.stderr.write(json.dumps([before, imported, seen()]) + "\\n")
+    """)
+    env = dict(os.environ, JAXDP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
+    env.update(JAXDP_NUM_PROCESSES="2", JAXDP_CPU_DEVICES="2", JAXDP_TIMEOUT_S="60")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**env, "JAXDP_PROCESS_ID": str(p)},
+            stdout=subprocess.PIPE,  # a pipe, as a launcher gives: its own inode
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for p in (0, 1)
+    ]
+    try:
+        done = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, (_, err) in zip(procs, done, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+        before, imported, initialized = json.loads(err.strip().splitlines()[-1])
+        assert imported == before
+        assert initialized == before
 
 
 # ---- the process's share of a batch ------------------------------------------------------

@@ -129,9 +129,9 @@ def test_bfloat16_on_the_wire_only_for_the_gradients(path):
     for comm_dtype, wire in ((None, "f32"), ("bfloat16", "bf16")):
         step = make(path, comm_dtype)
         state = step.init(MixedMLP())
-        reduces = jaxdp.all_reduces(program(step, state))
+        reduces = jaxdp.testing.all_reduces(program(step, state))
         gradients = [r.shapes[0] for r in reduces if r.shapes[0] != "f32[]"]
-        assert len(gradients) == len(SHAPES), jaxdp.format_report(reduces)
+        assert len(gradients) == len(SHAPES), jaxdp.testing.format_report(reduces)
         assert {s.split("[")[0] for s in gradients} == {wire}, gradients
         assert [r.shapes for r in reduces].count(("f32[]",)) == 2  # the loss and weight sums
         if path == "multisteps":

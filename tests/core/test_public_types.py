@@ -120,8 +120,8 @@ def test_the_names_of_jaxdp_0_2_warn_and_still_work():
 def test_all_reduces_describes_each_as_an_all_reduce():
     step = jaxdp.make_train_step(loss, optax.sgd(0.1), mesh=jaxdp.data_mesh(2), accum_steps=2)
     state = step.init({"w": np.ones((3, 1), np.float32)})
-    (reduce,) = jaxdp.all_reduces(step.compile(state, np.ones((8, 3), np.float32)))
-    assert isinstance(reduce, jaxdp.AllReduce)
+    (reduce,) = jaxdp.testing.all_reduces(step.compile(state, np.ones((8, 3), np.float32)))
+    assert isinstance(reduce, jaxdp.testing.AllReduce)
     assert reduce.executions == (1, 1) and not reduce.in_loop
 
 

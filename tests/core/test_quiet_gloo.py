@@ -101,3 +101,30 @@ def test_python_lines_and_c_lines_never_mix(unbuffered):
     )
     expected = [f"{who} {i}" for who in ("from C", "python") for i in range(2000)]
     assert sorted(done.stdout.splitlines()) == sorted(expected)
+
+
+def test_the_last_output_goes_out_while_a_child_holds_the_pipe():
+    # A rank that started a process (a data server) which inherited fd 1: the pipe never
+    # ends while it lives, so the filter forwards up to a mark written at exit instead of
+    # waiting for the pipe's end (5 s, then the last line, without its newline, was lost).
+    code = textwrap.dedent("""
+        import ctypes, subprocess, sys
+        from jaxdp._quiet_gloo import quiet_gloo_notes
+        assert quiet_gloo_notes()
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(120)"], stderr=subprocess.DEVNULL
+        )
+        print("child", child.pid, flush=True)
+        ctypes.CDLL(None).printf(b"from C at exit, no newline")
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline().split()[1])
+        try:
+            rest = parent.stdout.read()  # to the parent's end: the child holds only the pipe
+            assert parent.wait(timeout=60) == 0
+        finally:
+            os.kill(child, signal.SIGKILL)
+    finally:
+        parent.kill()
+    assert rest == "from C at exit, no newline"

@@ -77,7 +77,7 @@ def multisteps(**options):
 def test_a_call_that_does_not_emit_only_accumulates(options):
     compiled, params = multisteps(**options)
     # The all-reduce sits in branch 1, the emitting call's ...
-    (reduce,) = jaxdp.all_reduces(compiled)
+    (reduce,) = jaxdp.testing.all_reduces(compiled)
     assert [c[-3:] for c in reduce.context if c.startswith("conditional")] == ["[1]"]
     # ... and branch 0 holds nothing over the parameters but the sums' update.
     assert parameter_sized(compiled, OPTIMIZER_OPS | MASKING_OPS, params) == []

@@ -53,7 +53,7 @@ def test_frozen_parameters_add_no_all_reduce_bytes(path):
     params = mlp_params()
     step = step_for(FROZEN, path)
     rows = 16 if path == "fused" else 8
-    (reduce,) = jaxdp.all_reduces(step.compile(step.init(params), regression_data(rows)))
+    (reduce,) = jaxdp.testing.all_reduces(step.compile(step.init(params), regression_data(rows)))
     trainable_bytes = sum(params[k].nbytes for k, flag in FROZEN.items() if flag)
     assert reduce.bytes == trainable_bytes + 2 * 8  # + the loss and weight sums
 

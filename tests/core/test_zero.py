@@ -96,8 +96,8 @@ SPLIT, WHOLE = 8 * 16 + 16 + 16 * 3, 3
 
 def kinds(compiled):
     found = {}
-    for c in jaxdp.collectives(compiled):
-        assert isinstance(c, jaxdp.Collective)
+    for c in jaxdp.testing.collectives(compiled):
+        assert isinstance(c, jaxdp.testing.Collective)
         found.setdefault(c.kind, []).append(c)
     return found
 
@@ -165,8 +165,10 @@ def test_stage_1_sends_one_reduce_scatter_and_one_all_gather(accum_steps):
     assert scatter.ring_bytes + gather.ring_bytes == 2 * 3 / 4 * grads
     # The rest: the leaf kept whole with the loss and weight sums and the blocks' sum
     # of squares (one all-reduce), and the scalars of the clip's norm (XLA's).
-    assert all(r.bytes <= 8 * (WHOLE + 3) for r in found["all-reduce"]), jaxdp.format_report(
-        jaxdp.collectives(step.compile(step.init(mlp_params()), one_call(step)))
+    assert all(r.bytes <= 8 * (WHOLE + 3) for r in found["all-reduce"]), (
+        jaxdp.testing.format_report(
+            jaxdp.testing.collectives(step.compile(step.init(mlp_params()), one_call(step)))
+        )
     )
 
 
