@@ -131,9 +131,11 @@ def test_layouts_that_name_no_tensor_or_no_layout_are_refused():
 def test_the_old_names_warn_and_keep_reading_kernels_as_linear():
     assert "torch_to_params" not in jaxdp.__all__ and "params_to_torch" not in jaxdp.__all__
     model = jaxdp.models.build_model("transformer", param_dtype=jnp.float64)  # square kernels
-    with pytest.warns(DeprecationWarning, match=r"jaxdp.params_to_torch is deprecated: it is "):
+    with pytest.warns(
+        DeprecationWarning, match=r"jaxdp.params_to_torch is deprecated: use jaxdp.parity"
+    ):
         old_params_to_torch = jaxdp.params_to_torch
-    with pytest.warns(DeprecationWarning, match=r"jaxdp.parity.torch_to_params since"):
+    with pytest.warns(DeprecationWarning, match=r"use jaxdp.parity.torch_to_params \(moved after"):
         old_torch_to_params = jaxdp.torch_to_params
     state_dict = {k: v + 1 for k, v in old_params_to_torch(model).items()}
     again = params_to_torch(old_torch_to_params(state_dict, model))
