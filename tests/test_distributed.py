@@ -79,18 +79,49 @@ HELD = f"[Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"
         (["--nprocs", "2", "--grace-s", "nan"], "grace_s=nan must be a finite number of sec"),
         (["--nprocs", "2", "--timeout-s", "0"], "timeout_s=0 must be a positive integer"),
         (["--nprocs", "2", "--max-restarts", "-1"], "max_restarts=-1 must be an integer >= 0"),
-        (["--nprocs", "2", "--hang-timeout-s", "inf"], "hang_timeout_s=inf must be a finite"),
+        (["--nprocs", "2", "--hang-timeout-s", "inf"], "--hang-timeout-s inf must be a finite"),
+        (
+            ["--nprocs", "2", "--hang-timeout-s", "-5"],
+            "--hang-timeout-s -5.0 must be a finite number of seconds > 0, or 0 to turn the "
+            "watch off",
+        ),
         (["--nprocs", "2", "--", "no_such_program"], "command 'no_such_program' is not a"),
         (["--nprocs", "2", "--", "no_such.py"], "script 'no_such.py' does not exist (in "),
+        # Issue 33.4: a traceback from every rank, exit 1, where a script got one line.
+        (
+            ["--nprocs", "2", "--", "-m", "no_such_module"],
+            f"-m 'no_such_module': no module named 'no_such_module' (looked up from {ROOT} ",
+        ),
+        (["--nprocs", "2", "--", "-m", "jaxdp.no_such"], "-m 'jaxdp.no_such': no module named"),
+        (["--nprocs", "2", "--", "-m", "jaxdp.cli"], "-m 'jaxdp.cli' is a package without a "),
     ],
 )
-def test_launch_usage_errors_exit_2_with_one_line(flags, message, capsys):
+def test_launch_usage_errors_exit_2_with_one_line(flags, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
     command = [] if "--" in flags else ["--", str(ROOT / "examples" / "multi_process.py")]
     with pytest.raises(SystemExit) as exit_:
         main(["launch", *flags, *command])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"jaxdp launch: error: {message}") and err.count("\n") == 1
+
+
+def test_launch_runs_a_module_found_from_its_working_directory(tmp_path):
+    """-m takes modules and packages with a __main__ from the ranks' directory, as python -m."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "__main__.py").write_text("print('main')")
+    (tmp_path / "pkg" / "job.py").write_text("print('job')")
+    for module, said in (("pkg", "main"), ("pkg.job", "job")):
+        done = subprocess.run(
+            [*LAUNCH, "--nprocs", "1", "--", "-m", module],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=60,
+        )
+        assert (done.returncode, done.stdout) == (0, f"[rank 0] {said}\n"), done.stderr
 
 
 def test_launch_gives_each_rank_its_environment_and_prefixes_its_output(tmp_path):
@@ -373,6 +404,66 @@ def test_a_busy_coordinator_port_is_one_line_not_a_crash(tmp_path):
         f"the coordinator on port {port}, which is in use on this machine (Address already in "
         "use); choose a free port\n"
     )
+
+
+def test_with_the_watch_off_a_stopped_rank_is_named_not_the_peer_jax_aborts(tmp_path):
+    """Issue 33.4: with --hang-timeout-s 0, JAX's heartbeat aborts the healthy peer of a
+    SIGSTOPped rank (SIGABRT), and the launcher named the peer; it names the stopped rank
+    (its state in /proc) and kills it. The abort is simulated: the peer aborts once it
+    sees the other stopped, without JAX's 20 s and more."""
+    done = run_script(
+        tmp_path,
+        f"""
+        import os, pathlib, signal, time
+        mark = pathlib.Path({str(tmp_path)!r}) / "stopped.pid"
+        if os.environ["JAXDP_PROCESS_ID"] == "0":
+            mark.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            while not mark.exists() or not mark.read_text():
+                time.sleep(0.05)
+            stat = pathlib.Path(f"/proc/{{mark.read_text()}}/stat")
+            while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+                time.sleep(0.05)
+            os.abort()
+        """,
+        ["--nprocs", "2", "--hang-timeout-s", "0", "--grace-s", str(GRACE_S)],
+        timeout=60,
+    )
+    stopped = int((tmp_path / "stopped.pid").read_text())
+    assert done.returncode == 128 + signal.SIGKILL, done.stderr
+    assert re.search(
+        rf"^jaxdp launch: rank 0 \(pid {stopped}\) stopped answering \(stopped by a signal\)",
+        done.stderr,
+        re.M,
+    ), done.stderr
+    assert "jaxdp launch: failed: rank 0 stopped answering (stopped by a signal)" in done.stderr
+    assert not alive(stopped)
+
+
+def test_a_rank_still_starting_is_not_called_hung_and_its_usage_error_wins(tmp_path):
+    """Issue 33.7: at load 10, --hang-timeout-s 2 called a rank still importing JAX hung
+    (137), hiding its usage error (2). The heartbeat counts once the rank joined the run.
+    The loaded start is a start-up holding the GIL for 3 s (a switch interval of 10 s
+    keeps the heartbeat thread out), then a usage error, before any jaxdp.initialize."""
+    done = run_script(
+        tmp_path,
+        """
+        import sys, time
+        sys.setswitchinterval(10)
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            pass
+        sys.setswitchinterval(0.005)
+        print("script: error: --flag 7 must be even", file=sys.stderr)
+        sys.exit(2)
+        """,
+        ["--nprocs", "2", "--hang-timeout-s", "1", "--grace-s", str(GRACE_S)],
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "stopped answering" not in done.stderr
+    assert "[rank 0] script: error: --flag 7 must be even" in done.stderr.splitlines()
 
 
 RESTARTS = """

@@ -76,20 +76,21 @@ def launch(
     the same way. A Python rank's non-zero ``sys.exit`` ends it at once
     (:mod:`jaxdp.cli._rank`).
 
-    A rank fails when it exits non-zero or, once in :func:`jaxdp.initialize`,
-    leaves its heartbeat file untouched for ``hang_timeout_s`` (None: not
-    watched); the rank named is the one whose failure began first
-    (:func:`jaxdp.cli._group.first_to_fail`). The others then get SIGTERM, then
-    SIGKILL after ``grace_s``
-    seconds (after at most 1 s when a signal ended it, at once when it stopped
-    answering: its peers are stuck in collectives that wait for it). The group
-    then starts again, up to ``max_restarts`` times, each restart reported with
-    its cause and downtime. Exit status: 0 when all exit 0; else the last
-    failure's (``128 + n`` for a process ended by signal ``n``; 137 for a rank
-    killed for not answering). A SIGINT or SIGTERM sent to the launcher is
-    forwarded to every process and waited for, and never restarts the group; a
-    second one kills them (status ``128 + signal``). Every rank is reaped, and
-    what it left in its process group killed, before a start ends.
+    A rank fails when it exits non-zero or, once it joined the run (JAX's distributed
+    runtime started in it, as :func:`jaxdp.initialize` does), leaves its heartbeat file
+    untouched for ``hang_timeout_s`` (None: not watched); a rank still starting is never
+    called hung. The rank named is the one whose failure began first
+    (:func:`jaxdp.cli._group.first_to_fail`); a rank stopped by a signal while a peer
+    failed is named, also unwatched. The others then get SIGTERM, then SIGKILL after
+    ``grace_s`` seconds (after at most 1 s when a signal ended it, at once when it
+    stopped answering: its peers are stuck in collectives that wait for it). The group
+    then starts again, up to ``max_restarts`` times, each restart reported with its
+    cause and downtime. Exit status: 0 when all exit 0; else the last failure's (``128 +
+    n`` for a process ended by signal ``n``; 137 for a rank killed for not answering). A
+    SIGINT or SIGTERM sent to the launcher is forwarded to every process and waited for,
+    and never restarts the group; a second one kills them (status ``128 + signal``).
+    Every rank is reaped, and what it left in its process group killed, before a start
+    ends.
     """
     _check(
         nprocs,
@@ -203,15 +204,69 @@ def _check(
 
 
 def _check_runnable(argv: list[str]) -> None:
-    """One line before anything starts, instead of a traceback per rank (or none)."""
+    """One line before anything starts, instead of a traceback per rank (or none): a
+    script that does not exist, a module ``python -m`` would not find, a program not
+    on PATH."""
     if argv[0] == sys.executable and argv[1] == _RANK:
-        if argv[2] != "-m" and not os.path.isfile(argv[2]):
+        if argv[2] == "-m":
+            _check_module(argv[3] if len(argv) > 3 else "")
+        elif not os.path.isfile(argv[2]):
             raise ValueError(f"script {argv[2]!r} does not exist (in {os.getcwd()})")
     elif shutil.which(argv[0]) is None:
         raise ValueError(
             f"command {argv[0]!r} is not a jaxdp subcommand, a Python script (.py), -m module "
             "or a program found on PATH"
         )
+
+
+def _check_module(name: str) -> None:
+    """Raises ValueError unless ``python -m name`` would find something to run in a rank
+    started in this directory: a module, or a package with a ``__main__`` module.
+
+    Nothing is imported (no package's ``__init__`` runs here): each dotted part is
+    looked up by the import system's finders (``sys.meta_path``: editable installs
+    included) in the locations of the package before it.
+    """
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"-m {name!r} must be a module's dotted name, e.g. -m pkg.train")
+    spec = _module_spec(name)
+    if spec is None:
+        raise ValueError(
+            f"-m {name!r}: no module named {name!r} (looked up from {os.getcwd()} and "
+            "sys.path, as python -m does in every rank)"
+        )
+    if spec.submodule_search_locations is not None and _module_spec(f"{name}.__main__") is None:
+        raise ValueError(
+            f"-m {name!r} is a package without a __main__ module: python -m cannot run it "
+            f"(give one of its modules, -m {name}.MODULE)"
+        )
+
+
+def _module_spec(name: str) -> Any:
+    """The spec ``python -m`` started here would find for ``name``, without importing."""
+    if (loaded := getattr(sys.modules.get(name), "__spec__", None)) is not None:
+        return loaded  # also os.path, which no finder finds by that name
+    # A rank's sys.path: python -m puts the working directory first.
+    locations: list[str] | None = [os.getcwd(), *sys.path[1:]]
+    parts = name.split(".")
+    spec = None
+    for i in range(len(parts)):
+        if locations is None:  # a module, not a package: it has no submodules
+            return None
+        fullname = ".".join(parts[: i + 1])
+        spec = next(
+            (
+                found
+                for finder in sys.meta_path
+                if hasattr(finder, "find_spec")
+                and (found := finder.find_spec(fullname, locations, None)) is not None
+            ),
+            None,
+        )
+        if spec is None:
+            return None
+        locations = spec.submodule_search_locations
+    return spec
 
 
 def child_argv(command: Sequence[str], subcommands: Collection[str] = ()) -> list[str]:
@@ -325,9 +380,9 @@ def add_launch_command(sub: Any) -> None:
         type=float,
         default=DEFAULT_HANG_TIMEOUT_S,
         metavar="SECONDS",
-        help="a Python rank whose heartbeat (a thread its start-up starts) is silent this long "
-        f"has stopped answering: the group is killed (default: {DEFAULT_HANG_TIMEOUT_S:g}; 0: "
-        "not watched)",
+        help="a Python rank whose heartbeat (a thread beating once the rank joined the run) is "
+        "silent this long has stopped answering: the group is killed (default: "
+        f"{DEFAULT_HANG_TIMEOUT_S:g}; 0 turns the watch off)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(run=lambda args: _run_launch(args, set(sub.choices)))
@@ -335,6 +390,12 @@ def add_launch_command(sub: Any) -> None:
 
 def _run_launch(args: argparse.Namespace, subcommands: Collection[str]) -> int:
     try:
+        hang = args.hang_timeout_s
+        if not (hang == 0 or 0 < hang < float("inf")):  # NaN included
+            raise ValueError(
+                f"--hang-timeout-s {hang!r} must be a finite number of seconds > 0, or 0 to "
+                "turn the watch off"
+            )
         return launch(
             args.command,
             nprocs=args.nprocs,

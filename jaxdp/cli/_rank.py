@@ -10,10 +10,11 @@ process. Its peers are blocked in a collective that waits for it, so it sat ther
 multi-process JAX run, it exits with its own status at once, as
 :func:`jaxdp.initialize`'s excepthook does for an uncaught exception.
 
-Before the rank's code runs, its heartbeat starts (the launcher finds a stopped
-rank by it). A non-zero ``sys.exit`` or an uncaught exception is recorded first
-(:mod:`jaxdp.cli._launch_link`): its peers fail when this process ends, and the
-launcher, which may reap them first, names the rank whose failure began first.
+Before the rank's code runs, its heartbeat starts: it beats once the rank joined
+the run (the launcher finds a stopped rank by it). A non-zero ``sys.exit`` or an
+uncaught exception is recorded first (:mod:`jaxdp.cli._launch_link`): its peers
+fail when this process ends, and the launcher, which may reap them first, names the
+rank whose failure began first.
 
 Run as a file, not ``-m jaxdp...``: nothing of jaxdp (or JAX) is imported before
 the rank's own code; the record's module is loaded by its path.
@@ -39,7 +40,7 @@ def _load_launch_link() -> types.ModuleType:
 def main() -> None:
     link = _load_launch_link()
     if beat := os.environ.get(link.ENV_HEARTBEAT_FILE):
-        link.start_heartbeat(beat)  # alive from the start: importing JAX can take seconds
+        link.start_heartbeat(beat)  # beats once the rank joined the run
     record = link.record_failure
     args = sys.argv[1:]
     try:
