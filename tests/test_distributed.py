@@ -466,6 +466,55 @@ def test_a_rank_still_starting_is_not_called_hung_and_its_usage_error_wins(tmp_p
     assert "[rank 0] script: error: --flag 7 must be even" in done.stderr.splitlines()
 
 
+def train_as(rank, port, **env):
+    """`jaxdp train` as process ``rank`` of 2, started by hand (no launcher), on ``port``."""
+    env = {**os.environ, "JAXDP_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", **env}
+    env.update(JAXDP_NUM_PROCESSES="2", JAXDP_PROCESS_ID=str(rank), JAXDP_CPU_DEVICES="1")
+    command = [sys.executable, "-m", "jaxdp", "train", "--steps", "1", "--no-compile-cache"]
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def test_a_busy_coordinator_port_ends_process_1_with_one_line_too(tmp_path):
+    """Issue 33.4: process 1 given a port another program listens on waited the whole
+    timeout, then JAX aborted it (134, a native stack). It asks the port first: no answer
+    to an HTTP/2 preface in PROBE_S (5 s) is no JAX coordinator. A listening socket
+    that never accepts is the worst case: it is silent, so this waits those 5 s."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out, err = train_as(1, port).communicate(timeout=120)
+    assert err == (
+        f"jaxdp train: error: JAXDP_COORDINATOR_ADDRESS='127.0.0.1:{port}': process 1 of 2 "
+        f"found a program on port {port} that is not JAX's coordinator (no answer to an "
+        "HTTP/2 preface in 5 s); process 0 cannot run the coordinator on a port in use: give "
+        "every process the same free port\n"
+    )
+    assert "held-out accuracy" not in out
+
+
+def test_processes_given_different_ports_end_with_one_line_each_before_jax_aborts():
+    """Issue 33.4: each waited JAXDP_TIMEOUT_S for the other, then JAX aborted both (134).
+    Each ends at that deadline with status 2 and one line; JAX's own comes 5 s later."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    ranks = [train_as(rank, ports[rank], JAXDP_TIMEOUT_S="3") for rank in (0, 1)]
+    for rank, proc in enumerate(ranks):
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err[-3000:]
+        assert err == (
+            f"jaxdp train: error: process {rank} of 2 waited 3 s (JAXDP_TIMEOUT_S='3') for all "
+            f"processes to join at JAXDP_COORDINATOR_ADDRESS='127.0.0.1:{ports[rank]}', in "
+            "vain: a process never started or died while starting, or the processes were "
+            "given different addresses (each needs process 0's); nothing was trained\n"
+        )
+
+
 RESTARTS = """
 import os, signal, sys, time
 restart, rank = int(os.environ["JAXDP_RESTART_COUNT"]), int(os.environ["JAXDP_PROCESS_ID"])
