@@ -259,7 +259,7 @@ def prepare(
         # A fresh start, also a --resume or a restarted group that found no checkpoint:
         # it refuses another run's records like any new run.
         if run.resumed_step is None:
-            check_fresh(config.metrics_out, config.tensorboard, own_since=_own_outputs_since())
+            check_fresh(outputs, config.tensorboard, own_since=_own_outputs_since())
         metrics_out = config.metrics_out if lead else None
         board = config.tensorboard if lead else None
         with MetricsLog(metrics_out, resume_step=run.resumed_step, tensorboard=board) as log:
