@@ -42,6 +42,7 @@ from ..data import Loader, evaluate
 from ..models import CNN, MLP
 from ._config import Precision, TrainConfig
 from ._data import Split, load_digits, load_file
+from ._fits import check_fits
 from ._metrics import MetricsLog, plot_training
 from ._outputs import check_fresh, claimed
 from ._run import _Run, _where, say
@@ -214,6 +215,7 @@ def prepare(
     data = load(config)
     step, sizes = make_step(config)
     mesh, share = step.mesh, process_share(step.mesh, sizes)
+    check_fits(config, data, mesh)  # before the model is built: one line, not a crash
     lead = share.process_index == 0
     say(
         f"jaxdp train: {config.data or 'digits'} {config.model.upper()} ({config.precision}) "
