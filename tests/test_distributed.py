@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -672,7 +673,8 @@ def test_the_launcher_reads_the_ranks_records_and_waits_briefly_for_them(tmp_pat
     the files the launcher names; with a rank neither ended nor recorded, the launcher
     waits up to RECORD_WAIT_S after the first error exit before naming one."""
     group = Group(io.BytesIO(), io.BytesIO(), tmp_path, watch=False)
-    group.procs = [None, None, None]  # stand-ins: only counted, never signalled
+    # Stand-ins, counted and looked up in /proc (running: this process), never signalled.
+    group.procs = [types.SimpleNamespace(pid=os.getpid())] * 3
     monkeypatch.setenv(ENV_FAILURE_FILE, str(group.failure_file(2)))
     record_failure(3)
     record_failure(1)  # a later failure of the same process: the first stands

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import os
 import pathlib
-import shutil
 import signal
 import socket
 import sys
@@ -36,6 +35,7 @@ from .._distributed import (
     ENV_RESTART_COUNT,
     ENV_TIMEOUT,
 )
+from ._command import check_runnable, child_argv
 from ._group import Failure, Group, Outcome
 from ._launch_link import ENV_FAILURE_FILE, ENV_HEARTBEAT_FILE
 
@@ -43,7 +43,6 @@ DEFAULT_GRACE_S = 10.0
 # Half JAX's heartbeat timeout under jaxdp (60 s): the launcher names a stopped
 # rank before JAX aborts its peers; far above a heartbeat thread's scheduling delay.
 DEFAULT_HANG_TIMEOUT_S = 30.0
-_RANK = str(pathlib.Path(__file__).with_name("_rank.py"))
 
 
 def launch(
@@ -102,7 +101,7 @@ def launch(
         hang_timeout_s,
     )
     argv = child_argv(command, subcommands)
-    _check_runnable(argv)
+    check_runnable(argv)
     out = stdout or sys.stdout.buffer
     err = stderr or sys.stderr.buffer
     settings = {ENV_NUM_PROCESSES: str(nprocs), ENV_LAUNCH_STARTED: repr(time.time())}
@@ -201,94 +200,6 @@ def _check(
         raise ValueError(f"max_restarts={max_restarts!r} must be an integer >= 0")
     if hang_timeout_s is not None and not 0 < hang_timeout_s < float("inf"):
         raise ValueError(f"hang_timeout_s={hang_timeout_s!r} must be a finite number of seconds >0")
-
-
-def _check_runnable(argv: list[str]) -> None:
-    """One line before anything starts, instead of a traceback per rank (or none): a
-    script that does not exist, a module ``python -m`` would not find, a program not
-    on PATH."""
-    if argv[0] == sys.executable and argv[1] == _RANK:
-        if argv[2] == "-m":
-            _check_module(argv[3] if len(argv) > 3 else "")
-        elif not os.path.isfile(argv[2]):
-            raise ValueError(f"script {argv[2]!r} does not exist (in {os.getcwd()})")
-    elif shutil.which(argv[0]) is None:
-        raise ValueError(
-            f"command {argv[0]!r} is not a jaxdp subcommand, a Python script (.py), -m module "
-            "or a program found on PATH"
-        )
-
-
-def _check_module(name: str) -> None:
-    """Raises ValueError unless ``python -m name`` would find something to run in a rank
-    started in this directory: a module, or a package with a ``__main__`` module.
-
-    Nothing is imported (no package's ``__init__`` runs here): each dotted part is
-    looked up by the import system's finders (``sys.meta_path``: editable installs
-    included) in the locations of the package before it.
-    """
-    if not all(part.isidentifier() for part in name.split(".")):
-        raise ValueError(f"-m {name!r} must be a module's dotted name, e.g. -m pkg.train")
-    spec = _module_spec(name)
-    if spec is None:
-        raise ValueError(
-            f"-m {name!r}: no module named {name!r} (looked up from {os.getcwd()} and "
-            "sys.path, as python -m does in every rank)"
-        )
-    if spec.submodule_search_locations is not None and _module_spec(f"{name}.__main__") is None:
-        raise ValueError(
-            f"-m {name!r} is a package without a __main__ module: python -m cannot run it "
-            f"(give one of its modules, -m {name}.MODULE)"
-        )
-
-
-def _module_spec(name: str) -> Any:
-    """The spec ``python -m`` started here would find for ``name``, without importing."""
-    if (loaded := getattr(sys.modules.get(name), "__spec__", None)) is not None:
-        return loaded  # also os.path, which no finder finds by that name
-    # A rank's sys.path: python -m puts the working directory first.
-    locations: list[str] | None = [os.getcwd(), *sys.path[1:]]
-    parts = name.split(".")
-    spec = None
-    for i in range(len(parts)):
-        if locations is None:  # a module, not a package: it has no submodules
-            return None
-        fullname = ".".join(parts[: i + 1])
-        spec = next(
-            (
-                found
-                for finder in sys.meta_path
-                if hasattr(finder, "find_spec")
-                and (found := finder.find_spec(fullname, locations, None)) is not None
-            ),
-            None,
-        )
-        if spec is None:
-            return None
-        locations = spec.submodule_search_locations
-    return spec
-
-
-def child_argv(command: Sequence[str], subcommands: Collection[str] = ()) -> list[str]:
-    """The argv each process runs for ``command`` (see :func:`launch`); Python runs
-    through :mod:`jaxdp.cli._rank`."""
-    command = list(command)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        raise ValueError("give the command to run after --, e.g. -- train --steps 5")
-    if command[0] == "jaxdp":
-        command = command[1:]
-        if not command:
-            raise ValueError("give the jaxdp subcommand to run, e.g. -- jaxdp train --steps 5")
-    head = command[0]
-    if head == "launch":
-        raise ValueError("jaxdp launch cannot launch itself")
-    if head in subcommands:
-        return [sys.executable, _RANK, "-m", "jaxdp", *command]
-    if head == "-m" or head.endswith(".py"):
-        return [sys.executable, _RANK, *command]
-    return command
 
 
 @contextlib.contextmanager

@@ -282,9 +282,8 @@ def _start(args: argparse.Namespace) -> TrainConfig:
         given["resume"] = True
         config = dataclasses.replace(config, resume=True)
     # Before JAX starts its backend: the flag, else the launcher's count, else a resumed
-    # run's, else the default. It affects the CPU backend only, so on a GPU machine the
-    # default still trains on all GPUs. Under jaxdp launch (or Slurm, Open MPI, ...)
-    # initialize joins the other processes (or, if it cannot, one line ends this one).
+    # run's, else the default (CPU only: on a GPU machine the default trains on all GPUs).
+    # Under jaxdp launch (or Slurm, ...) join connects the processes, or ends this one.
     cpu_devices = config.cpu_devices
     if cpu_devices is None and not os.environ.get(ENV_CPU_DEVICES):
         if config.resume:
