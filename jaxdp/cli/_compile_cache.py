@@ -1,6 +1,8 @@
 """``jaxdp train``'s persistent compilation cache: the programs a run compiles are kept on
 disk, and the next run with the same shapes and flags reads them back instead of
-compiling them again (JAX's persistent compilation cache).
+compiling them again (JAX's persistent compilation cache). A program that cannot be
+written (a full disk) is one warning, the entry it cut short is removed, and the run's
+last line counts what was kept.
 
 Where: ``--compile-cache DIR``, else the directory JAX already has (the
 ``JAX_COMPILATION_CACHE_DIR`` environment variable, or ``jax.config`` set by the caller of
@@ -72,7 +74,8 @@ def default_dir() -> pathlib.Path:
 def compile_cache(choice: str | bool | None) -> Iterator[Callable[[], str | None]]:
     """Sets JAX's persistent compilation cache for the block (call it before the first
     compile); yields ``report()``, the line that says where it is and how many programs the
-    block read from it and wrote to it (None when off). JAX's settings are restored after.
+    block read from it and wrote to it, and how many it could not write and why (None when
+    off). JAX's settings are restored after.
 
     ``choice``: a directory (created here: one that cannot be is a ValueError naming it),
     False (off), or None: the directory JAX has, else :func:`default_dir` (one that cannot
@@ -135,7 +138,7 @@ def compile_cache(choice: str | bool | None) -> Iterator[Callable[[], str | None
 class _FailedWrites:
     """Takes JAX's warning for each cache entry it could not write (a full disk, ...):
     says the first once, naming the directory and the cause, counts the rest, and
-    removes what a failed write left in jaxdp's bounded directory (``bounded``).
+    removes what a failed write left, where JAX stamps its entries (with a size bound).
 
     There, JAX writes an entry (``KEY-cache``) and then its last-use stamp
     (``KEY-atime``), under its file lock; a write cut short leaves an entry without a
