@@ -113,13 +113,14 @@ def test_launch_runs_a_module_found_from_its_working_directory(tmp_path):
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "__main__.py").write_text("print('main')")
     (tmp_path / "pkg" / "job.py").write_text("print('job')")
+    path = os.environ.get("PYTHONPATH")  # jaxdp from this checkout, run from tmp_path
     for module, said in (("pkg", "main"), ("pkg.job", "job")):
         done = subprocess.run(
             [*LAUNCH, "--nprocs", "1", "--", "-m", module],
             capture_output=True,
             text=True,
             cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), path]))},
             timeout=60,
         )
         assert (done.returncode, done.stdout) == (0, f"[rank 0] {said}\n"), done.stderr
