@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+from collections.abc import Callable
 
 import jax
 from flax import nnx
@@ -27,13 +28,13 @@ from ._data import Split
 from ._metrics import agree
 
 
-def check_fits(config: TrainConfig, data: Split, mesh: Mesh) -> None:
+def check_fits(
+    config: TrainConfig, data: Split, mesh: Mesh, build: Callable[[], nnx.Module]
+) -> None:
     """Raises ValueError, naming the flag, the size and the bytes, if the training state of
-    ``config``'s model on ``data`` cannot fit in the memory there is. On every process
-    (one collective: they stop together)."""
-    from ._train import build
-
-    model = nnx.eval_shape(lambda: build(config, data))
+    the model ``build()`` makes (``config``'s, on ``data``) cannot fit in the memory there
+    is; ``build`` is only traced. On every process (one collective: they stop together)."""
+    model = nnx.eval_shape(build)
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     need, parts = state_bytes(config, params, mesh.devices.size)
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]

@@ -215,7 +215,7 @@ def prepare(
     data = load(config)
     step, sizes = make_step(config)
     mesh, share = step.mesh, process_share(step.mesh, sizes)
-    check_fits(config, data, mesh)  # before the model is built: one line, not a crash
+    check_fits(config, data, mesh, lambda: build(config, data))  # traced, not built
     lead = share.process_index == 0
     say(
         f"jaxdp train: {config.data or 'digits'} {config.model.upper()} ({config.precision}) "
