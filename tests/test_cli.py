@@ -164,6 +164,41 @@ def test_usage_errors_exit_2_with_one_line_before_training(flags, message, capsy
 
 
 @pytest.mark.parametrize(
+    "flags,per_param,per_device",
+    [
+        ([], "weights 4 + gradients 4 + AdamW's 2 moments 8 + the accumulator 4", 20),
+        (
+            ["--optimizer", "sgd", "--zero-stage", "2", "--num-devices", "4"],
+            "weights 4 + gradients 4 + SGD's momentum 4/4 + the accumulator 4/4",
+            10,
+        ),
+    ],
+)
+def test_a_model_the_machine_cannot_hold_is_refused_before_it_is_built(
+    flags, per_param, per_device, capsys
+):
+    """Issue 33.3: --hidden 3000000 (9e12 parameters) ended in a traceback after 56 s. The
+    training state is sized from the traced shapes (nothing allocated) and held against
+    the machine's memory: one line naming the flag, the parameters and the bytes."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*TRAIN, "--hidden", "3000000", *flags])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    params = 64 * 3_000_000 + 3_000_000 + 3_000_000**2 + 3_000_000 + 3_000_000 * 10 + 10
+    devices = 4 if "--num-devices" in flags else 8
+    need = params * per_device
+    assert err.startswith(
+        f"jaxdp train: error: hidden=3000000: the MLP 64-3000000-3000000-10: {params:,} "
+        f"parameters, whose training state needs at least {need / 1e12:.1f} TB ({need:.3g} "
+        f"bytes) per device, {need * devices / 1e12:.1f} TB ({need * devices:.3g} bytes) for "
+        f"this process's {devices} CPU device(s) ({per_param} bytes per parameter), and this "
+        "machine has "
+    ), err
+    assert err.endswith(": choose a smaller --hidden (or fewer devices per process, on CPU)\n")
+    assert err.count("\n") == 1 and out == ""  # before anything, the batch line included
+
+
+@pytest.mark.parametrize(
     "where,message",
     [
         ("file", "checkpoint_dir='{file}' is a file, not a directory"),

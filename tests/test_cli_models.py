@@ -122,11 +122,14 @@ def cache_line(done):
     return found.group(1), int(found.group(2)), int(found.group(3))
 
 
+# The suite's compilation-cache settings (conftest.py), left out where jaxdp's own are tested.
+CACHE_SETTINGS = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAX_ENABLE_COMPILATION_CACHE")
+
+
 def test_a_second_run_reads_the_programs_the_first_wrote(tmp_path):
     """In fresh processes (JAX opens its cache once per process), with none of the suite's
     cache settings: jaxdp's own, in the per-user directory under $XDG_CACHE_HOME."""
-    settings = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAX_ENABLE_COMPILATION_CACHE")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(settings)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(CACHE_SETTINGS)}
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
     # Every program, however fast it compiles: whether one takes jaxdp's 0.1 s floor depends
     # on the load (CI saw a seventh program cross it in the third run), and this test counts
@@ -158,3 +161,61 @@ def test_a_second_run_reads_the_programs_the_first_wrote(tmp_path):
     again = run("--compile-cache", str(cache), JAX_COMPILATION_CACHE_DIR=elsewhere)
     assert cache_line(again) == (str(cache), written, 0)
     assert not pathlib.Path(elsewhere).exists()
+
+
+# A disk that fills up after the compilation cache's first entry and its stamp: every later
+# write into the cache writes half its bytes, then fails as a full disk does (ENOSPC).
+FULL_DISK = """
+import errno, os, sys
+import jax._src.path as jax_path
+cache = sys.argv[1]
+kind = type(jax_path.Path(cache))  # what JAX's cache writes with (etils' or pathlib's)
+real = kind.write_bytes
+full = []
+
+def write_bytes(self, data):
+    if not str(self).startswith(cache + os.sep):
+        return real(self, data)
+    if full:
+        real(self, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+    full.extend([True] * str(self).endswith("-atime"))
+    return real(self, data)
+
+kind.write_bytes = write_bytes
+from jaxdp.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_full_disk_is_named_once_and_only_the_entries_kept_are_counted(tmp_path):
+    """Issue 33.6: on a full disk the warnings blamed FileNotFoundError (a half-written
+    entry without its stamp broke every later write) and the run said "17 written" with
+    one entry kept. One warning names the disk; the count is what was kept; the half
+    entries are removed, so the directory holds whole entries only."""
+    cache = tmp_path / "xla"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(CACHE_SETTINGS)}  # jaxdp's
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program
+    command = [sys.executable, "-c", FULL_DISK, str(cache), "train", "--cpu-devices", "1"]
+    command += ["--accum-steps", "1", "--hidden", "8", "--steps", "1", "--no-progress"]
+    done = subprocess.run(
+        [*command, "--compile-cache", str(cache)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = [x for x in done.stderr.splitlines() if x.startswith("jaxdp train: warning:")]
+    assert len(warned) == 1, done.stderr[-3000:]
+    assert warned[0].startswith(
+        f"jaxdp train: warning: compilation cache {cache}: no space left on device writing "
+        "the program '"
+    )
+    assert "FileNotFoundError" not in done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("compilation cache")]
+    found = re.fullmatch(
+        rf"compilation cache {re.escape(str(cache))}: 0 program\(s\) read, 1 written, (\d+) "
+        r"not written \(no space left on device\)",
+        line,
+    )
+    assert found and int(found.group(1)) > 0, line
+    entries = sorted(p.name.removesuffix("-cache") for p in cache.glob("*-cache"))
+    assert len(entries) == 1
+    assert sorted(p.name.removesuffix("-atime") for p in cache.glob("*-atime")) == entries

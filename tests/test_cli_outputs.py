@@ -1,7 +1,9 @@
 """Outputs shared between runs: --metrics-out and --tensorboard are held for one run at a
-time like the checkpoint directory, a fresh run never overwrites another's records, and a
+time like the checkpoint directory, a fresh run never overwrites another's records (nor its
+--summary-out or --plot), and a
 folder that cannot take the run's events is refused before the first step."""
 
+import json
 import os
 
 import pytest
@@ -48,6 +50,31 @@ def test_a_fresh_run_never_overwrites_another_runs_records(tmp_path, capsys):
     assert metrics.read_text() == before
     assert list(board.glob("events.out.tfevents.*")) == events
     assert not list(tmp_path.glob(".*lock")) and not (board / "jaxdp.lock").exists()
+
+
+def test_a_fresh_run_never_overwrites_another_runs_summary_or_plot_and_a_resume_does(
+    tmp_path, capsys
+):
+    """Issue 33.5: --summary-out and --plot of a finished run were overwritten without a
+    word where --metrics-out and --tensorboard refuse; they refuse alike, and a resume of
+    that run continues them."""
+    summary, plot, checkpoints = tmp_path / "s.json", tmp_path / "p.png", tmp_path / "c"
+    outputs = ["--summary-out", str(summary), "--plot", str(plot)]
+    assert main([*TRAIN, *outputs, "--checkpoint-dir", str(checkpoints)]) == 0
+    capsys.readouterr()
+    before = {path: path.read_bytes() for path in (summary, plot)}
+    err = usage_error(capsys, ["--summary-out", str(summary)])
+    assert err == (
+        f"jaxdp train: error: summary_out={str(summary)!r} holds the summary of another run "
+        f"({len(before[summary])} bytes); a new run would overwrite it: choose another file "
+        "(or remove that one), or resume that run (--resume)\n"
+    )
+    err = usage_error(capsys, ["--plot", str(plot)])
+    assert f"plot={str(plot)!r} holds the plot of another run ({len(before[plot])} bytes)" in err
+    assert {path: path.read_bytes() for path in before} == before
+    resumed = [*outputs, "--checkpoint-dir", str(checkpoints), "--resume", "--steps", "3"]
+    assert main([*TRAIN, *resumed]) == 0
+    assert json.loads(summary.read_text())["steps"] == 3 and plot.read_bytes() != before[plot]
 
 
 @pytest.mark.parametrize("option", ["metrics_out", "tensorboard"])

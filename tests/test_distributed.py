@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -79,18 +80,50 @@ HELD = f"[Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"
         (["--nprocs", "2", "--grace-s", "nan"], "grace_s=nan must be a finite number of sec"),
         (["--nprocs", "2", "--timeout-s", "0"], "timeout_s=0 must be a positive integer"),
         (["--nprocs", "2", "--max-restarts", "-1"], "max_restarts=-1 must be an integer >= 0"),
-        (["--nprocs", "2", "--hang-timeout-s", "inf"], "hang_timeout_s=inf must be a finite"),
+        (["--nprocs", "2", "--hang-timeout-s", "inf"], "--hang-timeout-s inf must be a finite"),
+        (
+            ["--nprocs", "2", "--hang-timeout-s", "-5"],
+            "--hang-timeout-s -5.0 must be a finite number of seconds > 0, or 0 to turn the "
+            "watch off",
+        ),
         (["--nprocs", "2", "--", "no_such_program"], "command 'no_such_program' is not a"),
         (["--nprocs", "2", "--", "no_such.py"], "script 'no_such.py' does not exist (in "),
+        # Issue 33.4: a traceback from every rank, exit 1, where a script got one line.
+        (
+            ["--nprocs", "2", "--", "-m", "no_such_module"],
+            f"-m 'no_such_module': no module named 'no_such_module' (looked up from {ROOT} ",
+        ),
+        (["--nprocs", "2", "--", "-m", "jaxdp.no_such"], "-m 'jaxdp.no_such': no module named"),
+        (["--nprocs", "2", "--", "-m", "jaxdp.cli"], "-m 'jaxdp.cli' is a package without a "),
     ],
 )
-def test_launch_usage_errors_exit_2_with_one_line(flags, message, capsys):
+def test_launch_usage_errors_exit_2_with_one_line(flags, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
     command = [] if "--" in flags else ["--", str(ROOT / "examples" / "multi_process.py")]
     with pytest.raises(SystemExit) as exit_:
         main(["launch", *flags, *command])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"jaxdp launch: error: {message}") and err.count("\n") == 1
+
+
+def test_launch_runs_a_module_found_from_its_working_directory(tmp_path):
+    """-m takes modules and packages with a __main__ from the ranks' directory, as python -m."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "__main__.py").write_text("print('main')")
+    (tmp_path / "pkg" / "job.py").write_text("print('job')")
+    path = os.environ.get("PYTHONPATH")  # jaxdp from this checkout, run from tmp_path
+    for module, said in (("pkg", "main"), ("pkg.job", "job")):
+        done = subprocess.run(
+            [*LAUNCH, "--nprocs", "1", "--", "-m", module],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), path]))},
+            timeout=60,
+        )
+        assert (done.returncode, done.stdout) == (0, f"[rank 0] {said}\n"), done.stderr
 
 
 def test_launch_gives_each_rank_its_environment_and_prefixes_its_output(tmp_path):
@@ -375,6 +408,115 @@ def test_a_busy_coordinator_port_is_one_line_not_a_crash(tmp_path):
     )
 
 
+def test_with_the_watch_off_a_stopped_rank_is_named_not_the_peer_jax_aborts(tmp_path):
+    """Issue 33.4: with --hang-timeout-s 0, JAX's heartbeat aborts the healthy peer of a
+    SIGSTOPped rank (SIGABRT), and the launcher named the peer; it names the stopped rank
+    (its state in /proc) and kills it. The abort is simulated: the peer aborts once it
+    sees the other stopped, without JAX's 20 s and more."""
+    done = run_script(
+        tmp_path,
+        f"""
+        import os, pathlib, signal, time
+        mark = pathlib.Path({str(tmp_path)!r}) / "stopped.pid"
+        if os.environ["JAXDP_PROCESS_ID"] == "0":
+            mark.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            while not mark.exists() or not mark.read_text():
+                time.sleep(0.05)
+            stat = pathlib.Path(f"/proc/{{mark.read_text()}}/stat")
+            while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+                time.sleep(0.05)
+            os.abort()
+        """,
+        ["--nprocs", "2", "--hang-timeout-s", "0", "--grace-s", str(GRACE_S)],
+        timeout=60,
+    )
+    stopped = int((tmp_path / "stopped.pid").read_text())
+    assert done.returncode == 128 + signal.SIGKILL, done.stderr
+    assert re.search(
+        rf"^jaxdp launch: rank 0 \(pid {stopped}\) stopped answering \(stopped by a signal\)",
+        done.stderr,
+        re.M,
+    ), done.stderr
+    assert "jaxdp launch: failed: rank 0 stopped answering (stopped by a signal)" in done.stderr
+    assert not alive(stopped)
+
+
+def test_a_rank_still_starting_is_not_called_hung_and_its_usage_error_wins(tmp_path):
+    """Issue 33.7: at load 10, --hang-timeout-s 2 called a rank still importing JAX hung
+    (137), hiding its usage error (2). The heartbeat counts once the rank joined the run.
+    The loaded start is a start-up holding the GIL for 3 s (a switch interval of 10 s
+    keeps the heartbeat thread out), then a usage error, before any jaxdp.initialize."""
+    done = run_script(
+        tmp_path,
+        """
+        import sys, time
+        sys.setswitchinterval(10)
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            pass
+        sys.setswitchinterval(0.005)
+        print("script: error: --flag 7 must be even", file=sys.stderr)
+        sys.exit(2)
+        """,
+        ["--nprocs", "2", "--hang-timeout-s", "1", "--grace-s", str(GRACE_S)],
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "stopped answering" not in done.stderr
+    assert "[rank 0] script: error: --flag 7 must be even" in done.stderr.splitlines()
+
+
+def train_as(rank, port, **env):
+    """`jaxdp train` as process ``rank`` of 2, started by hand (no launcher), on ``port``."""
+    env = {**os.environ, "JAXDP_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", **env}
+    env.update(JAXDP_NUM_PROCESSES="2", JAXDP_PROCESS_ID=str(rank), JAXDP_CPU_DEVICES="1")
+    command = [sys.executable, "-m", "jaxdp", "train", "--steps", "1", "--no-compile-cache"]
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def test_a_busy_coordinator_port_ends_process_1_with_one_line_too(tmp_path):
+    """Issue 33.4: process 1 given a port another program listens on waited the whole
+    timeout, then JAX aborted it (134, a native stack). It asks the port first: no answer
+    to an HTTP/2 preface in PROBE_S (5 s) is no JAX coordinator. A listening socket
+    that never accepts is the worst case: it is silent, so this waits those 5 s."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out, err = train_as(1, port).communicate(timeout=120)
+    assert err == (
+        f"jaxdp train: error: JAXDP_COORDINATOR_ADDRESS='127.0.0.1:{port}': process 1 of 2 "
+        f"found a program on port {port} that is not JAX's coordinator (no answer to an "
+        "HTTP/2 preface in 5 s); process 0 cannot run the coordinator on a port in use: give "
+        "every process the same free port\n"
+    )
+    assert "held-out accuracy" not in out
+
+
+def test_processes_given_different_ports_end_with_one_line_each_before_jax_aborts():
+    """Issue 33.4: each waited JAXDP_TIMEOUT_S for the other, then JAX aborted both (134).
+    Each ends at that deadline with status 2 and one line; JAX's own comes 5 s later."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    ranks = [train_as(rank, ports[rank], JAXDP_TIMEOUT_S="3") for rank in (0, 1)]
+    for rank, proc in enumerate(ranks):
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err[-3000:]
+        assert err == (
+            f"jaxdp train: error: process {rank} of 2 waited 3 s (JAXDP_TIMEOUT_S='3') for all "
+            f"processes to join at JAXDP_COORDINATOR_ADDRESS='127.0.0.1:{ports[rank]}', in "
+            "vain: a process never started or died while starting, or the processes were "
+            "given different addresses (each needs process 0's); nothing was trained\n"
+        )
+
+
 RESTARTS = """
 import os, signal, sys, time
 restart, rank = int(os.environ["JAXDP_RESTART_COUNT"]), int(os.environ["JAXDP_PROCESS_ID"])
@@ -532,7 +674,8 @@ def test_the_launcher_reads_the_ranks_records_and_waits_briefly_for_them(tmp_pat
     the files the launcher names; with a rank neither ended nor recorded, the launcher
     waits up to RECORD_WAIT_S after the first error exit before naming one."""
     group = Group(io.BytesIO(), io.BytesIO(), tmp_path, watch=False)
-    group.procs = [None, None, None]  # stand-ins: only counted, never signalled
+    # Stand-ins, counted and looked up in /proc (running: this process), never signalled.
+    group.procs = [types.SimpleNamespace(pid=os.getpid())] * 3
     monkeypatch.setenv(ENV_FAILURE_FILE, str(group.failure_file(2)))
     record_failure(3)
     record_failure(1)  # a later failure of the same process: the first stands

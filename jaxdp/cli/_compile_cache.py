@@ -1,6 +1,8 @@
 """``jaxdp train``'s persistent compilation cache: the programs a run compiles are kept on
 disk, and the next run with the same shapes and flags reads them back instead of
-compiling them again (JAX's persistent compilation cache).
+compiling them again (JAX's persistent compilation cache). A program that cannot be
+written (a full disk) is one warning, the entry it cut short is removed, and the run's
+last line counts what was kept.
 
 Where: ``--compile-cache DIR``, else the directory JAX already has (the
 ``JAX_COMPILATION_CACHE_DIR`` environment variable, or ``jax.config`` set by the caller of
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib.util
 import os
 import pathlib
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -31,6 +35,8 @@ MIN_COMPILE_TIME_S = 0.1
 # another process (a rank of jaxdp launch, another run) could read one half written.
 MAX_SIZE_BYTES = 2 * 2**30
 _HIT, _WRITE = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+# How JAX's warning for an entry it could not write begins (jax._src.compiler).
+_WRITE_FAILED = "Error writing persistent compilation cache entry"
 
 
 def add_compile_options(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +74,8 @@ def default_dir() -> pathlib.Path:
 def compile_cache(choice: str | bool | None) -> Iterator[Callable[[], str | None]]:
     """Sets JAX's persistent compilation cache for the block (call it before the first
     compile); yields ``report()``, the line that says where it is and how many programs the
-    block read from it and wrote to it (None when off). JAX's settings are restored after.
+    block read from it and wrote to it, and how many it could not write and why (None when
+    off). JAX's settings are restored after.
 
     ``choice``: a directory (created here: one that cannot be is a ValueError naming it),
     False (off), or None: the directory JAX has, else :func:`default_dir` (one that cannot
@@ -83,7 +90,7 @@ def compile_cache(choice: str | bool | None) -> Iterator[Callable[[], str | None
 
     theirs = jax.config.jax_compilation_cache_dir
     settings: dict[str, Any] = {}
-    where = None
+    where = directory = None
     if choice is False:
         settings["jax_enable_compilation_cache"] = False
         off = "off (--no-compile-cache)"
@@ -92,14 +99,16 @@ def compile_cache(choice: str | bool | None) -> Iterator[Callable[[], str | None
         if jax.config.jax_enable_compilation_cache:
             named = os.environ.get("JAX_COMPILATION_CACHE_DIR") == theirs
             where = f"{theirs} ({'JAX_COMPILATION_CACHE_DIR' if named else 'jax.config'})"
+            directory = theirs
     else:
         path = _created(choice)
         off = "off (no directory it can write)"
         if path is not None:
             settings.update(_jaxdp_settings(path))
-            where = str(path)
+            where = directory = str(path)
     before = {name: getattr(jax.config, name) for name in settings}
-    counts = {_HIT: 0, _WRITE: 0}
+    counts = {_HIT: 0, _WRITE: 0}  # a write is counted when it begins
+    failed = _FailedWrites(where, directory)
 
     def count(event: str, **kwargs: Any) -> None:
         if event in counts:
@@ -108,17 +117,95 @@ def compile_cache(choice: str | bool | None) -> Iterator[Callable[[], str | None
     def report() -> str:
         if where is None:
             return f"compilation cache: {off}"
-        return (
-            f"compilation cache {where}: {counts[_HIT]} program(s) read, {counts[_WRITE]} written"
-        )
+        line = f"compilation cache {where}: {counts[_HIT]} program(s) read, "
+        line += f"{counts[_WRITE] - len(failed.causes)} written"
+        if failed.causes:
+            line += f", {len(failed.causes)} not written ({', '.join(sorted(set(failed.causes)))})"
+        return line
 
     _apply(settings, jax_cache)
     jax.monitoring.register_event_listener(count)
     try:
-        yield report
+        with warnings.catch_warnings():
+            warnings.filterwarnings("always", message=_WRITE_FAILED)  # each one counts
+            warnings.showwarning = failed.hook(warnings.showwarning)
+            yield report
     finally:
         jax.monitoring.unregister_event_listener(count)
         _apply(before, jax_cache)
+
+
+class _FailedWrites:
+    """Takes JAX's warning for each cache entry it could not write (a full disk, ...):
+    says the first once, naming the directory and the cause, counts the rest, and
+    removes what a failed write left, where JAX stamps its entries (with a size bound).
+
+    There, JAX writes an entry (``KEY-cache``) and then its last-use stamp
+    (``KEY-atime``), under its file lock; a write cut short leaves an entry without a
+    stamp (half written on a full disk), and every later write then failed on the
+    missing stamp (FileNotFoundError, blaming no disk) while the half entry stayed
+    to be read back as an error. Removing it leaves only whole entries, each stamped.
+    A write that fails on a missing stamp all the same (another thread's, between a
+    write cut short and its removal) is counted with the first write's cause.
+    """
+
+    def __init__(self, where: str | None, directory: str | None):
+        self.where = where
+        self.directory = None if directory is None else pathlib.Path(directory)
+        self.causes: list[str] = []
+
+    def hook(self, show: Callable[..., None]) -> Callable[..., None]:
+        def showwarning(message: Warning | str, *args: Any, **kwargs: Any) -> None:
+            text = str(message)
+            if not text.startswith(_WRITE_FAILED):
+                show(message, *args, **kwargs)
+                return
+            cause, removed = _cause(text), self._remove_unstamped()
+            if cause == _MISSING:  # a stamp missing: another write was cut short first
+                cause = self.causes[0] if self.causes else "an entry cut short before"
+            self.causes.append(cause)
+            if len(self.causes) == 1:
+                program = text[len(_WRITE_FAILED) :].split("'")[1:2] or ["?"]
+                left = f"; removed the {removed} entry it cut short" if removed else ""
+                show(
+                    f"compilation cache {self.where}: {self.causes[0]} writing the program "
+                    f"{program[0]!r} ({text.split(': ', 1)[-1]}){left}; the programs not "
+                    "written compile again in the next run (the run's last line counts them)",
+                    *args,
+                    **kwargs,
+                )
+
+        return showwarning
+
+    def _remove_unstamped(self) -> int:
+        """Removes, under JAX's lock, the entries without a stamp; returns how many.
+        Only where JAX stamps entries: with a size bound (which needs ``filelock``)."""
+        import jax
+
+        if self.directory is None or jax.config.jax_compilation_cache_max_size <= 0:
+            return 0
+        import filelock
+
+        removed = 0
+        lock = filelock.FileLock(self.directory / ".lockfile", timeout=10)  # JAX's own
+        with contextlib.suppress(OSError), lock:  # filelock.Timeout is an OSError
+            for entry in self.directory.glob("*-cache"):
+                stamp = entry.with_name(entry.name.removesuffix("-cache") + "-atime")
+                if not stamp.exists():
+                    entry.unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
+
+_MISSING = os.strerror(errno.ENOENT).lower()
+
+
+def _cause(text: str) -> str:
+    """``no space left on device`` for JAX's message of an OSError's errno, else its type."""
+    found = re.search(r"\[Errno (\d+)\]", text)
+    if found:
+        return os.strerror(int(found.group(1))).lower()
+    return text[len(_WRITE_FAILED) :].split(": ", 2)[1] if ": " in text else "an error"
 
 
 def _created(choice: str | None) -> pathlib.Path | None:

@@ -1,10 +1,12 @@
 """One start of ``jaxdp launch``'s processes: their output, their exits, their
 heartbeats, and how the group is stopped (:mod:`jaxdp.cli._launch` starts it again).
 
-A rank is watched through its exit and, once it called :func:`jaxdp.initialize`,
-through its heartbeat file (:mod:`jaxdp.cli._launch_link`): a rank whose file has not
-been touched for the hang timeout stopped answering (a SIGSTOP, a process frozen
-in the kernel), and the group is killed. The rank named as the failure is the one
+A rank is watched through its exit and, once it joined the run (JAX's distributed
+runtime started in it, as :func:`jaxdp.initialize` does), through its heartbeat
+file (:mod:`jaxdp.cli._launch_link`): a rank whose file has not been touched for the
+hang timeout stopped answering (a SIGSTOP, a process frozen in the kernel), and the
+group is killed. A rank stopped by a signal is found by its state in ``/proc`` too,
+with or without the watch. The rank named as the failure is the one
 whose failure began first (:func:`first_to_fail`), from the exits and the records
 ranks leave when they begin to fail (:mod:`jaxdp.cli._launch_link`).
 """
@@ -245,18 +247,20 @@ class Group:
         now = time.time()
         for rank, proc in enumerate(self.procs):
             beat = self.heartbeat(rank)
-            if rank in ended or beat is None:
+            if rank in ended:
                 continue
             state = _state(proc.pid)
-            if timeout_s is None:
+            if timeout_s is None:  # also with the watch off: a stopped rank is named
                 if state in ("T", "t"):
                     cause = f"stopped answering ({_STATES[state]})"
                     return _failure(rank, 128 + signal.SIGKILL, cause)
                 continue
+            if beat is None:
+                continue
             try:
                 age = now - beat.stat().st_mtime
             except OSError:
-                continue  # not yet in jaxdp.initialize: not watched yet
+                continue  # not yet up (jax.distributed started): not watched yet
             if age > timeout_s:
                 how = _STATES.get(state, "running, its heartbeat thread silent")
                 cause = f"stopped answering: no heartbeat for {age:.1f} s ({how})"

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import os
 import pathlib
-import shutil
 import signal
 import socket
 import sys
@@ -37,6 +36,7 @@ from .._distributed import (
     ENV_RESTART_COUNT,
     ENV_TIMEOUT,
 )
+from ._command import check_runnable, child_argv
 from ._group import Failure, Group, Outcome
 from ._launch_link import ENV_FAILURE_FILE, ENV_HEARTBEAT_FILE
 
@@ -44,7 +44,6 @@ DEFAULT_GRACE_S = 10.0
 # Half JAX's heartbeat timeout under jaxdp (60 s): the launcher names a stopped
 # rank before JAX aborts its peers; far above a heartbeat thread's scheduling delay.
 DEFAULT_HANG_TIMEOUT_S = 30.0
-_RANK = str(pathlib.Path(__file__).with_name("_rank.py"))
 
 
 def launch(
@@ -77,20 +76,21 @@ def launch(
     the same way. A Python rank's non-zero ``sys.exit`` ends it at once
     (:mod:`jaxdp.cli._rank`).
 
-    A rank fails when it exits non-zero or, once in :func:`jaxdp.initialize`,
-    leaves its heartbeat file untouched for ``hang_timeout_s`` (None: not
-    watched); the rank named is the one whose failure began first
-    (:func:`jaxdp.cli._group.first_to_fail`). The others then get SIGTERM, then
-    SIGKILL after ``grace_s``
-    seconds (after at most 1 s when a signal ended it, at once when it stopped
-    answering: its peers are stuck in collectives that wait for it). The group
-    then starts again, up to ``max_restarts`` times, each restart reported with
-    its cause and downtime. Exit status: 0 when all exit 0; else the last
-    failure's (``128 + n`` for a process ended by signal ``n``; 137 for a rank
-    killed for not answering). A SIGINT or SIGTERM sent to the launcher is
-    forwarded to every process and waited for, and never restarts the group; a
-    second one kills them (status ``128 + signal``). Every rank is reaped, and
-    what it left in its process group killed, before a start ends.
+    A rank fails when it exits non-zero or, once it joined the run (JAX's distributed
+    runtime started in it, as :func:`jaxdp.initialize` does), leaves its heartbeat file
+    untouched for ``hang_timeout_s`` (None: not watched); a rank still starting is never
+    called hung. The rank named is the one whose failure began first
+    (:func:`jaxdp.cli._group.first_to_fail`); a rank stopped by a signal while a peer
+    failed is named, also unwatched. The others then get SIGTERM, then SIGKILL after
+    ``grace_s`` seconds (after at most 1 s when a signal ended it, at once when it
+    stopped answering: its peers are stuck in collectives that wait for it). The group
+    then starts again, up to ``max_restarts`` times, each restart reported with its
+    cause and downtime. Exit status: 0 when all exit 0; else the last failure's (``128 +
+    n`` for a process ended by signal ``n``; 137 for a rank killed for not answering). A
+    SIGINT or SIGTERM sent to the launcher is forwarded to every process and waited for,
+    and never restarts the group; a second one kills them (status ``128 + signal``).
+    Every rank is reaped, and what it left in its process group killed, before a start
+    ends.
     """
     _check(
         nprocs,
@@ -102,7 +102,7 @@ def launch(
         hang_timeout_s,
     )
     argv = child_argv(command, subcommands)
-    _check_runnable(argv)
+    check_runnable(argv)
     out = stdout or sys.stdout.buffer
     err = stderr or sys.stderr.buffer
     settings = {ENV_NUM_PROCESSES: str(nprocs), ENV_LAUNCH_STARTED: repr(time.time())}
@@ -205,40 +205,6 @@ def _check(
         raise ValueError(f"hang_timeout_s={hang_timeout_s!r} must be a finite number of seconds >0")
 
 
-def _check_runnable(argv: list[str]) -> None:
-    """One line before anything starts, instead of a traceback per rank (or none)."""
-    if argv[0] == sys.executable and argv[1] == _RANK:
-        if argv[2] != "-m" and not os.path.isfile(argv[2]):
-            raise ValueError(f"script {argv[2]!r} does not exist (in {os.getcwd()})")
-    elif shutil.which(argv[0]) is None:
-        raise ValueError(
-            f"command {argv[0]!r} is not a jaxdp subcommand, a Python script (.py), -m module "
-            "or a program found on PATH"
-        )
-
-
-def child_argv(command: Sequence[str], subcommands: Collection[str] = ()) -> list[str]:
-    """The argv each process runs for ``command`` (see :func:`launch`); Python runs
-    through :mod:`jaxdp.cli._rank`."""
-    command = list(command)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        raise ValueError("give the command to run after --, e.g. -- train --steps 5")
-    if command[0] == "jaxdp":
-        command = command[1:]
-        if not command:
-            raise ValueError("give the jaxdp subcommand to run, e.g. -- jaxdp train --steps 5")
-    head = command[0]
-    if head == "launch":
-        raise ValueError("jaxdp launch cannot launch itself")
-    if head in subcommands:
-        return [sys.executable, _RANK, "-m", "jaxdp", *command]
-    if head == "-m" or head.endswith(".py"):
-        return [sys.executable, _RANK, *command]
-    return command
-
-
 @contextlib.contextmanager
 def _reserved_port() -> Iterator[int]:
     """A free local port, held while the launch runs so that nothing else takes it.
@@ -328,9 +294,9 @@ def add_launch_command(sub: Any) -> None:
         type=float,
         default=DEFAULT_HANG_TIMEOUT_S,
         metavar="SECONDS",
-        help="a Python rank whose heartbeat (a thread its start-up starts) is silent this long "
-        f"has stopped answering: the group is killed (default: {DEFAULT_HANG_TIMEOUT_S:g}; 0: "
-        "not watched)",
+        help="a Python rank whose heartbeat (a thread beating once the rank joined the run) is "
+        "silent this long has stopped answering: the group is killed (default: "
+        f"{DEFAULT_HANG_TIMEOUT_S:g}; 0 turns the watch off)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(run=lambda args: _run_launch(args, set(sub.choices)))
@@ -338,6 +304,12 @@ def add_launch_command(sub: Any) -> None:
 
 def _run_launch(args: argparse.Namespace, subcommands: Collection[str]) -> int:
     try:
+        hang = args.hang_timeout_s
+        if not (hang == 0 or 0 < hang < float("inf")):  # NaN included
+            raise ValueError(
+                f"--hang-timeout-s {hang!r} must be a finite number of seconds > 0, or 0 to "
+                "turn the watch off"
+            )
         return launch(
             args.command,
             nprocs=args.nprocs,

@@ -5,9 +5,15 @@ jaxdp (and JAX).
 
 **Heartbeat.** ``_rank.py`` starts :func:`start_heartbeat` first thing when
 ``JAXDP_HEARTBEAT_FILE`` names a file (the launcher sets it): a daemon thread touches
-it every second, and a modification time older than ``--hang-timeout-s`` means the
-process stopped answering (a SIGSTOP, a process frozen in the kernel). It needs the
-GIL for microseconds, and a process that runs at all runs it.
+it every second once the rank is up, and a modification time older than
+``--hang-timeout-s`` means the process stopped answering (a SIGSTOP, a process frozen
+in the kernel). It needs the GIL for microseconds, and a process that runs at all
+runs it. Up means joined: JAX's distributed runtime started in the process (what
+:func:`jaxdp.initialize` does), from when its peers can block waiting for it. Before,
+the file does not exist and the launcher does not watch it: a rank still starting
+(importing JAX on a loaded machine holds the GIL for seconds) is never called hung,
+and a usage error it finds is its exit, not a hang verdict; JAX's own start-up
+timeout covers a rank that never joins.
 
 **Failure record.** The launcher reaps exits in the order it sees them, which on a
 busy machine need not be the order the ranks began to fail: a rank that calls
@@ -24,8 +30,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 ENV_FAILURE_FILE = "JAXDP_FAILURE_FILE"
@@ -35,25 +43,37 @@ _started: set[str] = set()
 _lock = threading.Lock()
 
 
-def start_heartbeat(path: str) -> None:
-    """Touches ``path`` now and then every :data:`INTERVAL_S` seconds, from a daemon thread
-    (once per path and process)."""
+def start_heartbeat(path: str, *, up: Callable[[], bool] | None = None) -> None:
+    """Touches ``path`` every :data:`INTERVAL_S` seconds from a daemon thread, from the
+    first beat at which ``up()`` is true (default :func:`joined`) on (once per path and
+    process)."""
     with _lock:
         if path in _started:
             return
         _started.add(path)
     file = pathlib.Path(path)
-    file.touch()  # the first beat, before the caller goes on: it is watched from now
+    is_up = up or joined
 
     def beat() -> None:  # ends with the process
+        while not is_up():
+            time.sleep(INTERVAL_S / 10)  # cheap: a dictionary lookup or two
         while True:
-            time.sleep(INTERVAL_S)
             try:
                 os.utime(file)
             except OSError:
-                file.touch()  # removed meanwhile: the launcher still reads a beat
+                file.touch()  # the first beat, or removed meanwhile
+            time.sleep(INTERVAL_S)
 
     threading.Thread(target=beat, name="jaxdp-heartbeat", daemon=True).start()
+
+
+def joined() -> bool:
+    """Whether JAX's distributed runtime runs in this process (without importing JAX)."""
+    jax = sys.modules.get("jax")
+    try:
+        return bool(jax is not None and jax.distributed.is_initialized())
+    except Exception:  # JAX still being imported: not yet
+        return False
 
 
 class FailureRecord(NamedTuple):

@@ -280,7 +280,8 @@ def _start(args: argparse.Namespace) -> TrainConfig:
     checkpoint directory resumes without ``--resume``; ``--resume`` where there is no
     checkpoint yet starts a fresh run. Each says so.
     """
-    from .._distributed import ENV_CPU_DEVICES, ENV_RESTART_COUNT, initialize
+    from .._distributed import ENV_CPU_DEVICES, ENV_RESTART_COUNT
+    from ._join import join
     from ._outputs import lock_while
     from ._resume import has_checkpoints, resumed_config, saved_cpu_devices
     from ._run import say
@@ -296,9 +297,8 @@ def _start(args: argparse.Namespace) -> TrainConfig:
         given["resume"] = True
         config = dataclasses.replace(config, resume=True)
     # Before JAX starts its backend: the flag, else the launcher's count, else a resumed
-    # run's, else the default. It affects the CPU backend only, so on a GPU machine the
-    # default still trains on all GPUs. Under jaxdp launch (or Slurm, Open MPI, ...)
-    # initialize joins the other processes.
+    # run's, else the default (CPU only: on a GPU machine the default trains on all GPUs).
+    # Under jaxdp launch (or Slurm, ...) join connects the processes, or ends this one.
     cpu_devices = config.cpu_devices
     if cpu_devices is None and not os.environ.get(ENV_CPU_DEVICES):
         if config.resume:
@@ -306,7 +306,7 @@ def _start(args: argparse.Namespace) -> TrainConfig:
             cpu_devices = saved_cpu_devices(config.checkpoint_dir)
         if cpu_devices is None:
             cpu_devices = given["cpu_devices"] = DEFAULT_CPU_DEVICES
-    initialize(cpu_devices=cpu_devices)
+    join(cpu_devices)
     if cpu_devices is None:  # the launcher's, which initialize has read and checked
         cpu_devices = given["cpu_devices"] = int(os.environ[ENV_CPU_DEVICES])
     config = dataclasses.replace(config, cpu_devices=cpu_devices)

@@ -1,5 +1,5 @@
 """What ``jaxdp train`` will write, claimed before its first step: a finished run is never
-lost to an output path.
+lost to an output path, and a new run never overwrites another run's outputs.
 
 Each output file's folder is created if missing and must take a file; the
 checkpoint directory is created and locked (:mod:`jaxdp.checkpoint._lock`) for
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import pathlib
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import jax
 
@@ -100,10 +100,11 @@ def _hold_board(stack: contextlib.ExitStack, path: str) -> None:
 
 
 def check_fresh(
-    metrics_out: str | None, tensorboard: str | None, *, own_since: float | None = None
+    files: Mapping[str, str | None], tensorboard: str | None, *, own_since: float | None = None
 ) -> None:
-    """For a run that starts fresh (not resumed): refuses a ``--metrics-out`` holding
-    records or a ``--tensorboard`` folder holding event files, another run's, which it
+    """For a run that starts fresh (not resumed): refuses output files (``files``: option
+    name -> path: ``metrics_out`` holding records, ``summary_out`` or ``plot`` holding
+    anything) or a ``--tensorboard`` folder holding event files, another run's, which it
     would overwrite or mix with its own. Files last modified at or after ``own_since``
     (``time.time()``; a restarted launch's start) are this run's own earlier starts'.
     On process 0; the others raise too."""
@@ -117,18 +118,12 @@ def check_fresh(
 
     failure: ValueError | None = None
     if jax.process_index() == 0:
-        file = pathlib.Path(metrics_out) if metrics_out else None
+        failure = _another_runs_file(files, lambda p: another_runs(p, empty=False))
         events = []
         if tensorboard is not None:
             found = pathlib.Path(tensorboard).glob("events.out.*")
             events = sorted(p.name for p in found if another_runs(p))
-        if file is not None and another_runs(file, empty=False):
-            lines = file.read_text(errors="replace").count("\n")
-            failure = ValueError(
-                f"metrics_out={metrics_out!r} holds {lines} record(s) of another run; a new "
-                "run would overwrite them: choose another file, or resume that run (--resume)"
-            )
-        elif events:
+        if failure is None and events:
             failure = ValueError(
                 f"tensorboard={tensorboard!r} holds event files of another run ({events[0]}"
                 f"{' ...' if len(events) > 1 else ''}); TensorBoard shows one run per "
@@ -137,6 +132,31 @@ def check_fresh(
             )
     if agree(failure is not None):
         raise failure or ValueError("process 0 found another run's records in an output")
+
+
+# What a finished run leaves in each output file, for the refusal that names it.
+_HOLDS = {"summary_out": "the summary", "plot": "the plot"}
+
+
+def _another_runs_file(
+    files: Mapping[str, str | None], another_runs: Callable[[pathlib.Path], bool]
+) -> ValueError | None:
+    """The refusal of the first of ``files`` that holds another run's output, if any."""
+    for name, path in files.items():
+        if path is None or not another_runs(file := pathlib.Path(path)):
+            continue
+        if name == "metrics_out":
+            lines = file.read_text(errors="replace").count("\n")
+            return ValueError(
+                f"metrics_out={path!r} holds {lines} record(s) of another run; a new "
+                "run would overwrite them: choose another file, or resume that run (--resume)"
+            )
+        return ValueError(
+            f"{name}={path!r} holds {_HOLDS.get(name, 'the output')} of another run "
+            f"({file.stat().st_size} bytes); a new run would overwrite it: choose another "
+            "file (or remove that one), or resume that run (--resume)"
+        )
+    return None
 
 
 @contextlib.contextmanager

@@ -12,10 +12,11 @@ barrier waits for every process while its peers are blocked in a collective that
 waits for it: it sat there ``timeout_s`` (100 s) and JAX then aborted it (134), the
 status lost; no heartbeat failed meanwhile, so the launch hung that long.
 
-Before the rank's code runs, its heartbeat starts (the launcher finds a stopped
-rank by it). A non-zero ``sys.exit`` or an uncaught exception is recorded first
-(:mod:`jaxdp.cli._launch_link`): its peers fail when this process ends, and the
-launcher, which may reap them first, names the rank whose failure began first.
+Before the rank's code runs, its heartbeat starts: it beats once the rank joined
+the run (the launcher finds a stopped rank by it). A non-zero ``sys.exit`` or an
+uncaught exception is recorded first (:mod:`jaxdp.cli._launch_link`): its peers
+fail when this process ends, and the launcher, which may reap them first, names the
+rank whose failure began first.
 
 In a launch of several processes, the C-level stdout goes through
 :func:`jaxdp._quiet_gloo.quiet_gloo_notes` before the rank's code runs: on CPU, gloo's
@@ -46,7 +47,7 @@ def main() -> None:
     here = pathlib.Path(__file__).parent
     link = _load(here / "_launch_link.py")
     if beat := os.environ.get(link.ENV_HEARTBEAT_FILE):
-        link.start_heartbeat(beat)  # alive from the start: importing JAX can take seconds
+        link.start_heartbeat(beat)  # beats once the rank joined the run
     processes = os.environ.get("JAXDP_NUM_PROCESSES", "")  # set by jaxdp launch
     if processes.isdigit() and int(processes) > 1:
         _load(here.parent / "_quiet_gloo.py").quiet_gloo_notes()

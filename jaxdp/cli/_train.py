@@ -42,6 +42,7 @@ from ..data import Loader, evaluate
 from ..models import CNN, MLP
 from ._config import Precision, TrainConfig
 from ._data import Split, load_digits, load_file
+from ._fits import check_fits
 from ._metrics import MetricsLog, plot_training
 from ._outputs import check_fresh, claimed
 from ._run import _Run, _where, say
@@ -214,6 +215,7 @@ def prepare(
     data = load(config)
     step, sizes = make_step(config)
     mesh, share = step.mesh, process_share(step.mesh, sizes)
+    check_fits(config, data, mesh, lambda: build(config, data))  # traced, not built
     lead = share.process_index == 0
     say(
         f"jaxdp train: {config.data or 'digits'} {config.model.upper()} ({config.precision}) "
@@ -259,7 +261,7 @@ def prepare(
         # A fresh start, also a --resume or a restarted group that found no checkpoint:
         # it refuses another run's records like any new run.
         if run.resumed_step is None:
-            check_fresh(config.metrics_out, config.tensorboard, own_since=_own_outputs_since())
+            check_fresh(outputs, config.tensorboard, own_since=_own_outputs_since())
         metrics_out = config.metrics_out if lead else None
         board = config.tensorboard if lead else None
         with MetricsLog(metrics_out, resume_step=run.resumed_step, tensorboard=board) as log:
