@@ -61,7 +61,9 @@ def flops_per_token(cfg: GPTConfig) -> dict[str, int]:
 # ---- the model, in Flax NNX and in torch --------------------------------------------
 
 
-def nnx_model(cfg: GPTConfig, *, dtype: Any, seed: int = 0) -> Any:
+def nnx_model(cfg: GPTConfig, *, dtype: Any, seed: int = 0, attention: str | None = None) -> Any:
+    """GPT-2 in NNX; ``attention`` is ``jax.nn.dot_product_attention``'s ``implementation``
+    (None: XLA's choice; ``"cudnn"``: cuDNN's flash attention, GPUs only)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -83,8 +85,9 @@ def nnx_model(cfg: GPTConfig, *, dtype: Any, seed: int = 0) -> Any:
             b, t, d = x.shape
             q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
             q, k, v = (y.reshape(b, t, cfg.n_head, d // cfg.n_head) for y in (q, k, v))
-            # cuDNN flash attention on GPUs where it applies, else XLA's.
-            att = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            # implementation=None is XLA's attention (it writes the T x T scores); "cudnn" is
+            # cuDNN's flash attention, as torch's scaled_dot_product_attention runs on a GPU.
+            att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
             x = x + self.proj(att.reshape(b, t, d))
             return x + self.fc_proj(jax.nn.gelu(self.fc(self.ln2(x)), approximate=True))
 
@@ -218,7 +221,10 @@ def jaxdp_run(
         path=path,
         parallel=Parallel(zero_stage=zero_stage),
     )
-    box = [step.init(nnx_model(cfg, dtype=dtype))]
+    # On a GPU, cuDNN's flash attention (torch's side runs flash attention too); XLA's
+    # attention halves the tokens/s there (benchmarks/studies/gpu_floor.py, BENCHMARKS.md).
+    attention = "cudnn" if jax.default_backend() == "gpu" else None
+    box = [step.init(nnx_model(cfg, dtype=dtype, attention=attention))]
     sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
     x, y = batch(cfg, micro * accum_steps)
     if path == "fused":
