@@ -48,6 +48,10 @@ def test_a_hugging_face_text_column_is_refused_at_construction_naming_it_and_the
     ):
         loader(datasets.Dataset.from_dict(data))
     loader(datasets.Dataset.from_dict(data).remove_columns(["text"])).close()  # the fix works
+    # A transform may encode the text: its records are checked when read.
+    encoded = loader(datasets.Dataset.from_dict(data), transform=lambda r: {"n": len(r["text"])})
+    with encoded:
+        assert np.asarray(next(iter(encoded)).data["n"]).tolist() == [2, 2, 2, 2]
     with pytest.raises(ValueError, match=r"source\['name'\] has dtype <U2"):
         loader({"x": np.ones((8, 3)), "name": np.array(["ab"] * 8)})
 

@@ -96,7 +96,7 @@ class Source:
         if self.fields is not None and transform is None:
             for path, leaf in jax.tree_util.tree_leaves_with_path(self.fields, is_leaf=_is_array):
                 _check_dtype("source" + jax.tree_util.keystr(path), np.dtype(leaf.dtype))
-        if self.columns is not None:
+        if self.columns is not None and transform is None:  # a transform may encode text
             _check_columns(self.columns)
         self.source = source
         self.files = memmapped_files(self.fields)
