@@ -10,6 +10,7 @@ conftest.py that sets them (``JAX_PLATFORMS``, the compilation cache) must come 
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 
 import pytest
@@ -34,10 +35,20 @@ TIMEOUT_MARKER = (
 )
 
 
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds >= 0 (0: none)")
+    return seconds
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.getgroup("jaxdp").addoption(
         "--jaxdp-timeout",
-        type=float,
+        type=_seconds,
         default=None,
         metavar="SECONDS",
         help="bound on each devices test (its worker processes): past it, each process "

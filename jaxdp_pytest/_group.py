@@ -305,16 +305,20 @@ def worker_argv(config: pytest.Config, files: list[str]) -> list[str]:
     """``python -m pytest`` with the options that shape a test's run and its report.
 
     Selection, output files and distribution stay with the parent: ``addopts`` and
-    ``PYTEST_ADDOPTS`` are not read again (so no ``-n``, ``--junitxml``, ``--lf``) and the
-    cache is off. No ``--basetemp``: a session empties its own, so each worker takes a
-    numbered one of pytest's. The last argument is always the capture mode.
+    ``PYTEST_ADDOPTS`` are not read again (so no ``-n``, ``--junitxml``, ``--lf``), the
+    cache is off, and so is pytest-timeout (the parent bounds the whole group). No
+    ``--basetemp``: a session empties its own, so each worker takes a numbered one of
+    pytest's. The last argument is always the capture mode.
     """
     o = config.option
     args = ["-o", "addopts=", f"--rootdir={config.rootpath}", "-p", "no:cacheprovider"]
+    # The parent bounds a test on all its processes (jaxdp_pytest._parent.timeout_of):
+    # pytest-timeout in a worker would stop one process and leave its peers waiting.
+    args += ["-p", "no:timeout"]
     if config.inipath:
         args += ["-c", str(config.inipath)]
     for plugin in o.plugins or []:
-        if plugin not in ("xdist", "xdist.plugin", "no:cacheprovider"):
+        if plugin not in ("xdist", "xdist.plugin", "no:cacheprovider", "timeout", "pytest_timeout"):
             args += ["-p", plugin]
     for flag, on in (
         ("--strict-markers", o.strict_markers),

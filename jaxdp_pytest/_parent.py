@@ -50,6 +50,11 @@ class Parent:
             runtestprotocol(item, nextitem=self.next_like(item, nextitem, None))
             ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
             return True
+        # pytest-timeout's timer (set around this hook) would fire here, outside any test
+        # phase; the bound is kept by ``run`` instead, through its public hook.
+        cancel = getattr(item.config.hook, "pytest_timeout_cancel_timer", None)
+        if cancel is not None:
+            cancel(item=item)
         self.log(item, self.run(item, spec, self.next_like(item, nextitem, spec), timeout))
         return True
 

@@ -31,6 +31,7 @@ def test_sleeps():
     time.sleep(3600)
 
 
+@pytest.mark.timeout(3)
 @pytest.mark.devices(1, processes=2)
 def test_waits_for_a_sleeping_peer():
     import jax
@@ -133,12 +134,13 @@ def test_a_killed_pytest_leaves_no_worker_running(hung):
 
 
 def test_a_timeout_names_each_process_and_where_its_threads_were(hung):
-    process, workers = hung("test_waits_for_a_sleeping_peer", "--jaxdp-timeout=3", "-rA")
+    # The mark (pytest-timeout's) wins over the plugin's option.
+    process, workers = hung("test_waits_for_a_sleeping_peer", "--jaxdp-timeout=600")
     out, _ = process.communicate(timeout=START_S)
     assert process.returncode == 1, out
     stopped = re.findall(
         r"process ([01]) of 2 for devices\(1, processes=2\) \(pid (\d+)\) did not finish "
-        r"within the timeout of 3 s \(--jaxdp-timeout=3.0\), and was stopped",
+        r"within the timeout of 3 s \(@pytest.mark.timeout\(3\)\), and was stopped",
         out,
     )
     assert {int(pid) for _, pid in stopped} == set(workers), out
@@ -148,3 +150,16 @@ def test_a_timeout_names_each_process_and_where_its_threads_were(hung):
     assert f"line {sleep} in test_waits_for_a_sleeping_peer" in out  # process 0's sleep
     assert "in sync_global_devices" in out  # process 1, waiting in the collective
     assert running_in_sessions(set(workers)) == []
+
+
+def test_a_bad_timeout_option_is_a_usage_error_naming_it(tmp_path):
+    (tmp_path / "test_hang.py").write_text(SUITE)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--jaxdp-timeout=-1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=START_S,
+    )
+    assert run.returncode == 4, run.stdout + run.stderr  # pytest's usage error
+    assert "--jaxdp-timeout: -1 must be a number of seconds >= 0 (0: none)" in run.stderr
