@@ -80,7 +80,9 @@ def test_a_held_iteration_ends_when_the_loader_is_closed_with_its_position_kept(
 
 
 HANGING = """
-import threading, numpy as np, jaxdp, jaxdp.data
+import signal, threading, numpy as np, jaxdp, jaxdp.data
+# Python's Ctrl-C, whatever this process inherited (a shell's & ignores SIGINT).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 jaxdp.emulate_cpu_devices(2)
 
 class Hanging:
@@ -111,8 +113,6 @@ def test_ctrl_c_interrupts_a_loop_waiting_on_a_read_that_never_returns():
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        # Ctrl-C's default, whatever this process inherited (a shell's & ignores it).
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert process.stdout.readline() == "batch (0, 1, 0)\n"  # rows 0 to 3; 5 hangs

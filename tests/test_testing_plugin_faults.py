@@ -42,6 +42,11 @@ def test_waits_for_a_sleeping_peer():
         time.sleep(3600)
     multihost_utils.sync_global_devices("never joined by process 0")
 """
+# pytest with Python's Ctrl-C, whatever this process inherited (a shell's & ignores SIGINT).
+PYTEST = (
+    "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.exit(pytest.console_main())"
+)
 # Generous bounds, never met by a working plugin: a hang fails the test, not the suite.
 START_S = 120  # two JAX processes and their distributed runtime, on a loaded machine
 END_S = 20  # pytest's end after the signal; before: never (or 30 s at best)
@@ -79,15 +84,13 @@ def hung(tmp_path):
     def start(test, *args):
         env = dict(os.environ, STARTED=str(tmp_path / "started"))
         process = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly"]
+            [sys.executable, "-c", PYTEST, "-p", "no:cacheprovider", "-p", "no:randomly"]
             + [f"test_hang.py::{test}", *args],
             cwd=tmp_path,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            # Ctrl-C's default, whatever this process inherited (a shell's & ignores it).
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         pytests.append(process)
         deadline = time.monotonic() + START_S

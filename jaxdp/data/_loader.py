@@ -75,16 +75,23 @@ def _check_order_fits(records: int) -> None:
         raise ValueError(
             f"source has {records} records: the loader's order of one epoch (DistributedSampler's "
             f"permutation, int64, about {ORDER_BYTES_PER_RECORD} bytes per record at its peak) "
-            f"needs about {_bytes(need)}, more than this machine's {_bytes(have)} of memory; "
+            f"needs about {_bytes(need)}, more than the {_bytes(have)} of memory here; "
             "check the source's __len__, or split the data into smaller sources"
         )
 
 
 def _physical_memory() -> int | None:
+    """The machine's memory, or the container's limit where one is set (cgroup v2)."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not POSIX: no check
         return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+    except OSError:
+        return have
+    return min(have, int(limit)) if limit.isdigit() else have
 
 
 def _bytes(n: float) -> str:

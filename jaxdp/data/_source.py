@@ -243,9 +243,9 @@ def _checked(batch: Any, rows: np.ndarray, kind: str) -> Any:
         shown = rows.tolist()[:8]
         where = f"records {shown}" if len(rows) <= 8 else f"records {shown[:-1] + ['...']}"
         why = (
-            "its rows have different lengths (ragged), which make no array: pad or cut them "
-            "to one length (e.g. with dataset.map or a transform), or drop the "
-            f"{kind}"
+            "its rows have different lengths (ragged) or hold Python objects, which make no "
+            "array: pad or cut them to one length (e.g. with dataset.map or a transform), "
+            f"or drop the {kind}"
             if dtype.kind == "O"
             else "JAX takes numbers and booleans only: drop it or encode it"
         )
