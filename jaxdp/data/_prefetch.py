@@ -7,6 +7,7 @@ import atexit
 import functools
 import queue
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -24,6 +25,11 @@ _JOIN_S = 30.0
 # runtime aborts the process: "FATAL: exception not rethrown", exit 134, in 7 of 20
 # runs that broke out of a loop and exited. ``atexit`` stops and joins them first.
 _RUNNING: weakref.WeakSet[Placed] = weakref.WeakSet()
+# Every read in flight, on its daemon thread. The same abort threatens one still inside
+# C++ code (Arrow, for a Hugging Face dataset) at finalization, so the exit hook waits
+# for them, but only this long: a read that never returns must not hold the exit.
+_READING: set[threading.Thread] = set()
+_EXIT_READ_S = 2.0
 
 
 class LoaderWorkerError(RuntimeError):
@@ -66,8 +72,11 @@ def _detached(read: Callable[[int], Any], closed: threading.Event, call: int) ->
             result.append(read(call))
         except BaseException as e:  # raised in grain's thread below, as it was raised
             failure.append(e)
+        finally:
+            _READING.discard(threading.current_thread())
 
     thread = threading.Thread(target=run, name="jaxdp-data-read", daemon=True)
+    _READING.add(thread)
     thread.start()
     while thread.is_alive():
         thread.join(_POLL_S)
@@ -201,3 +210,6 @@ class Placed:
 def _close_running() -> None:
     for placed in list(_RUNNING):
         placed.close()
+    deadline = time.monotonic() + _EXIT_READ_S
+    for thread in list(_READING):
+        thread.join(max(0.0, deadline - time.monotonic()))
