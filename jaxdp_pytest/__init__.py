@@ -10,11 +10,12 @@ conftest.py that sets them (``JAX_PLATFORMS``, the compilation cache) must come 
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 
 import pytest
 
-from ._worker import set_device_count, settings_from_env
+from ._worker import set_device_count, settings_from_env, watch
 
 MARKER = (
     "devices(n, processes=1): run the test with exactly n CPU devices in a worker process "
@@ -24,11 +25,42 @@ MARKER = (
 # Read at import, before conftest files: a worker's count is set before anything else.
 _WORKER = settings_from_env()
 if _WORKER is not None:
+    watch(_WORKER)
     set_device_count(_WORKER["devices"])
+
+
+TIMEOUT_MARKER = (
+    "timeout(seconds): pytest-timeout's mark, also honoured by jaxdp's plugin for devices "
+    "tests: past it, their processes are named with their stacks and stopped"
+)
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds >= 0 (0: none)")
+    return seconds
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.getgroup("jaxdp").addoption(
+        "--jaxdp-timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="bound on each devices test (its worker processes): past it, each process "
+        "still running is named with its threads' stacks and stopped (0: none; "
+        "@pytest.mark.timeout wins; without this, pytest-timeout's --timeout if installed)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER)
+    if not config.pluginmanager.has_plugin("timeout"):  # pytest-timeout registers its own
+        config.addinivalue_line("markers", TIMEOUT_MARKER)
     if _WORKER is not None:
         from ._worker import Worker
 

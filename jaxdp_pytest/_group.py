@@ -22,12 +22,15 @@ from typing import Any
 import pytest
 
 from ._spec import Spec
-from ._worker import main_environment
+from ._worker import STACKS_SIGNAL, main_environment
 
 # After one process of a group failed, how long the others get to finish the test: a
 # peer blocked in a collective the failed one never joins would wait for ever.
 PEER_GRACE_S = float(os.environ.get("JAXDP_TESTING_PEER_GRACE_S", "10"))
 _TAIL_CHARS = 4000
+# How long a timed-out worker gets to write its threads' stacks before it is stopped
+# (faulthandler writes them from the signal handler itself: milliseconds).
+_STACKS_WAIT_S = 5.0
 
 
 class Outcome:
@@ -39,6 +42,7 @@ class Outcome:
         self.missing: str | None = None
         self.ended: str | None = None  # "died with signal 11 (SIGSEGV)", "was stopped ..."
         self.output = ""
+        self.stacks = ""  # where its threads were when a timeout stopped it
         self.pid = 0
 
     def failed(self) -> bool:
@@ -52,13 +56,22 @@ class Outcome:
 class Process:
     """One worker: a pytest session in a subprocess, two pipes, and its output in a file."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: str, log: pathlib.Path | None):
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        log: pathlib.Path | None,
+        stacks: pathlib.Path,
+    ):
         commands_r, self._commands_w = os.pipe()
         self._reports_r, reports_w = os.pipe()
-        self.log = log
+        self.log, self.stacks = log, stacks
         out = open(log, "ab") if log else None  # noqa: SIM115 (the child keeps it)
         settings = json.loads(env.pop("JAXDP_TESTING_WORKER"))
-        settings.update(commands=commands_r, reports=reports_w)
+        settings.update(
+            commands=commands_r, reports=reports_w, stacks=str(stacks), parent=os.getpid()
+        )
         env["JAXDP_TESTING_WORKER"] = json.dumps(settings)
         self.proc = subprocess.Popen(
             argv,
@@ -113,6 +126,22 @@ class Process:
             return f"died with signal {-code} ({signal.Signals(-code).name})"
         return f"exited with status {code}"
 
+    def where(self) -> str:
+        """Every thread's stack, as faulthandler writes it on :data:`STACKS_SIGNAL`."""
+        offset = self.stacks.stat().st_size if self.stacks.exists() else 0
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, STACKS_SIGNAL)
+        deadline = time.monotonic() + _STACKS_WAIT_S
+        size = -1
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = self.stacks.stat().st_size if self.stacks.exists() else 0
+            if now > offset and now == size:  # written, and no longer growing
+                break
+            size = now
+        text = self.stacks.read_bytes()[offset:].decode(errors="replace").strip()
+        return text or "(no stacks: the process did not answer)"
+
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -163,10 +192,18 @@ class Group:
                 env["JAXDP_PROCESS_ID"] = str(rank)
             name = f"devices{self.spec.devices}x{self.spec.processes}-{self.starts}-p{rank}"
             log = self.logs / f"{name}.log" if self.argv[-1] != "--capture=no" else None
-            self.processes.append(Process(self.argv, env, self.cwd, log))
+            stacks = self.logs / f"{name}.stacks"
+            self.processes.append(Process(self.argv, env, self.cwd, log, stacks))
 
-    def run(self, nodeid: str, nextid: str | None, shared: str) -> list[Outcome]:
-        """Runs one test in every process; each process's outcome, in process order."""
+    def run(
+        self, nodeid: str, nextid: str | None, shared: str, timeout: tuple[float, str] | None
+    ) -> list[Outcome]:
+        """Runs one test in every process; each process's outcome, in process order.
+
+        ``timeout`` (seconds, and where they were set) bounds the test: past it, the
+        processes still running are named with their threads' stacks, and stopped.
+        Ctrl-C (``KeyboardInterrupt``) stops the processes at once, then goes on.
+        """
         if not self.processes:
             self.start()
         outcomes = [Outcome() for _ in self.processes]
@@ -175,7 +212,11 @@ class Group:
         offsets = [p.log_offset() for p in self.processes]
         for p in self.processes:
             p.send({"run": nodeid, "next": nextid, "shared": shared})
-        self._collect(outcomes)
+        try:
+            self._collect(outcomes, timeout)
+        except BaseException:  # Ctrl-C: no process of this test outlives it
+            self.stop(kill=True)
+            raise
         for p, o, offset in zip(self.processes, outcomes, offsets, strict=True):
             if o.ended or o.missing:
                 o.output = p.output_since(offset)
@@ -183,13 +224,28 @@ class Group:
             self.stop(kill=True)  # the next test starts the group afresh
         return outcomes
 
-    def _collect(self, outcomes: list[Outcome]) -> None:
+    def _collect(self, outcomes: list[Outcome], timeout: tuple[float, str] | None) -> None:
         selector = selectors.DefaultSelector()
         for i, p in enumerate(self.processes):
             selector.register(p.fd, selectors.EVENT_READ, i)
         deadline = float("inf")
+        limit = float("inf")  # the timeout counts from the test's start, not the workers'
         while not all(o.done or o.ended for o in outcomes):
-            events = selector.select(timeout=max(0.0, min(deadline - time.monotonic(), 60)))
+            if timeout and limit == float("inf") and all(p.ready for p in self.processes):
+                limit = time.monotonic() + timeout[0]
+            wait = min(deadline, limit) - time.monotonic()
+            events = selector.select(timeout=max(0.0, min(wait, 60)))
+            if not events and time.monotonic() >= limit and limit < deadline:
+                assert timeout is not None
+                seconds, where = timeout
+                for p, o in zip(self.processes, outcomes, strict=True):
+                    if not (o.done or o.ended):
+                        o.ended = (
+                            f"did not finish within the timeout of {seconds:g} s ({where}), "
+                            "and was stopped"
+                        )
+                        o.stacks = p.where()
+                break
             if not events and time.monotonic() >= deadline:
                 for o in outcomes:
                     if not (o.done or o.ended):
@@ -249,16 +305,20 @@ def worker_argv(config: pytest.Config, files: list[str]) -> list[str]:
     """``python -m pytest`` with the options that shape a test's run and its report.
 
     Selection, output files and distribution stay with the parent: ``addopts`` and
-    ``PYTEST_ADDOPTS`` are not read again (so no ``-n``, ``--junitxml``, ``--lf``) and the
-    cache is off. No ``--basetemp``: a session empties its own, so each worker takes a
-    numbered one of pytest's. The last argument is always the capture mode.
+    ``PYTEST_ADDOPTS`` are not read again (so no ``-n``, ``--junitxml``, ``--lf``), the
+    cache is off, and so is pytest-timeout (the parent bounds the whole group). No
+    ``--basetemp``: a session empties its own, so each worker takes a numbered one of
+    pytest's. The last argument is always the capture mode.
     """
     o = config.option
     args = ["-o", "addopts=", f"--rootdir={config.rootpath}", "-p", "no:cacheprovider"]
+    # The parent bounds a test on all its processes (jaxdp_pytest._parent.timeout_of):
+    # pytest-timeout in a worker would stop one process and leave its peers waiting.
+    args += ["-p", "no:timeout"]
     if config.inipath:
         args += ["-c", str(config.inipath)]
     for plugin in o.plugins or []:
-        if plugin not in ("xdist", "xdist.plugin", "no:cacheprovider"):
+        if plugin not in ("xdist", "xdist.plugin", "no:cacheprovider", "timeout", "pytest_timeout"):
             args += ["-p", plugin]
     for flag, on in (
         ("--strict-markers", o.strict_markers),

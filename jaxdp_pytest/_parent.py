@@ -38,6 +38,7 @@ class Parent:
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
         try:
             spec = spec_of(item)
+            timeout = timeout_of(item) if spec is not None else None
         except ValueError as e:
             self.log(item, [failed(item, "setup", str(e))])
             return True
@@ -49,7 +50,12 @@ class Parent:
             runtestprotocol(item, nextitem=self.next_like(item, nextitem, None))
             ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
             return True
-        self.log(item, self.run(item, spec, self.next_like(item, nextitem, spec)))
+        # pytest-timeout's timer (set around this hook) would fire here, outside any test
+        # phase; the bound is kept by ``run`` instead, through its public hook.
+        cancel = getattr(item.config.hook, "pytest_timeout_cancel_timer", None)
+        if cancel is not None:
+            cancel(item=item)
+        self.log(item, self.run(item, spec, self.next_like(item, nextitem, spec), timeout))
         return True
 
     def next_like(
@@ -64,7 +70,13 @@ class Parent:
         later = self.items[self.order[id(item)] + 1 :]
         return next((i for i in later if _spec_or_error(i) == spec), None)
 
-    def run(self, item: pytest.Item, spec: Spec, nextitem: pytest.Item | None) -> list[Any]:
+    def run(
+        self,
+        item: pytest.Item,
+        spec: Spec,
+        nextitem: pytest.Item | None,
+        timeout: tuple[float, str] | None,
+    ) -> list[Any]:
         group = self.groups.get(spec)
         if group is None:
             files = sorted({str(i.path) for i in self.items if _spec_or_error(i) == spec})
@@ -72,7 +84,8 @@ class Parent:
             cwd = str(self.config.invocation_params.dir)
             group = self.groups[spec] = Group(spec, argv, cwd, self.root)
         shared = pathlib.Path(tempfile.mkdtemp(prefix=item.name[:30] + "-", dir=self.root))
-        outcomes = group.run(item.nodeid, nextitem.nodeid if nextitem else None, str(shared))
+        nextid = nextitem.nodeid if nextitem else None
+        outcomes = group.run(item.nodeid, nextid, str(shared), timeout)
         return merged(self.config, item, spec, outcomes)
 
     def log(self, item: pytest.Item, reports: list[pytest.TestReport]) -> None:
@@ -86,6 +99,35 @@ class Parent:
         for group in self.groups.values():
             group.stop()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def timeout_of(item: pytest.Item) -> tuple[float, str] | None:
+    """The seconds a ``devices`` test may run, and where they were set: pytest-timeout's
+    ``@pytest.mark.timeout(s)`` (closest first), else ``--jaxdp-timeout``, else
+    pytest-timeout's ``--timeout`` when it is installed; None (0 too): no bound.
+
+    Raises:
+      ValueError: the value is not a number >= 0, named with where it was set.
+    """
+    mark = item.get_closest_marker("timeout")
+    option = item.config.option
+    if mark is not None:
+        value = mark.args[0] if mark.args else mark.kwargs.get("timeout")
+        where = f"@pytest.mark.timeout({value!r})"
+    elif getattr(option, "jaxdp_timeout", None) is not None:
+        value, where = option.jaxdp_timeout, f"--jaxdp-timeout={option.jaxdp_timeout}"
+    else:
+        value = getattr(option, "timeout", None)  # pytest-timeout's, when installed
+        where = f"--timeout={value}"
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not seconds >= 0:  # NaN too
+        raise ValueError(f"{where}: the timeout must be a number of seconds >= 0 (0: none)")
+    return (seconds, where) if seconds > 0 else None
 
 
 def _spec_or_error(item: pytest.Item) -> Spec | None | str:
@@ -127,6 +169,8 @@ def merged(
         what = o.missing or f"{name(r)} for {spec} (pid {o.pid}) {o.ended}"
         lines.append(f"jaxdp.testing: {what} while running {item.nodeid}")
         lines.append(f"---- its output since the test started ----\n{o.output}")
+        if o.stacks:
+            lines.append(f"---- where its threads were when it was stopped ----\n{o.stacks}")
     if any(o.ended for _, o in ended):
         lines.append("The next test of this spec starts new processes.")
     if cut:

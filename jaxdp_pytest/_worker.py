@@ -11,9 +11,13 @@ JAX, and then runs the test the parent names, one at a time, on JSON lines.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import re
+import signal
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -41,6 +45,38 @@ def set_device_count(devices: int) -> None:
     )
     with contextlib.suppress(RuntimeError):  # started already: start() reports its count
         jax.config.update("jax_num_cpu_devices", devices)
+
+
+# The signal on which a worker writes every thread's stack to its stacks file (the
+# parent's timeout sends it before stopping the worker).
+STACKS_SIGNAL = signal.SIGUSR1
+# How often a worker looks whether the pytest that started it is still there.
+_PARENT_POLL_S = 0.1
+
+
+def watch(settings: dict[str, Any]) -> None:
+    """Sets a worker process up to be stopped from outside, at once, whatever its test does.
+
+    faulthandler writes every thread's stack to the stacks file on :data:`STACKS_SIGNAL`
+    (from C, so also while a test hangs in a collective or holds the GIL). A daemon
+    thread ends the worker's whole process group (the worker leads its own, so a test's
+    own child processes go too) as soon as its parent is gone, however that ended, a
+    SIGKILL included: the worker is then reparented and ``getppid`` changes. Linux's
+    ``PR_SET_PDEATHSIG`` would end the worker alone and leave a test's children behind.
+    """
+    stacks = open(settings["stacks"], "a")  # noqa: SIM115 (kept open for the handler)
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
+    parent = settings["parent"]
+
+    def end_with_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        group = os.getpgrp()
+        if group == os.getpid():  # started in a session of its own, as the parent does
+            os.killpg(group, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=end_with_parent, name="jaxdp-testing-parent", daemon=True).start()
 
 
 class Worker:

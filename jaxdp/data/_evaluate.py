@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -81,11 +82,15 @@ def evaluate(
     split = NamedSharding(mesh, P(DATA_AXIS))
     totals: dict[str, float] = {}
     calls = math.ceil(count / sizes.global_batch_size)
-    for batch, real in read_ahead(read, 0, calls, workers=workers):
-        sums = program(replicated, place(batch, split), place(real, split))
-        for name, value in sums.items():
-            total = np.asarray(value.addressable_data(0), np.float64)
-            totals[name] = totals.get(name, 0.0) + float(total)
+    closed = threading.Event()  # set on the way out: no read in flight is waited for
+    try:
+        for batch, real in read_ahead(read, 0, calls, workers=workers, closed=closed):
+            sums = program(replicated, place(batch, split), place(real, split))
+            for name, value in sums.items():
+                total = np.asarray(value.addressable_data(0), np.float64)
+                totals[name] = totals.get(name, 0.0) + float(total)
+    finally:
+        closed.set()
     return {name: total / count for name, total in totals.items()}
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._fingerprint import (
@@ -93,6 +94,11 @@ class Source:
             )
         if self.length == 0:
             raise ValueError("source is empty (0 rows): there is nothing to train on")
+        if self.fields is not None and transform is None:
+            for path, leaf in jax.tree_util.tree_leaves_with_path(self.fields, is_leaf=_is_array):
+                _check_dtype("source" + jax.tree_util.keystr(path), np.dtype(leaf.dtype))
+        if self.columns is not None and transform is None:  # a transform may encode text
+            _check_columns(self.columns)
         self.source = source
         self.files = memmapped_files(self.fields)
         self._reading: dict[int, tuple[int, float]] = {}  # thread -> (record, since when)
@@ -134,13 +140,13 @@ class Source:
                     raise
             if self.columns is not None and self.transform is None:
                 self._reading[me] = (int(rows[0]), time.monotonic())
-                return self._columns(rows)
+                return _checked(self._columns(rows), rows, "column")
             if self.batched is not None:
                 self._reading[me] = (int(rows[0]), time.monotonic())
                 records = self._batch(rows)
             else:
                 records = [self._record(int(i), me) for i in rows]
-            return _stack(records, rows)
+            return _checked(_stack(records, rows), rows, "field")
         finally:
             self._reading.pop(me, None)
 
@@ -192,6 +198,62 @@ class Source:
             raise ValueError(
                 f"transform raised on record {index} of the source: {type(e).__name__}: {e}"
             ) from e
+
+
+# A Hugging Face feature whose values are text or bytes (alone or in a list).
+_TEXT = ("string", "large_string", "binary", "large_binary")
+
+
+def _is_numeric(dtype: np.dtype) -> bool:
+    """Whether JAX takes arrays of ``dtype`` (bool, integers, floats, complex, bfloat16...)."""
+    return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
+
+
+def _check_dtype(name: str, dtype: np.dtype) -> None:
+    if not _is_numeric(dtype):
+        raise ValueError(
+            f"{name} has dtype {dtype}: a batch goes to JAX, which takes numbers and booleans "
+            "only; leave it out of the source (or encode it, e.g. in a transform)"
+        )
+
+
+def _check_columns(dataset: Any) -> None:
+    """Refuses a Hugging Face column of text before any read: JAX would refuse its
+    batch at the first step ("Dtype <U6 is not a valid JAX array type"), naming nothing."""
+    for name, feature in dataset.features.items():
+        inner = feature
+        while hasattr(inner, "feature"):  # List(...), Sequence(...): their values
+            inner = inner.feature
+        if getattr(inner, "dtype", None) in _TEXT:
+            raise ValueError(
+                f"source column {name!r} holds text ({feature}): a batch goes to JAX, which "
+                f"takes numbers and booleans only; drop it with dataset.remove_columns("
+                f"[{name!r}]) or keep the ones to train on with dataset.select_columns([...]) "
+                "(or tokenize it first, e.g. with dataset.map)"
+            )
+
+
+def _checked(batch: Any, rows: np.ndarray, kind: str) -> Any:
+    """``batch``, after checking that JAX takes each of its arrays; names the field
+    (``kind``: column or field) and the records."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        dtype = np.asarray(leaf).dtype
+        if _is_numeric(dtype):
+            continue
+        name = jax.tree_util.keystr(path)
+        shown = rows.tolist()[:8]
+        where = f"records {shown}" if len(rows) <= 8 else f"records {shown[:-1] + ['...']}"
+        why = (
+            "its rows have different lengths (ragged) or hold Python objects, which make no "
+            "array: pad or cut them to one length (e.g. with dataset.map or a transform), "
+            f"or drop the {kind}"
+            if dtype.kind == "O"
+            else "JAX takes numbers and booleans only: drop it or encode it"
+        )
+        raise ValueError(
+            f"source {kind} {name} of the batch of {where} has numpy dtype {dtype}: {why}"
+        )
+    return batch
 
 
 def _common_length(fields: Any) -> int:
