@@ -57,10 +57,30 @@ def pytest_addoption(parser):
     )
 
 
+# The files whose tests start real processes to run whole programs (jaxdp launch ranks, the
+# command line, torch's DDP ranks, the benchmarks, the examples, the docs' scripts, the
+# plugin's example suites, a package build): marked ``slow``, so that a developer's quick
+# loop (``bin/test --quick``: ``-m "not slow"``, two cells per parametrized test) leaves
+# them to the whole run, which CI makes.
+SLOW = (
+    "parity_tests/",
+    "tests/test_bench.py",
+    "tests/test_cli.py",
+    "tests/test_distributed.py",
+    "tests/test_docs.py",
+    "tests/test_examples.py",
+    "tests/test_install.py",
+    "tests/test_testing_plugin.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """``--cells-per-test N``: of each test function's cells, N spread evenly in
-    collection order (first and last included), so the sample still meets every
-    value of the grid's first parameters."""
+    """Marks the SLOW files' tests ``slow``; and ``--cells-per-test N``: of each test
+    function's cells, N spread evenly in collection order (first and last included), so
+    the sample still meets every value of the grid's first parameters."""
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
     n = config.getoption("--cells-per-test")
     if not n:
         return
