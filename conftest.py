@@ -2,21 +2,31 @@
 
 Most of the suite's time is XLA compiling steps (measured: the same 133 tests took
 307 s cold and 57 s with every program cached), and many tests compile the same
-programs. The cache lives in .jax-cache/ (ignored by git; a fresh clone starts
-empty) and is shared through the environment with the processes the tests start
-(jaxdp launch ranks, examples, benchmarks). A cached program is the same
-executable, so results are bitwise those of compiling it again.
+programs. pytest's own process makes a fresh temporary directory for the run and
+points JAX's own persistent cache at it through the environment, so its xdist workers,
+the plugin's device workers and the processes the tests start (jaxdp launch ranks,
+examples, benchmarks) all read and write the same one: a program is compiled once per
+run, not once per process. Nothing leaks between runs (it is removed at the end); set
+``JAX_COMPILATION_CACHE_DIR`` to keep one across runs instead (it is then left as it
+is). A cached program is the same executable, so results are bitwise those of
+compiling it again.
 """
 
 import json
 import os
 import pathlib
 import resource
+import shutil
+import tempfile
 
 import pytest
 
-CACHE = pathlib.Path(__file__).parent / ".jax-cache"
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
+# The directory this process made for the run (None in a worker, which inherits it, or
+# where the caller named one): removed when this process's session ends.
+_RUN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _RUN_CACHE = pathlib.Path(tempfile.mkdtemp(prefix="jaxdp-test-xla-cache-"))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_RUN_CACHE)
 # Only programs that took 0.1 s or more to compile: a smaller one compiles again about as
 # fast as it is read back, and every entry costs every later write. With a size bound
 # (below) JAX scans the whole cache directory on each write, under the lock; with every
@@ -31,6 +41,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
 
 
+def pytest_unconfigure(config):
+    if _RUN_CACHE is not None:
+        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--cells-per-test",
@@ -42,10 +57,30 @@ def pytest_addoption(parser):
     )
 
 
+# The files whose tests start real processes to run whole programs (jaxdp launch ranks, the
+# command line, torch's DDP ranks, the benchmarks, the examples, the docs' scripts, the
+# plugin's example suites, a package build): marked ``slow``, so that a developer's quick
+# loop (``bin/test --quick``: ``-m "not slow"``, two cells per parametrized test) leaves
+# them to the whole run, which CI makes.
+SLOW = (
+    "parity_tests/",
+    "tests/test_bench.py",
+    "tests/test_cli.py",
+    "tests/test_distributed.py",
+    "tests/test_docs.py",
+    "tests/test_examples.py",
+    "tests/test_install.py",
+    "tests/test_testing_plugin.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """``--cells-per-test N``: of each test function's cells, N spread evenly in
-    collection order (first and last included), so the sample still meets every
-    value of the grid's first parameters."""
+    """Marks the SLOW files' tests ``slow``; and ``--cells-per-test N``: of each test
+    function's cells, N spread evenly in collection order (first and last included), so
+    the sample still meets every value of the grid's first parameters."""
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
     n = config.getoption("--cells-per-test")
     if not n:
         return

@@ -25,6 +25,13 @@ EXPECTED = json.loads((DATA / "format2" / "expected.json").read_text())
 # reduce-scatter adds each element's four device sums in another order than 0.2's flat
 # one: 2.5e-17 relative measured, a few ulps.
 RTOL = 1e-13
+# Leaves the arithmetic leaves undetermined, with the bound it does set. The BatchNorm
+# net's `fc` bias feeds a BatchNorm, which subtracts it again: its gradient is zero in
+# exact arithmetic, and what Adam makes of the rounding noise left (1e-17 over its eps of
+# 1e-8, times lr 1e-2: about 1e-10 a step; 2e-11 to 3e-8 recorded by 0.2) depends on the
+# CPU's instructions (it differed on an AVX-512 machine). A gradient the net does feel
+# moves AdamW's leaves by about lr = 1e-2 a step; the bound is far below that.
+NOISE = {("multisteps_batchnorm", "['fc']['bias'].value"): 1e-6}
 
 
 def step_and_like(case):
@@ -66,6 +73,10 @@ def test_a_jaxdp_0_2_checkpoint_continues_as_it_did_in_0_2(name, tmp_path):
     }
     assert sorted(got) == sorted(expected["params"])
     for key, value in expected["params"].items():
+        if (name, key) in NOISE:  # zero up to rounding noise, here as in 0.2
+            assert np.max(np.abs(got[key])) < NOISE[name, key], key
+            assert np.max(np.abs(value)) < NOISE[name, key], key
+            continue
         np.testing.assert_allclose(got[key], value, rtol=RTOL, atol=ATOL["float64"], err_msg=key)
     assert history[-1]["loss"] == pytest.approx(expected["last"]["loss"], rel=RTOL)
 

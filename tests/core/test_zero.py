@@ -102,28 +102,8 @@ def kinds(compiled):
     return found
 
 
-# Every optimizer, both paths, 2 and 4 devices, one and several micro-batches.
-CELLS = [
-    (2, 3, "fused", "sgd_nesterov_wd"),
-    (4, 2, "fused", "adamw_clip"),
-    (2, 3, "multisteps", "adamw_clip"),
-    (4, 2, "multisteps", "sgd_momentum"),
-]
-
-
-@pytest.mark.parametrize(("num_devices", "accum_steps", "path", "optimizer"), CELLS)
-def test_stages_1_and_2_train_as_one_big_batch(num_devices, accum_steps, path, optimizer):
-    """float64, RTOL 1e-12 (helpers): only the order of the sums differs from stage 0
-    (reduce-scatter, shard-wise norms), a few ulps; a wrong shard or a local norm in the
-    clip moves the weights by 1e-3 or more."""
-    data = batches()
-    expected = big_batch_reference(mse_loss, OPTIMIZERS[optimizer](), mlp_params(), data)
-    for stage in (1, 2):
-        step = make(stage, num_devices, accum_steps, path, optimizer)
-        state, history = train(step, mlp_params(), data)
-        assert int(state.step) == STEPS
-        assert_trees_close(state.params, expected, rtol=RTOL["float64"], atol=ATOL["float64"])
-        assert all(m["finite"] for m in history)
+# That stages 1 and 2 train as one big batch (every optimizer here, both paths, 2 and 4
+# devices) is a part of the one equivalence grid, tests/core/test_equivalence.py.
 
 
 def test_stage_1_optimizer_state_is_a_quarter_per_device():
