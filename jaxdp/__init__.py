@@ -86,7 +86,7 @@ __all__ = [
 
 # The tools, imported on first use (``jaxdp.checkpoint.Checkpoints`` after ``import jaxdp``).
 _SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "models", "parity", "plan", "testing"})
-# Names that moved to a tool after jaxdp 0.3.0, still found here for one release (with a
+# Names that moved to a tool in jaxdp 0.3, still found here until 0.4 (with a
 # DeprecationWarning): the inspection of compiled programs is a testing tool.
 _MOVED = {
     name: "testing"
@@ -111,8 +111,8 @@ def __getattr__(name: str) -> _Any:
     if name in _MOVED:
         tool = _MOVED[name]
         warnings.warn(
-            f"jaxdp.{name} is deprecated: use jaxdp.{tool}.{name} (moved after jaxdp 0.3.0; "
-            "the old name is removed one release later)",
+            f"jaxdp.{name} is deprecated: use jaxdp.{tool}.{name} (moved in jaxdp 0.3; the "
+            "old name goes in 0.4)",
             DeprecationWarning,
             stacklevel=2,
         )
@@ -125,9 +125,9 @@ def _moved_to_parity(name: str) -> _Any:
     import warnings
 
     warnings.warn(
-        f"jaxdp.{name} is deprecated: use jaxdp.parity.{name} (moved after jaxdp 0.3.0; it "
+        f"jaxdp.{name} is deprecated: use jaxdp.parity.{name} (moved in jaxdp 0.3; it "
         "reads each weight's layout from the torch module, torch_to_params(model, like); the "
-        "old name is removed one release later)",
+        "old name goes in 0.4)",
         DeprecationWarning,
         stacklevel=3,
     )

@@ -135,7 +135,9 @@ def test_the_old_names_warn_and_keep_reading_kernels_as_linear():
         DeprecationWarning, match=r"jaxdp.params_to_torch is deprecated: use jaxdp.parity"
     ):
         old_params_to_torch = jaxdp.params_to_torch
-    with pytest.warns(DeprecationWarning, match=r"use jaxdp.parity.torch_to_params \(moved after"):
+    with pytest.warns(
+        DeprecationWarning, match=r"use jaxdp.parity.torch_to_params \(moved in jaxdp 0.3"
+    ):
         old_torch_to_params = jaxdp.torch_to_params
     state_dict = {k: v + 1 for k, v in old_params_to_torch(model).items()}
     again = params_to_torch(old_torch_to_params(state_dict, model))
