@@ -556,7 +556,7 @@ def finish(prepared: Prepared, *, stop: Callable[[SamplerPosition], bool] | None
     return summary
 
 
-# ---- what the loop writes --------------------------------------------------------------
+# ---- what the loop carries and writes --------------------------------------------------
 
 
 @dataclasses.dataclass
