@@ -263,7 +263,7 @@ def test_the_benchmarks_import_only_public_modules_and_names_of_jaxdp_and_torch_
     exception, by what it is: check_costs.py times jaxdp's private data checks
     themselves (the digest, the NaN scan, the file watch), which no public name runs
     alone; it must still import private names, so the exception cannot go stale."""
-    private, timed_internals = [], ROOT / "benchmarks" / "check_costs.py"
+    private, timed_internals = [], ROOT / "benchmarks" / "studies" / "check_costs.py"
     for path in sorted((ROOT / "benchmarks").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -335,12 +335,12 @@ def test_the_hand_written_floors_make_jaxdps_step(name):
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
 def test_profile_script_splits_a_micro_batch_by_kernel(framework):
-    """benchmarks/profile_micro.py, the profile BENCHMARKS.md quotes: the kernels'
+    """benchmarks/studies/profile_micro.py, the profile BENCHMARKS.md quotes: the kernels'
     times add up to their total, and the matrix products are found among them.
 
     How much of the total they take is a measurement (BENCHMARKS.md), not checked
     here: on a busy 2-core machine torch's share fell from ~60% to 46% in one CI run."""
-    script = ROOT / "benchmarks" / "profile_micro.py"
+    script = ROOT / "benchmarks" / "studies" / "profile_micro.py"
     done = subprocess.run(
         [sys.executable, str(script), framework, "mlp"], capture_output=True, text=True, timeout=300
     )
@@ -358,11 +358,11 @@ def test_profile_script_splits_a_micro_batch_by_kernel(framework):
 
 
 def test_profile_calls_counts_a_micro_batchs_kernels_in_the_loop_and_in_a_call():
-    """benchmarks/profile_calls.py, which BENCHMARKS.md quotes for the streaming floor's
+    """benchmarks/studies/profile_calls.py, which BENCHMARKS.md quotes for the streaming floor's
     cost per call: its kernel table reads the loop's body and one call from the trace,
     and the two run the same matrix products per micro-batch (the forward and backward
     are one program text). Its timings are measurements, not checked here."""
-    script = ROOT / "benchmarks" / "profile_calls.py"
+    script = ROOT / "benchmarks" / "studies" / "profile_calls.py"
     done = subprocess.run(
         [sys.executable, str(script), "mlp", "2", "--counts-only"],
         capture_output=True,

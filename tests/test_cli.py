@@ -743,7 +743,7 @@ def test_sigterm_ends_a_train_process_with_143_and_a_checkpoint_that_resumes(tmp
     this process, not under the launcher): it exits 143 itself (a death by the signal
     would read -15 here), with a checkpoint of the step it reports, from which
     ``--resume`` continues (issue 23.1; the status over 20 runs of each way to end:
-    benchmarks/exit_status.py)."""
+    benchmarks/studies/exit_status.py)."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     command = [sys.executable, "-m", "jaxdp", "train", "--cpu-devices", "2", "--no-progress"]
     command += ["--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics)]

@@ -814,7 +814,7 @@ RANK = """
 import json, os, signal, sys
 from orbax.checkpoint._src.multihost import multihost
 from jaxdp.checkpoint._checkpoints import Checkpoints
-from jaxdp.cli import _run, main
+from jaxdp.cli import _train, main
 
 with open(os.environ["COORDINATORS"], "a") as f:
     f.write(os.environ["JAXDP_COORDINATOR_ADDRESS"] + "\\n")
@@ -822,14 +822,14 @@ kill = json.loads(os.environ["KILLS"]).get(os.environ["JAXDP_RESTART_COUNT"])
 if kill and int(os.environ["JAXDP_PROCESS_ID"]) == kill[0]:
     _, at, where = kill
     if where == "step":
-        updated = _run._Run._updated
+        updated = _train.Run._updated
 
         def _updated(self, batch, metrics, progress, *rest):
             updated(self, batch, metrics, progress, *rest)
             if progress.done == at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        _run._Run._updated = _updated
+        _train.Run._updated = _updated
     else:
         save, sync, saving = Checkpoints.save, multihost.sync_global_processes, []
 

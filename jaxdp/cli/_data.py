@@ -168,7 +168,7 @@ def _images(where: str, x: np.ndarray) -> np.ndarray:
 
 
 # Checked for NaN and Inf at start (a pass over the data: 0.016 s per 100 MB, the
-# median of benchmarks/check_costs.py on a 2-core AMD EPYC);
+# median of benchmarks/studies/check_costs.py on a 2-core AMD EPYC);
 # a larger x is not, and its non-finite rows show as skipped steps.
 CHECKED_BYTES = 256 * 2**20
 _SHOWN = 5  # offending rows named in an error

@@ -221,8 +221,8 @@ def _run_train(args: argparse.Namespace) -> int:
     from ..checkpoint import CheckpointError
     from ..data import DataChangedError
     from ._launch_link import record_failure
-    from ._run import NonFiniteStep, say
-    from ._train import finish, prepare
+    from ._metrics import say
+    from ._train import NonFiniteStep, finish, prepare
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())  # a resume's corrupt checkpoint
@@ -282,9 +282,9 @@ def _start(args: argparse.Namespace) -> TrainConfig:
     """
     from .._distributed import ENV_CPU_DEVICES, ENV_RESTART_COUNT
     from ._join import join
+    from ._metrics import say
     from ._outputs import lock_while
     from ._resume import has_checkpoints, resumed_config, saved_cpu_devices
-    from ._run import say
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}

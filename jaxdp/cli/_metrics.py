@@ -1,5 +1,5 @@
 """Training metrics: JSON lines (and TensorBoard events) that survive a resume, the
-run's curves as PNG, and sums across processes."""
+run's curves as PNG, sums across processes, and lines printed on process 0."""
 
 from __future__ import annotations
 
@@ -150,3 +150,9 @@ def agree(flag: bool) -> bool:
     if jax.process_count() == 1:
         return bool(flag)
     return bool(sum_over_processes(np.array([int(bool(flag))]))[0])
+
+
+def say(*args: Any) -> None:
+    """``print`` on process 0 only."""
+    if jax.process_index() == 0:
+        print(*args)

@@ -11,12 +11,14 @@ they stop together, before the first step.
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 
 import jax
 
+from .._distributed import ENV_LAUNCH_STARTED, ENV_RESTART_COUNT
 from ..checkpoint._lock import LOCK_NAME, describe_owner, directory_lock, held
 from ..checkpoint._rules import check_is_directory
 from ._metrics import agree
@@ -132,6 +134,23 @@ def check_fresh(
             )
     if agree(failure is not None):
         raise failure or ValueError("process 0 found another run's records in an output")
+
+
+def own_outputs_since() -> float | None:
+    """In a group ``jaxdp launch`` restarted, when the launch began: outputs written
+    since are its earlier starts' (no other run could write them while a start held
+    their lock), which a fresh start overwrites. None elsewhere: all are another run's.
+
+    Not the restart count alone: a first start refused for another run's records
+    exits 2, and its restart then overwrote them.
+    """
+    started = os.environ.get(ENV_LAUNCH_STARTED, "")
+    if os.environ.get(ENV_RESTART_COUNT, "0") in ("", "0") or not started:
+        return None
+    try:
+        return float(started)
+    except ValueError:
+        return None  # not the launcher's: refuse as a new run does
 
 
 # What a finished run leaves in each output file, for the refusal that names it.

@@ -77,3 +77,16 @@ def saved_cpu_devices(checkpoint_dir: str) -> int | None:
         value = meta.get("extra", {}).get("config", {}).get("cpu_devices")
         return value if isinstance(value, int) else None
     return None
+
+
+def check_continues(config: TrainConfig, extra: Mapping[str, Any]) -> None:
+    """Raises CheckpointError where the checkpoint's config (``extra["config"]``, as
+    :meth:`Checkpoints.save` stored it) and ``config`` differ in a field a resume cannot
+    change (:data:`RESUME_FIXED`, each with its reason)."""
+    saved = extra.get("config", {})
+    for name, reason in RESUME_FIXED.items():
+        if saved.get(name) != getattr(config, name):
+            raise CheckpointError(
+                f"the checkpoint was trained with {name}={saved.get(name)!r}; this run has "
+                f"{name}={getattr(config, name)!r} ({reason})"
+            )

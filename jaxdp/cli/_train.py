@@ -1,11 +1,19 @@
-"""The main job: data-parallel training on the digits images (or ``--data``), with
-checkpoints.
+"""``jaxdp train``: data-parallel training on the digits images (or ``--data``), with
+checkpoints, as one script read top to bottom in sections:
 
-Read top to bottom: the config, the model and its loss at a precision, then
-``train``: mesh and batch identity, the loader (each process's rows of every
-call in sampler order, read ahead: :class:`jaxdp.data.Loader`), state (fresh or
-resumed, the loader's position with it), the loop, checkpoints, held-out
-evaluation.
+1. the config's model (:func:`build`), data (:func:`load`), loss at a precision and
+   optimizer;
+2. the mesh and the step (:func:`make_step`), with the batch identity;
+3. the run (:func:`train` = :func:`prepare`, then :func:`finish`): every check that
+   can refuse it, the input pipeline (each process's rows of every call in sampler
+   order, read ahead: :class:`jaxdp.data.Loader`), the outputs, the state fresh or
+   restored (:meth:`Run.start`);
+4. the loop (:meth:`Run.loop`), checkpoints at the exact data position;
+5. the end (:func:`finish`): the last checkpoint, held-out accuracy, the summary.
+
+Ideas of their own are imported: reading data files (``_data``), the outputs'
+checks and locks (``_outputs``), what a resume may change (``_resume``), whether the
+state fits (``_fits``), the metrics log and plot (``_metrics``).
 
 With several processes (after :func:`jaxdp.initialize`) the same code runs on
 each: a process reads only its rows of every batch, all of them write the
@@ -16,7 +24,8 @@ progress and writes metrics and plots.
 from __future__ import annotations
 
 import contextlib
-import os
+import dataclasses
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -28,26 +37,26 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
+from tqdm import tqdm
 
-from .._distributed import ENV_LAUNCH_STARTED, ENV_RESTART_COUNT
 from .._forward import merge_model
-from .._layout import BatchSizes, batch_sizes, epoch_schedule, process_share
+from .._layout import BatchSizes, ProcessShare, batch_sizes, epoch_schedule, process_share
 from .._mesh import data_mesh
 from .._options import Parallel, Skips
 from .._position import SamplerPosition
 from .._step import TrainStep, make_train_step
 from .._train_state import TrainState
-from ..checkpoint import Checkpoints
-from ..data import Loader, evaluate
+from ..checkpoint import CheckpointError, Checkpoints
+from ..data import Batch, DataChangedError, Loader, evaluate
 from ..models import CNN, MLP
 from ._config import Precision, TrainConfig
 from ._data import Split, load_digits, load_file
 from ._fits import check_fits
-from ._metrics import MetricsLog, plot_training
-from ._outputs import check_fresh, claimed
-from ._run import _Run, _where, say
+from ._metrics import MetricsLog, agree, plot_training, say
+from ._outputs import check_fresh, claimed, own_outputs_since
+from ._resume import check_continues
 
-# ---- model, loss and precision --------------------------------------------------------
+# ---- the config's model, data, loss and optimizer --------------------------------------
 
 
 def build(config: TrainConfig, data: Split | None = None) -> nnx.Module:
@@ -113,31 +122,7 @@ def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.sgd)(learning_rate=config.learning_rate, momentum=0.9)
 
 
-def held_out_accuracy(
-    config: TrainConfig, data: Split, fresh: TrainState, mesh: Mesh
-) -> Callable[[TrainState], float]:
-    """``score(state)``: top-1 accuracy on the held-out rows, data-parallel over
-    ``mesh`` (:func:`jaxdp.data.evaluate`: each process reads its devices' rows, the
-    counts are summed over devices and processes), ``accum_steps x micro_batch_size``
-    rows per device at a time. Compiled once per run (``fresh`` gives the model's
-    structure)."""
-    graphdef = fresh.graphdef
-
-    def correct(params: Any, batch: tuple[jax.Array, jax.Array]) -> dict[str, jax.Array]:
-        x, y = batch
-        logits = forward(merge_model(graphdef, *params), x, config.precision)
-        return {"accuracy": jnp.argmax(logits, -1) == y}
-
-    rows = config.accum_steps * config.micro_batch_size  # per device, as in training
-
-    def score(state: TrainState) -> float:
-        params, source = (state.params, state.model_state), (data.x_test, data.y_test)
-        return evaluate(correct, params, source, mesh=mesh, batch_size=rows)["accuracy"]
-
-    return score
-
-
-# ---- the run ---------------------------------------------------------------------------
+# ---- the mesh and the step -------------------------------------------------------------
 
 
 def make_step(config: TrainConfig) -> tuple[TrainStep, BatchSizes]:
@@ -172,6 +157,9 @@ def make_step(config: TrainConfig) -> tuple[TrainStep, BatchSizes]:
     return step, sizes
 
 
+# ---- the run: checked, input pipeline, outputs, state (fresh or restored) --------------
+
+
 def train(
     config: TrainConfig, *, stop: Callable[[SamplerPosition], bool] | None = None
 ) -> dict[str, Any]:
@@ -192,7 +180,7 @@ class Prepared(NamedTuple):
     """A run ready for its first step: what :func:`finish` needs."""
 
     config: TrainConfig
-    run: _Run
+    run: Run
     data: Split
     log: MetricsLog
     lead: bool  # process 0: prints, plots
@@ -213,10 +201,11 @@ def prepare(
     checkpoint directory's lock until the block ends.
     """
     data = load(config)
-    step, sizes = make_step(config)
+    step, sizes = make_step(config)  # the mesh, the step, the batch identity
     mesh, share = step.mesh, process_share(step.mesh, sizes)
     check_fits(config, data, mesh, lambda: build(config, data))  # traced, not built
     lead = share.process_index == 0
+    # What the run is, its derived sizes included, said once at its start.
     say(
         f"jaxdp train: {config.data or 'digits'} {config.model.upper()} ({config.precision}) "
         f"on {sizes.num_devices} "
@@ -253,36 +242,283 @@ def prepare(
     # Leaving the block stops and joins the loader's threads: the process exits with
     # the run's own status, never the C++ runtime's abort on a thread left running.
     with loader, claimed(outputs, config.checkpoint_dir, tensorboard=config.tensorboard):
+        # The state: fresh, or restored from the newest checkpoint with the loader's position.
         checkpoints = None
         if config.checkpoint_dir is not None:
             checkpoints = Checkpoints(config.checkpoint_dir, keep=config.keep)
-        run = _Run(config, step, share, loader, checkpoints)
+        run = Run(config, step, share, loader, checkpoints)
         run.start(step.init(build(config, data)))
         # A fresh start, also a --resume or a restarted group that found no checkpoint:
         # it refuses another run's records like any new run.
         if run.resumed_step is None:
-            check_fresh(outputs, config.tensorboard, own_since=_own_outputs_since())
+            check_fresh(outputs, config.tensorboard, own_since=own_outputs_since())
         metrics_out = config.metrics_out if lead else None
         board = config.tensorboard if lead else None
         with MetricsLog(metrics_out, resume_step=run.resumed_step, tensorboard=board) as log:
             yield Prepared(config, run, data, log, lead)
 
 
-def _own_outputs_since() -> float | None:
-    """In a group ``jaxdp launch`` restarted, when the launch began: outputs written
-    since are its earlier starts' (no other run could write them while a start held
-    their lock), which a fresh start overwrites. None elsewhere: all are another run's.
+# ---- restore, the loop, checkpoints ----------------------------------------------------
 
-    Not the restart count alone: a first start refused for another run's records
-    exits 2, and its restart then overwrote them.
-    """
-    started = os.environ.get(ENV_LAUNCH_STARTED, "")
-    if os.environ.get(ENV_RESTART_COUNT, "0") in ("", "0") or not started:
-        return None
-    try:
-        return float(started)
-    except ValueError:
-        return None  # not the launcher's: refuse as a new run does
+
+class NonFiniteStep(RuntimeError):
+    """Without skipping, an update with a NaN or Inf loss or gradient was applied: the run
+    stops there (``jaxdp train --no-skip-nonfinite``)."""
+
+
+class Run:
+    """The moving parts of one run: state, sampler position, checkpoints; restored by
+    :meth:`start`, trained by :meth:`loop`, saved by :meth:`save`."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        step: TrainStep,
+        share: ProcessShare,
+        loader: Loader,
+        checkpoints: Checkpoints | None,
+    ):
+        self.config, self.step, self.share, self.loader = config, step, share, loader
+        self.sizes, self.steps_per_epoch = loader.sizes, loader.steps_per_epoch
+        self.checkpoints = checkpoints
+        self.position = SamplerPosition(0, 0, 0)
+        self.samples = 0  # training samples consumed
+        self.resumed_step: int | None = None
+        self.last_checkpoint: str | None = None
+        # (position, samples) of last_checkpoint, the newest in the directory.
+        self.checkpointed: tuple[SamplerPosition, int] | None = None
+        self.state: Any = None
+
+    # ---- restore
+
+    def start(self, fresh: Any) -> None:
+        """Takes the fresh state, or the newest readable checkpoint with ``resume``
+        (which sets the loader to continue at the checkpoint's rows)."""
+        self.state = fresh
+        if self.checkpoints is None:
+            return
+        if not self.config.resume:
+            if self.checkpoints.steps:
+                raise CheckpointError(
+                    f"checkpoint_dir={self.config.checkpoint_dir!r} already holds checkpoints "
+                    f"{self.checkpoints.steps}; resume from the newest (--resume) or choose "
+                    "another directory (checkpoints are never overwritten)"
+                )
+            return
+        restored = self.checkpoints.restore(
+            fresh,
+            data=self.loader,
+            force=self.config.force_resume,
+            validate=lambda extra: check_continues(self.config, extra),
+        )
+        self.state, self.samples = restored.state, self.loader.samples
+        self.resumed_step = int(restored.state.step)
+        self.position = self.loader.position
+        self.last_checkpoint = str(restored.path)
+        self.checkpointed = (self.position, self.samples)
+        say(f"resumed from {restored.path}: step {self.resumed_step}, {_where(self.position)}")
+        if restored.sizes != self.sizes:
+            say(f"  the checkpoint's batch was {restored.sizes.describe()}")
+
+    # ---- the loop
+
+    def loop(
+        self,
+        log: MetricsLog,
+        stop: Callable[[SamplerPosition], bool] | None,
+        score: Callable[[Any], float] | None = None,
+    ) -> bool:
+        """Trains from the loader's position; True if ``stop`` ended the run.
+
+        At the end of every epoch ``score(state)`` (held-out accuracy, a collective
+        over the processes) goes into that step's record as ``test_accuracy``.
+
+        With several processes, ``stop`` is asked on each and the run ends on
+        all of them after the first call where any says True.
+        """
+        steps = self.config.steps
+        progress = _Progress(done=int(self.state.step))  # then read once per update
+        if steps is not None and progress.done >= steps:
+            return False
+        # None: tqdm's own choice, a bar on a terminal only.
+        disable = None if self.config.progress is None else not self.config.progress
+        if self.share.process_index != 0:
+            disable = True
+        bar = tqdm(total=self._total_steps(), initial=progress.done, unit="step", disable=disable)
+        with bar:
+            # The loader's position moves as it hands out a batch: the loop ends after
+            # a step, never holding a batch it will not train on (the checkpoint's rows).
+            try:
+                for batch in self.loader:
+                    self.state, metrics = self.step(self.state, batch)  # checks its sizes
+                    self.position, self.samples = batch.position, self.loader.samples
+                    if batch.emits:
+                        self._updated(batch, metrics, progress, log, bar, score)
+                    if stop is not None and agree(stop(batch.position)):
+                        return True
+                    if steps is not None and progress.done >= steps:
+                        break
+            except DataChangedError:
+                # What was trained on the data as they were is kept. With several
+                # processes a peer may not have seen the change yet: a checkpoint
+                # (collective) could wait for it forever, so the last one stands.
+                if self.share.process_count == 1:
+                    self.save()
+                raise
+        self.step.check(self.state)  # a skip limit reached by the last call
+        return False
+
+    def _total_steps(self) -> int:
+        """The progress bar's total: ``steps``, or ``last_epoch``'s, whichever ends first."""
+        config = self.config
+        total = config.steps or (config.last_epoch or 0) * self.steps_per_epoch
+        if config.steps and config.last_epoch:
+            total = min(total, config.last_epoch * self.steps_per_epoch)
+        return total
+
+    def _updated(
+        self,
+        batch: Batch,
+        metrics: dict[str, Any],
+        progress: _Progress,
+        log: MetricsLog,
+        bar: tqdm,
+        score: Callable[[Any], float] | None,
+    ) -> None:
+        """After a call that ended a window: the metrics line, the held-out score at an
+        epoch's end, the progress bar, the non-finite report and the checkpoint."""
+        record = _record(self.state, metrics, batch.epoch, self.samples)  # waits
+        # A skipped (non-finite) update leaves the step count as it was.
+        advanced, progress.done = record["step"] > progress.done, record["step"]
+        now = time.perf_counter()
+        # The clock starts after the first update: it includes compiling.
+        if progress.clock is None:
+            progress.clock = (now, self.samples)
+        else:
+            since, samples = progress.clock
+            record["samples_per_s"] = (self.samples - samples) / (now - since)
+        epoch_end = batch.position.step_in_epoch == 0
+        if epoch_end and score is not None:
+            record["test_accuracy"] = progress.accuracy = score(self.state)
+        bar.set_postfix(_postfix(record, progress.accuracy), refresh=False)
+        log.write(record)
+        bar.update()
+        if not _finite(record):  # already on the host: no sync of its own
+            self._nonfinite(record)
+        every = self.config.checkpoint_every
+        if every and advanced and progress.done % every == 0:
+            self.save()
+        if bar.disable and epoch_end:
+            say(_epoch_line(record))
+
+    def _nonfinite(self, record: dict[str, Any]) -> None:
+        """Reports a skipped update; without skipping, stops the run naming the step."""
+        values = f"loss={record['loss']}, grad_norm={record.get('grad_norm')}"
+        newest = "no checkpoint was saved"
+        if self.last_checkpoint:
+            newest = f"the newest checkpoint is {self.last_checkpoint}"
+        if record.get("skipped"):
+            limit = self.step.options.skips.max_consecutive
+            skips = int(record["consecutive_skips"])
+            self._tell(
+                f"optimizer step {record['step'] + 1} (epoch {record['epoch']}): non-finite "
+                f"{values}; update skipped ({skips} in a row; "
+                f"max_consecutive_skips={limit} ends the run)"
+            )
+            # Here, where every step's record is read anyway, exactly at the limit (the
+            # step's own watch may let up to two more calls run before it raises).
+            if limit is not None and skips >= limit:
+                raise NonFiniteStep(
+                    f"{skips} optimizer steps in a row (the last in epoch {record['epoch']}) "
+                    f"had a non-finite loss or gradients and were skipped: stopped, "
+                    f"parameters as after step {record['step']}; {newest}. NaN or Inf in "
+                    "the data (x is checked at start up to 256 MB) or a learning rate too "
+                    "high are the usual causes"
+                )
+            return
+        raise NonFiniteStep(
+            f"optimizer step {record['step']} (epoch {record['epoch']}) had a non-finite "
+            f"{values}, and with skip_nonfinite off (--no-skip-nonfinite) its update made "
+            f"the parameters non-finite: stopped there, nothing saved after it; {newest}. "
+            "Resume with skipping on, or a lower learning rate"
+        )
+
+    # ---- checkpoints
+
+    def save(self) -> None:
+        """A checkpoint at the current position, unless its step number is taken.
+
+        Checkpoints are numbered by optimizer step, so a stop inside an
+        accumulation window (multisteps) meets the checkpoint of the window's
+        start if one was taken: that one stays, and a resume from it redoes
+        the micro-batches since, exactly (the data order is deterministic).
+        """
+        if self.checkpoints is None:
+            return
+        number = int(self.state.step)
+        if number in self.checkpoints.steps:
+            if self.checkpointed is not None and self.checkpointed[0] != self.position:
+                self._tell(self._not_saved(number))
+            return  # else it is this very position's, just saved or resumed from
+        path = self.checkpoints.save(
+            self.state,
+            data=self.loader,  # its position, batch identity and data set's order
+            samples=self.samples,
+            seed=self.config.seed,
+            extra={"config": dataclasses.asdict(self.config)},
+        )
+        self.last_checkpoint = str(path)
+        self.checkpointed = (self.position, self.samples)
+        self._tell(f"checkpoint {path}: step {number}, {_where(self.position)}")
+
+    def _not_saved(self, number: int) -> str:
+        assert self.checkpointed is not None  # a number is taken only by this run's newest
+        at, samples = self.checkpointed
+        since = (self.samples - samples) // (self.sizes.num_devices * self.sizes.micro_batch_size)
+        taken = f"an earlier call ({_where(at)})"
+        if at == self.position._replace(micro_batch=0):
+            taken = "the start of this accumulation window"
+        return (
+            f"no checkpoint at this stop ({_where(self.position)}): {self.last_checkpoint} "
+            f"holds step {number} already, taken at {taken}; a resume from it redoes the "
+            f"{since} micro-batch(es) since, exactly (the data order is deterministic)"
+        )
+
+    def _tell(self, text: str) -> None:
+        """A line on process 0 that leaves the progress bar intact."""
+        if self.share.process_index == 0:
+            tqdm.write(text)
+
+    def save_final(self) -> None:
+        """A checkpoint where the run ended, unless one was just taken there."""
+        self.save()
+
+
+# ---- the end: the last checkpoint, held-out accuracy, the summary ----------------------
+
+
+def held_out_accuracy(
+    config: TrainConfig, data: Split, fresh: TrainState, mesh: Mesh
+) -> Callable[[TrainState], float]:
+    """``score(state)``: top-1 accuracy on the held-out rows, data-parallel over
+    ``mesh`` (:func:`jaxdp.data.evaluate`: each process reads its devices' rows, the
+    counts are summed over devices and processes), ``accum_steps x micro_batch_size``
+    rows per device at a time. Compiled once per run (``fresh`` gives the model's
+    structure)."""
+    graphdef = fresh.graphdef
+
+    def correct(params: Any, batch: tuple[jax.Array, jax.Array]) -> dict[str, jax.Array]:
+        x, y = batch
+        logits = forward(merge_model(graphdef, *params), x, config.precision)
+        return {"accuracy": jnp.argmax(logits, -1) == y}
+
+    rows = config.accum_steps * config.micro_batch_size  # per device, as in training
+
+    def score(state: TrainState) -> float:
+        params, source = (state.params, state.model_state), (data.x_test, data.y_test)
+        return evaluate(correct, params, source, mesh=mesh, batch_size=rows)["accuracy"]
+
+    return score
 
 
 def finish(prepared: Prepared, *, stop: Callable[[SamplerPosition], bool] | None) -> dict[str, Any]:
@@ -318,3 +554,57 @@ def finish(prepared: Prepared, *, stop: Callable[[SamplerPosition], bool] | None
         f"({summary['seconds']:.1f} s)" + (" [stopped early]" if stopped else "")
     )
     return summary
+
+
+# ---- what the loop carries and writes --------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Progress:
+    """What the loop carries from one update to the next."""
+
+    done: int  # updates applied
+    clock: tuple[float, int] | None = None  # (time, samples) after the first update
+    accuracy: float | None = None  # held-out, at the last epoch's end
+
+
+def _where(position: SamplerPosition) -> str:
+    text = f"next: epoch {position.epoch} batch {position.step_in_epoch}"
+    return text + (f" micro-batch {position.micro_batch}" if position.micro_batch else "")
+
+
+def _postfix(record: dict[str, Any], accuracy: float | None) -> dict[str, str]:
+    """The progress bar's numbers: loss, held-out accuracy (last epoch's), lr, samples/s."""
+    shown = {"loss": f"{record['loss']:.4f}"}
+    if accuracy is not None:
+        shown["acc"] = f"{accuracy:.2%}"
+    if "learning_rate" in record:
+        shown["lr"] = f"{record['learning_rate']:.3g}"
+    if record["samples_per_s"] is not None:
+        shown["samples_s"] = f"{record['samples_per_s']:.0f}"
+    return shown
+
+
+def _epoch_line(record: dict[str, Any]) -> str:
+    """The plain output's line at an epoch's end (no progress bar)."""
+    line = f"epoch {record['epoch']} done: step {record['step']} loss {record['loss']:.4f}"
+    if "test_accuracy" in record:
+        line += f", held-out accuracy {record['test_accuracy']:.2%}"
+    if "learning_rate" in record:
+        line += f", learning rate {record['learning_rate']:.3g}"
+    return line
+
+
+def _finite(record: dict[str, Any]) -> bool:
+    return all(math.isfinite(record.get(k, 0.0)) for k in ("loss", "grad_norm"))
+
+
+def _record(state: Any, metrics: dict[str, Any], epoch: int, samples: int) -> dict[str, Any]:
+    """One metrics line; ``samples_per_s`` (from the second update on) is added by the loop."""
+    return {
+        "step": int(state.step),
+        "epoch": epoch,
+        "samples": samples,
+        "samples_per_s": None,
+        **{k: float(v) for k, v in metrics.items() if k != "emitted"},
+    }

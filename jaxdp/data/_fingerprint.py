@@ -26,7 +26,7 @@ identity is exact whether arrays, a memmap, a Hugging Face ``Dataset``, a grain
   (then no digest is kept). The bound is judged by record 0's bytes times the
   row count, as for a Hugging Face ``Dataset``.
 
-Figures: medians of ``benchmarks/check_costs.py`` on a 2-core AMD EPYC.
+Figures: medians of ``benchmarks/studies/check_costs.py`` on a 2-core AMD EPYC.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def memmapped_files(fields: Any | None) -> dict[str, tuple[int, int]]:
 def check_files(files: dict[str, tuple[int, int]]) -> None:
     """Raises :class:`DataChangedError` if a file of :func:`memmapped_files` changed.
 
-    One ``os.stat`` per file (3.1 µs, ``benchmarks/check_costs.py`` on a 2-core AMD
+    One ``os.stat`` per file (3.1 µs, ``benchmarks/studies/check_costs.py`` on a 2-core AMD
     EPYC), before each call's read: a memmap
     of a shrunk file would end the process with a bus error, one rewritten in
     place would hand out other data.

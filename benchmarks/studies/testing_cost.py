@@ -3,8 +3,8 @@ the same 20 tests in one pytest process started with 4 devices.
 
 Run from the repository root (about a minute on 2 cores)::
 
-    .venv/bin/python benchmarks/testing_cost.py            # 3 rounds, the median
-    .venv/bin/python benchmarks/testing_cost.py --rounds 5
+    .venv/bin/python benchmarks/studies/testing_cost.py            # 3 rounds, the median
+    .venv/bin/python benchmarks/studies/testing_cost.py --rounds 5
 
 Each test makes an array over the 4 devices and sums it (a compile and a collective). Prints
 the wall time of both runs, of a bare JAX start with 4 devices (``python -c``), and how many

@@ -2,8 +2,8 @@
 
 Run from the repository root (about a minute for the GPT)::
 
-    .venv/bin/python benchmarks/profile_calls.py gpt 8     # or: mlp 8
-    .venv/bin/python benchmarks/profile_calls.py gpt 8 --counts-only   # the kernels, no timing
+    .venv/bin/python benchmarks/studies/profile_calls.py gpt 8     # or: mlp 8
+    .venv/bin/python benchmarks/studies/profile_calls.py gpt 8 --counts-only  # kernels, no timing
 
 For the bench's model (``bin/jaxdp bench``'s), the two hand-written floors of
 ``benchmarks/harness/_hand_written.py``: the fused step (one program, a
@@ -120,7 +120,7 @@ def _report(label: str, k: int, ms: dict[str, float]) -> None:
 
 
 def main() -> int:
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # the checkout
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the checkout
     model, k = sys.argv[1], int(sys.argv[2])
     from benchmarks.harness._common import MODELS
 

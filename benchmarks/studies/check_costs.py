@@ -2,8 +2,8 @@
 
 Run from the repository root (about half a minute on 2 cores)::
 
-    .venv/bin/python benchmarks/check_costs.py             # 5 repeats, the median
-    .venv/bin/python benchmarks/check_costs.py --repeats 9
+    .venv/bin/python benchmarks/studies/check_costs.py             # 5 repeats, the median
+    .venv/bin/python benchmarks/studies/check_costs.py --repeats 9
 
 - the data digest (``jaxdp/data/_fingerprint.py``): SHA-256 of every byte of a
   memmapped field, as a loader hashes one of at most 256 MiB, here over a 512 MiB

@@ -3,8 +3,8 @@ cold and warm (issue 26, item 6; docs/api.md holds the figures).
 
 Run from the repository root (about two minutes on 2 cores)::
 
-    .venv/bin/python benchmarks/first_step.py               # 3 rounds, the medians
-    .venv/bin/python benchmarks/first_step.py --rounds 5
+    .venv/bin/python benchmarks/studies/first_step.py               # 3 rounds, the medians
+    .venv/bin/python benchmarks/studies/first_step.py --rounds 5
 
 Each measurement is a fresh process: build the benchmark MLP or character GPT
 (benchmarks/harness/_common.py), ``make_train_step``, ``init`` and one fused step of 4

@@ -3,8 +3,8 @@
 Run each framework in its own process (never both in one: torch's OpenMP threads
 keep spinning after its turn), from the repository root::
 
-    .venv/bin/python benchmarks/profile_micro.py jax gpt     # XLA:CPU, by thunk
-    .venv/bin/python benchmarks/profile_micro.py torch gpt   # eager torch, by aten op
+    .venv/bin/python benchmarks/studies/profile_micro.py jax gpt     # XLA:CPU, by thunk
+    .venv/bin/python benchmarks/studies/profile_micro.py torch gpt   # eager torch, by aten op
 
 ``jax``: ``jax.profiler``'s trace of 20 calls of the jitted ``value_and_grad`` of
 the bench's micro-batch loss; the time of each XLA thunk, summed by kind (the
@@ -82,7 +82,7 @@ def profile_torch(bm) -> collections.Counter:
 
 
 def main() -> int:
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # the checkout
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the checkout
     from benchmarks.harness._common import MODELS
 
     framework, model = sys.argv[1:3]

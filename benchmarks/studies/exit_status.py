@@ -2,8 +2,8 @@
 
 Run from the repository root (about 12 minutes on 2 cores at the default 20 runs)::
 
-    .venv/bin/python benchmarks/exit_status.py            # 20 runs of each way
-    .venv/bin/python benchmarks/exit_status.py --runs 5 --ways steps sigterm
+    .venv/bin/python benchmarks/studies/exit_status.py            # 20 runs of each way
+    .venv/bin/python benchmarks/studies/exit_status.py --runs 5 --ways steps sigterm
 
 Each way has the status a scheduler must see:
 
