@@ -19,9 +19,6 @@ from format2_cases import SIZES, batches, mlp, mse, optimizer  # noqa: E402
 import jaxdp  # noqa: E402
 from jaxdp.checkpoint import Checkpoints  # noqa: E402
 
-jaxdp.emulate_cpu_devices(SIZES.num_devices)
-jax.config.update("jax_enable_x64", True)
-OUT = pathlib.Path(sys.argv[1])
 # Mid-window on multisteps (the window's sums saved), at a boundary on fused.
 CASES = {
     "multisteps_stage0": dict(path="multisteps", zero_stage=0),
@@ -30,8 +27,8 @@ CASES = {
 }
 
 
-def main():
-    shutil.rmtree(OUT, ignore_errors=True)
+def main(out):
+    shutil.rmtree(out, ignore_errors=True)
     for name, case in CASES.items():
         step = jaxdp.make_train_step(
             mse,
@@ -51,12 +48,15 @@ def main():
             state, _ = step(state, jaxdp.micro_batches(data[1], SIZES)[0])
             micro = 1
         position = jaxdp.SamplerPosition(0, 1, micro)
-        Checkpoints(OUT / name).save(state, position=position, sizes=SIZES, samples=0, seed=0)
+        Checkpoints(out / name).save(state, position=position, sizes=SIZES, samples=0, seed=0)
         leaves = {
             jax.tree_util.keystr(p): np.asarray(x)
             for p, x in jax.tree_util.tree_leaves_with_path(state)
         }
-        np.savez(OUT / name / "leaves.npz", **leaves)
+        np.savez(out / name / "leaves.npz", **leaves)
 
 
-main()
+if __name__ == "__main__":
+    jaxdp.emulate_cpu_devices(SIZES.num_devices)
+    jax.config.update("jax_enable_x64", True)
+    main(pathlib.Path(sys.argv[1]))
