@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -13,14 +14,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._forward import LossReduction, merge_model, split_model
-from ._frozen import Trainable, split_trainable, trainable_mask
+from ._frozen import Trainable, split_trainable
 from ._guards import (
-    ResizeWatch,
     check_loader_batch,
     check_micro_weights,
     check_params,
     check_state_devices,
-    check_state_layout,
     is_loader_batch,
 )
 from ._layout import BatchSizes, call_sizes
@@ -30,7 +29,7 @@ from ._model_state import BatchStats, check_batch_stats, split_state
 from ._options import OLD_SPELLINGS, AccumulationPath, Parallel, Skips, StepOptions, fold
 from ._pipeline import aux_like, empty_window, fused_call, multisteps_call, state_specs
 from ._replicas import check_replicas
-from ._skip_watch import SkipWatch
+from ._skip_watch import ResizeWatch, SkipWatch
 from ._train_state import TrainState, Window, check_live
 
 
@@ -64,16 +63,9 @@ class TrainStep:
         )
         self._resize = ResizeWatch(options.path, options.accum_steps)
         donate = (0,) if options.donate else ()
+        # One call of the step, read top to bottom: jaxdp/_pipeline.py.
         body = fused_call if options.path == "fused" else multisteps_call
-
-        def call(state: TrainState, batch: Any, micro_weights: jax.Array):
-            # Runs only when JAX traces a new input structure: free on later calls.
-            check_state_layout(
-                state, path=options.path, expected_opt_state=self._opt_state_like(state)
-            )
-            return body(options, state, batch, micro_weights)
-
-        self._jitted = jax.jit(call, donate_argnums=donate)
+        self._jitted = jax.jit(functools.partial(body, options), donate_argnums=donate)
         self._weights: dict[bytes, jax.Array] = {}
         self._rows = NamedSharding(options.mesh, P(options.axis_name))  # the batch's
         self._ones = np.ones((options.accum_steps,) if options.path == "fused" else (), np.float32)
@@ -180,14 +172,6 @@ class TrainStep:
         if o.path == "multisteps":
             window = empty_window(o, trainable, batch_stats, dtype, aux)
         return o.applied_optimizer.init(trainable), window
-
-    def _opt_state_like(self, state: TrainState) -> Any:
-        """The optimizer state this step's ``init`` builds for ``state``'s parameters."""
-        mask = trainable_mask(state.params, self.options.trainable)
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), split_trainable(state.params, mask)
-        )
-        return jax.eval_shape(self.options.applied_optimizer.init, abstract)
 
     def model(self, state: TrainState) -> Any:
         """The trained model, as given to :meth:`init`: the parameters, or the NNX, bound
