@@ -44,7 +44,7 @@ from ._model_kinds import linen_batch_norms
 from ._model_state import configure, device0, from_wire, split_state
 from ._options import StepOptions
 from ._shards import ShardPlan, compress, decompress
-from ._train_state import Report, TrainState, Window
+from ._train_state import Report, SkipCounts, TrainState, Window
 
 Forward = Callable[..., tuple[Any, jax.Array, jax.Array, Any, Any]]
 """``forward(trainable, micro_batch, batch_stats, micro_index, scale) -> (grads, value,
@@ -401,12 +401,14 @@ def end(
     """The state after one call, laid out as the step keeps it, and its metrics (the
     update's :class:`Report` and the skip counters)."""
     count = state.step.dtype
-    consecutive = jnp.where(
-        result.skipped,
-        state.consecutive_skips + 1,
-        jnp.where(result.applied, 0, state.consecutive_skips),
-    ).astype(count)
-    skipped = state.skipped_steps + result.skipped.astype(count)
+    skips = SkipCounts(
+        skipped_steps=state.skipped_steps + result.skipped.astype(count),
+        consecutive_skips=jnp.where(
+            result.skipped,
+            state.consecutive_skips + 1,
+            jnp.where(result.applied, 0, state.consecutive_skips),
+        ).astype(count),
+    )
     model_state = state.model_state
     if model_state is not None:
         _, rngs, constants = split_state(model_state)
@@ -418,21 +420,19 @@ def end(
         window=window,
         graphdef=state.graphdef,
         model_state=model_state,
-        skipped_steps=skipped,
-        consecutive_skips=consecutive,
+        skips=skips,
     )
     shardings = jax.tree.map(
         lambda s: NamedSharding(o.mesh, s), state_specs(o, new), is_leaf=is_spec
     )
     new = jax.lax.with_sharding_constraint(new, shardings)
-    report = result.report
-    metrics = {"loss": report.loss, "grad_norm": report.grad_norm, "finite": report.finite}
-    if o.has_aux:
-        metrics["aux"] = report.aux
+    metrics = result.report._asdict()
+    if not o.has_aux:
+        del metrics["aux"]
     lr = _learning_rate(result.opt_state)
     if lr is not None:
         metrics["learning_rate"] = lr
-    metrics.update(skipped=result.skipped, skipped_steps=skipped, consecutive_skips=consecutive)
+    metrics.update(skipped=result.skipped, **skips._asdict())
     return new, metrics
 
 
@@ -501,8 +501,7 @@ def state_specs(o: StepOptions, state: TrainState) -> TrainState:
         window=window,
         graphdef=state.graphdef,
         model_state=jax.tree.map(lambda _: P(), state.model_state),
-        skipped_steps=P(),
-        consecutive_skips=P(),
+        skips=SkipCounts(P(), P()),
     )
 
 

@@ -30,7 +30,7 @@ from ._options import OLD_SPELLINGS, AccumulationPath, Parallel, Skips, StepOpti
 from ._pipeline import aux_like, empty_window, fused_call, multisteps_call, state_specs
 from ._replicas import check_replicas
 from ._skip_watch import ResizeWatch, SkipWatch
-from ._train_state import TrainState, Window, check_live
+from ._train_state import SkipCounts, TrainState, Window, check_live
 
 
 class TrainStep:
@@ -144,8 +144,7 @@ class TrainStep:
             window=None,
             graphdef=graphdef,
             model_state=model_state,
-            skipped_steps=counter(),
-            consecutive_skips=counter(),
+            skips=SkipCounts(skipped_steps=counter(), consecutive_skips=counter()),
         )
         aux = None
         if o.has_aux and o.path == "multisteps":

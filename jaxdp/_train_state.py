@@ -61,6 +61,24 @@ class Window(NamedTuple):
     aux: Any = None
 
 
+class SkipCounts(NamedTuple):
+    """The non-finite skip's counters (``Skips(nonfinite=True)``): replicated int32
+    scalars, what ``optax.ApplyIfFiniteState`` counts for ``optax.apply_if_finite``, kept
+    by the step for its own skip (which also leaves the batch statistics and the window's
+    restart alone, so it is no optax wrapper). Also in every call's metrics.
+
+    Attributes:
+      skipped_steps: updates skipped for NaN or Inf gradients, loss or batch statistics,
+        in total (optax's ``total_notfinite``).
+      consecutive_skips: updates skipped since the last applied one (optax's
+        ``notfinite_count``); :class:`jaxdp.SkipWatch` raises :class:`NonFiniteError`
+        when it reaches ``Skips(max_consecutive=...)``.
+    """
+
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+
+
 class TrainState(NamedTuple):
     """Everything one optimizer step reads and writes.
 
@@ -77,8 +95,17 @@ class TrainState(NamedTuple):
     window: Window | None  # multisteps only
     graphdef: Any  # NNX graph definition (static), None for a plain pytree
     model_state: Any  # NNX non-parameter variables, None for a plain pytree
-    skipped_steps: jax.Array  # updates skipped for NaN/Inf gradients or loss, in total
-    consecutive_skips: jax.Array  # ... since the last applied update
+    skips: SkipCounts  # the non-finite skip's counters
+
+    @property
+    def skipped_steps(self) -> jax.Array:
+        """``skips.skipped_steps``: updates skipped for NaN or Inf, in total."""
+        return self.skips.skipped_steps
+
+    @property
+    def consecutive_skips(self) -> jax.Array:
+        """``skips.consecutive_skips``: updates skipped since the last applied one."""
+        return self.skips.consecutive_skips
 
     @property
     def accum(self) -> Window | None:
@@ -117,9 +144,7 @@ def check_live(state: TrainState, name: str = "state", *, quick: bool = False) -
     with the rest (a state passed again has them deleted), and at every leaf
     only to report one that is: O(1), what :class:`TrainStep` runs per call.
     """
-    if quick and not (
-        _deleted(state.step) or _deleted(state.skipped_steps) or _deleted(state.consecutive_skips)
-    ):
+    if quick and not (_deleted(state.step) or any(_deleted(x) for x in state.skips)):
         return
     leaves = jax.tree_util.tree_leaves_with_path(state)
     dead = [path for path, leaf in leaves if _deleted(leaf)]
