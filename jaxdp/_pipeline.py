@@ -119,6 +119,8 @@ def fused_call(
 def _fused(
     o: StepOptions, parts: _Parts, state: TrainState, batch: Any, micro_weights: jax.Array
 ) -> Update:
+    """Stages 1 to 3 of a fused call: the call's micro-batches accumulated and reduced in
+    one mesh map, then the update (the multisteps path's ``accum_steps=1`` runs it too)."""
     k = o.accum_steps
 
     def per_device(params, model_state, step, batch, weights):
