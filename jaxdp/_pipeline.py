@@ -110,6 +110,7 @@ def fused_call(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over a global batch: accumulate and reduce on every device,
     then update and end."""
+    # While JAX traces a new input structure only: free on later calls.
     check_state_layout(state, path=o.path, expected_opt_state=opt_state_like(o, state))
     parts = _parts(o, state)
     result = _fused(o, parts, state, batch, micro_weights)
@@ -139,6 +140,7 @@ def multisteps_call(
     o: StepOptions, state: TrainState, batch: Any, micro_weight: jax.Array
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One micro-batch of a window of ``accum_steps`` calls; the last one updates."""
+    # While JAX traces a new input structure only: free on later calls.
     check_state_layout(state, path=o.path, expected_opt_state=opt_state_like(o, state))
     parts = _parts(o, state)
     if o.accum_steps == 1:

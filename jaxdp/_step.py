@@ -46,12 +46,14 @@ class TrainStep:
     several processes each process passes only its rows of that batch
     (:func:`process_share`); no process holds the whole batch.
 
-    The step keeps no training state between calls. Its host state is
-    ``watch`` (:class:`SkipWatch`): the ``max_consecutive_skips`` limit and the
-    bound of two calls in flight on several CPU devices, which need the skip
-    counters of recent calls; and the micro-batch size of the last call, so
-    that a multisteps window never mixes two sizes and a change is announced
-    once (docs/semantics.md, "Errors and guards").
+    The step keeps no training state between calls. Its host state is two
+    watches (jaxdp/_skip_watch.py): ``watch`` (:class:`SkipWatch`), the
+    ``max_consecutive_skips`` limit and the bound of two calls in flight on
+    several CPU devices, which need the skip counters of recent calls; and the
+    micro-batch size of the last call (``ResizeWatch``), so that a multisteps
+    window never mixes two sizes and a change is announced once
+    (docs/semantics.md, "Errors and guards"). One call runs
+    jaxdp/_pipeline.py under ``jax.jit`` (docs/architecture.md).
     """
 
     def __init__(self, options: StepOptions):
