@@ -8,7 +8,6 @@ the step traces a new input structure (so once, not per call). docs/semantics.md
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
@@ -16,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._frozen import trainable_mask
-from ._layout import BatchSizes
 from ._train_state import TrainState
 
 
@@ -103,49 +101,6 @@ def describe_layout(tree: Any) -> str:
     if isinstance(tree, (tuple, list)):
         return "(" + ", ".join(describe_layout(x) for x in tree) + ")"
     return type(tree).__name__
-
-
-class ResizeWatch:
-    """The micro-batch size of a step's last call (host state, like :class:`SkipWatch`).
-
-    A multisteps window keeps one batch identity: a call with another
-    micro-batch size while a window is open raises, naming both sizes. The
-    first change of the size at all is announced with a ``UserWarning``: the
-    step compiles again and each update averages another number of samples.
-    Costs a comparison of two integers per call; the open window's position
-    (a device value) is read only when the size changes.
-    """
-
-    def __init__(self, path: str, accum_steps: int):
-        self.path = path
-        self.accum_steps = accum_steps
-        self.last: int | None = None
-        self.announced = False
-
-    def before(self, state: TrainState, sizes: BatchSizes) -> None:
-        size, last = sizes.micro_batch_size, self.last
-        if last is None or size == last:
-            self.last = size
-            return
-        if self.path == "multisteps":
-            done = int(np.asarray(state.window.position.addressable_data(0)))
-            if done:
-                raise ValueError(
-                    f"this call has micro_batch_size={size} ({sizes.describe()}), but the open "
-                    f"accumulation window ({done} of accum_steps={self.accum_steps} "
-                    f"micro-batches) started with micro_batch_size={last}: one update must "
-                    f"not mix batch identities; finish the window with micro_batch_size={last} "
-                    "and change the size between windows"
-                )
-        if not self.announced:
-            self.announced = True
-            warnings.warn(
-                f"micro_batch_size changed from {last} to {size} ({sizes.describe()}): the "
-                "step compiles again for the new shape, and each update now averages another "
-                "number of samples (said once per step)",
-                stacklevel=3,
-            )
-        self.last = size
 
 
 def check_state_devices(sharding: Any, devices: set[Any]) -> None:

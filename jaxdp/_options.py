@@ -1,5 +1,5 @@
 """A train step's options, checked once, and what follows from them: the accumulator
-dtype, the optimizer as applied, the shard plan and the backend's tuning.
+dtype, the optimizer as applied, the shard plan and the backend's spelling.
 
 :func:`jaxdp.make_train_step` takes the common options one by one and two groups:
 :class:`Parallel` (how the step spreads over the mesh and what travels) and
@@ -8,6 +8,8 @@ dtype, the optimizer as applied, the shard plan and the backend's tuning.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import warnings
@@ -24,7 +26,6 @@ from ._forward import LossReduction
 from ._frozen import Trainable, skip_unused
 from ._model_state import BatchStats
 from ._shards import ShardPlan
-from ._tuning import Tuning, tuning_for
 
 AccumulationPath = Literal["fused", "multisteps"]
 """``"fused"``: one call per optimizer step; ``"multisteps"``: one call per micro-batch."""
@@ -121,9 +122,15 @@ class StepOptions:
     trainable: Trainable = None
     parallel: Parallel = Parallel()
     skips: Skips = Skips()
+    # The XLA:CPU spellings of the step (jaxdp/_pipeline.py, "XLA:CPU spelling"): chosen
+    # when the step is made, on a CPU mesh unless jaxdp.testing.plain_spelling() is on.
+    cpu_spelling: bool | None = None
 
     def __post_init__(self) -> None:
         _check_objects(self.loss_fn, self.optimizer, self.mesh)
+        if self.cpu_spelling is None:
+            cpu = self.mesh.devices.flat[0].platform == "cpu" and not _PLAIN_SPELLING.get()
+            object.__setattr__(self, "cpu_spelling", cpu)
         if not is_integer(self.accum_steps) or self.accum_steps < 1:
             raise ValueError(f"accum_steps={self.accum_steps!r} must be a positive integer")
         object.__setattr__(self, "accum_steps", int(self.accum_steps))
@@ -172,10 +179,6 @@ class StepOptions:
         on every call of the step, so counted once."""
         return len({d.process_index for d in self.mesh.devices.flat})
 
-    @functools.cached_property
-    def tuning(self) -> Tuning:
-        return tuning_for(self.mesh)
-
     @property
     def applied_optimizer(self) -> optax.GradientTransformation:
         """The user's optimizer as the step applies it (wrapped by ``Skips(unused=True)``)."""
@@ -191,6 +194,21 @@ class StepOptions:
     def plan(self, trainable: Any) -> ShardPlan:
         """Where the trainable leaves lie: split at ZeRO stages, whole at stage 0."""
         return ShardPlan(trainable, self.mesh, self.zero_stage)
+
+
+_PLAIN_SPELLING = contextvars.ContextVar("jaxdp_plain_spelling", default=False)
+
+
+@contextlib.contextmanager
+def plain_spelling():
+    """Steps made inside run every backend's plain spelling, also on a CPU mesh: the
+    divide, the select and the plain reset that GPUs and TPUs take where a CPU mesh
+    takes its XLA:CPU spellings (jaxdp/_pipeline.py). For tests: jaxdp.testing."""
+    token = _PLAIN_SPELLING.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN_SPELLING.reset(token)
 
 
 # make_train_step's spellings before the groups (jaxdp 0.2), accepted with a warning.

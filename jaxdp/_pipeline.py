@@ -1,16 +1,26 @@
-"""One call of the step, the same four stages for every path, strategy and ZeRO stage:
+"""One call of the data-parallel step, read top to bottom: what ``TrainStep.__call__``
+runs under ``jax.jit`` (the host side, before and after, is in :mod:`._step`).
 
-1. accumulate (:mod:`._accumulate`): each device adds its micro-batches' gradients,
-   losses and weights into the window's sums;
-2. reduce (:mod:`._reduce`): the window's sums made global, the step's only gradient
-   collective (an all-reduce; at ZeRO stages a reduce-scatter);
-3. update (:mod:`._update`): the user's optimizer, or the skip, on the logical arrays;
-4. end (:func:`_end`): the new state and the metrics.
+Every call, on either path and at every ZeRO stage, runs four stages in this order:
+
+1. accumulate (:func:`accumulate`, per device): each micro-batch's gradient, loss and
+   weight added into a :class:`Window`'s sums, in the accumulator dtype;
+2. reduce (:func:`reduce`, per device): the window's sums made global, the step's only
+   gradient collective (one psum; at ZeRO stages a reduce-scatter and a small psum);
+3. update (:func:`update`): the user's ``optimizer.update`` on the mean gradients, or
+   the skip of a non-finite update, on the logical arrays;
+4. end (:func:`end`): the new state laid out as the step keeps it, and the metrics.
 
 ``fused`` runs 1 and 2 in one mesh map (1 as a ``lax.scan`` over the call's
 micro-batches), then 3 and 4. ``multisteps`` is the same pipeline cut into calls:
-every call runs 1 for its micro-batch, and the window's last call also runs 2 and 3,
-in one ``lax.cond`` branch that the other calls skip, and restarts the window.
+every call runs 1 for its micro-batch into ``state.window``, and the window's last
+call also runs 2 and 3, in one ``lax.cond`` branch that the other calls skip, and
+restarts the window.
+
+Lines spelled for XLA:CPU are marked ``XLA:CPU spelling`` beside the line whose
+meaning they tune, with their measurement: only a CPU mesh takes them
+(``StepOptions.cpu_spelling``); every other backend runs the plain spelling, which
+means the same (``jaxdp.testing.plain_spelling`` runs it on a CPU mesh).
 """
 
 from __future__ import annotations
@@ -21,21 +31,60 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._accumulate import Sums, accumulate, add_micro_batch
 from ._forward import loss_parts, micro_forward
 from ._frozen import combine, split_trainable, trainable_mask
+from ._guards import check_state_layout
 from ._mesh_map import is_spec, mesh_map, to_varying
 from ._model_kinds import linen_batch_norms
-from ._model_state import configure, split_state
+from ._model_state import configure, device0, from_wire, split_state
 from ._options import StepOptions
-from ._reduce import Reduced, reduce
-from ._shards import ShardPlan
-from ._train_state import LastUpdate, TrainState, Window
-from ._update import Update, update
+from ._shards import ShardPlan, compress, decompress
+from ._train_state import Report, SkipCounts, TrainState, Window
+
+Forward = Callable[..., tuple[Any, jax.Array, jax.Array, Any, Any]]
+"""``forward(trainable, micro_batch, batch_stats, micro_index, scale) -> (grads, value,
+weight, new_batch_stats, aux)`` of one micro-batch on one device, the loss times ``scale``
+(:func:`jaxdp._forward.micro_forward`)."""
+
+
+class Reduced(NamedTuple):
+    """A window's sums made global by :func:`reduce` (on the logical arrays after the
+    map: the whole leaves replicated, the split ones each device's block).
+
+    Attributes:
+      sums: the window with every device's sums added: gradients, loss, weight and aux;
+        ``batch_stats`` device 0's, on the wire (:func:`jaxdp._model_state.wire_dtype`).
+      squares: the squared global norm of ``sums.grads``, which the reduction adds.
+    """
+
+    sums: Window
+    squares: jax.Array
+
+
+class Update(NamedTuple):
+    """What stage 3 hands to the end of the call.
+
+    Attributes:
+      params: the trainable parameters after the step.
+      opt_state: the optimizer state after the step.
+      batch_stats: the committed batch statistics after the step.
+      applied: an update was applied (not skipped; on multisteps: the window ended).
+      skipped: an update was due but skipped: non-finite gradients, loss or statistics.
+      report: the update's :class:`Report` (a multisteps call that ends no window: the
+        last one's).
+    """
+
+    params: Any
+    opt_state: Any
+    batch_stats: Any
+    applied: jax.Array
+    skipped: jax.Array
+    report: Report
 
 
 class _Parts(NamedTuple):
@@ -53,131 +102,317 @@ def _parts(o: StepOptions, state: TrainState) -> _Parts:
     return _Parts(mask, trainable, split_state(state.model_state)[0], o.plan(trainable))
 
 
+# ---- the two paths ---------------------------------------------------------------------
+
+
 def fused_call(
     o: StepOptions, state: TrainState, batch: Any, micro_weights: jax.Array
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over a global batch: accumulate and reduce on every device,
     then update and end."""
+    # While JAX traces a new input structure only: free on later calls.
+    check_state_layout(state, path=o.path, expected_opt_state=opt_state_like(o, state))
     parts = _parts(o, state)
+    result = _fused(o, parts, state, batch, micro_weights)
+    return end(o, state, parts, result, state.window)
+
+
+def _fused(
+    o: StepOptions, parts: _Parts, state: TrainState, batch: Any, micro_weights: jax.Array
+) -> Update:
+    """Stages 1 to 3 of a fused call: the call's micro-batches accumulated and reduced in
+    one mesh map, then the update (the multisteps path's ``accum_steps=1`` runs it too)."""
     k = o.accum_steps
 
     def per_device(params, model_state, step, batch, weights):
         micro = jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
-        sums = accumulate(
-            _forward(o, params, parts.mask, model_state, step, state.graphdef),
-            split_trainable(params, parts.mask),
-            split_state(model_state)[0],
-            micro,
-            weights,
-            dtype=o.accumulator_dtype(params),
-            scatter=_scatter(o, parts.plan),
-            to_varying=to_varying(o),
-            with_aux=o.has_aux,
-        )
-        return reduce(parts.plan, sums, scattered=o.zero_stage == 2, wire=o.comm)
+        forward = _forward(o, params, parts.mask, model_state, step, state.graphdef)
+        window = accumulate(o, parts, forward, params, model_state, micro, weights)
+        return reduce(parts.plan, window, scattered=o.zero_stage == 2, wire=o.comm)
 
-    mapped = mesh_map(o, per_device, (P(), P(), P(), P(o.axis_name), P()), _reduced_specs(parts))
+    in_specs = (P(), P(), P(), P(o.axis_name), P())
+    mapped = mesh_map(o, per_device, in_specs, _reduced_specs(parts))
     reduced = mapped(state.params, state.model_state, state.step, batch, micro_weights)
-    return _end(o, state, parts, _update(o, parts, state, reduced), state.window)
+    return update(o, parts, state, reduced)
 
 
 def multisteps_call(
     o: StepOptions, state: TrainState, batch: Any, micro_weight: jax.Array
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One micro-batch of a window of ``accum_steps`` calls; the last one updates."""
+    # While JAX traces a new input structure only: free on later calls.
+    check_state_layout(state, path=o.path, expected_opt_state=opt_state_like(o, state))
+    parts = _parts(o, state)
     if o.accum_steps == 1:
         # Every call ends its window: the fused call on this micro-batch. The window's
         # sums stay the zeros they start as (no pass over them: the fused step's speed).
-        new, metrics = fused_call(o, state, batch, micro_weight[None])
-        report = LastUpdate(*(metrics.get(k) for k in ("loss", "grad_norm", "finite", "aux")))
-        last = _select(metrics["skipped"], state.window.last, report)
-        new = new._replace(window=_cast_like(state.window, new.window._replace(last=last)))
+        result = _fused(o, parts, state, batch, micro_weight[None])
+        last = _select(result.skipped, state.window.last, result.report)
+        window = _cast_like(state.window, state.window._replace(last=last))
+        new, metrics = end(o, state, parts, result, window)
         return new, {**metrics, "emitted": jnp.ones([], bool)}
-    parts, window = _parts(o, state), state.window
-    specs = _window_specs(o, parts, window)
+    specs = _window_specs(o, parts, state.window)
 
     def per_device(params, model_state, step, window, batch, weight):
+        # 1. accumulate: this micro-batch into the device's block of the window
         committed = to_varying(o)(split_state(model_state)[0])
         first = window.position == 0
         stats = jax.tree.map(lambda c, b: jnp.where(first, c, b[0]), committed, window.batch_stats)
-        sums = add_micro_batch(
+        window = add_micro_batch(
             _forward(o, params, parts.mask, model_state, step, state.graphdef),
             to_varying(o)(split_trainable(params, parts.mask)),
-            Sums(window.grads, window.loss_sum, window.weight, stats, window.aux),
+            window._replace(batch_stats=stats),
             batch,
             weight,
-            window.position,
             scatter=_scatter(o, parts.plan),
-            add=o.tuning.add,
         )
-        stats = jax.tree.map(lambda x: x[None], sums.batch_stats)
-        return window._replace(
-            grads=sums.grads,
-            loss_sum=sums.loss_sum,
-            weight=sums.weight,
-            batch_stats=stats,
-            aux=sums.aux,
-        )
+        return window._replace(batch_stats=jax.tree.map(lambda x: x[None], window.batch_stats))
 
     in_specs = (P(), P(), P(), specs, P(o.axis_name), P())
     mapped = mesh_map(o, per_device, in_specs, specs)
-    window = mapped(state.params, state.model_state, state.step, window, batch, micro_weight)
-    ends = window.position == o.accum_steps - 1
+    window = mapped(state.params, state.model_state, state.step, state.window, batch, micro_weight)
+    ends = window.position == o.accum_steps
 
-    def end(window: Window) -> Update:
-        def per_device(sums: Sums) -> Reduced:
-            grads = _unblocked(parts.plan, sums.grads, o.zero_stage == 2)
-            stats, aux = jax.tree.map(lambda x: x[0], (sums.batch_stats, sums.aux))
-            sums = Sums(grads, sums.loss_sum[0], sums.weight[0], stats, aux)
-            return reduce(parts.plan, sums, scattered=o.zero_stage == 2, wire=o.comm)
+    def ending(window: Window) -> Update:
+        # 2. reduce, 3. update: on the window's last call only
+        reduce_window = functools.partial(_reduce_window, o, parts)
+        in_specs = (specs._replace(last=None),)
+        mapped = mesh_map(o, reduce_window, in_specs, _reduced_specs(parts))
+        return update(o, parts, state, mapped(window._replace(last=None)))
 
-        sum_specs = _sums_of(specs)
-        reduced = mesh_map(o, per_device, (sum_specs,), _reduced_specs(parts))(_sums_of(window))
-        return _update(o, parts, state, reduced)
-
-    def keep(window: Window) -> Update:
+    def open_(window: Window) -> Update:
         no = jnp.zeros([], bool)
         return Update(parts.trainable, state.opt_state, parts.batch_stats, no, no, window.last)
 
-    like = jax.eval_shape(end, window)
-    result = jax.lax.cond(ends, end, lambda w: _cast_like(like, keep(w)), window)
-    restarted = Window(
-        grads=o.tuning.reset(ends, window.grads, after=result.report.grad_norm),
-        loss_sum=jnp.where(ends, 0, window.loss_sum),
-        weight=jnp.where(ends, 0, window.weight),
-        batch_stats=jax.tree.map(lambda x: jnp.where(ends, 0, x), window.batch_stats),
-        position=(window.position + 1) % o.accum_steps,
-        last=_select(result.applied, result.report, window.last),
-        aux=jax.tree.map(lambda x: jnp.where(ends, 0, x), window.aux),
-    )
-    new, metrics = _end(o, state, parts, result, restarted)
+    like = jax.eval_shape(ending, window)
+    result = jax.lax.cond(ends, ending, lambda w: _cast_like(like, open_(w)), window)
+    new, metrics = end(o, state, parts, result, _restarted(o, window, ends, result))
     return new, {**metrics, "emitted": ends}
 
 
-def _update(o: StepOptions, parts: _Parts, state: TrainState, reduced: Reduced) -> Update:
-    return update(
-        o.applied_optimizer,
-        reduced,
-        parts.trainable,
-        state.opt_state,
-        parts.batch_stats,
-        plan=parts.plan,
-        tuning=o.tuning,
-        skip_nonfinite=o.skips.nonfinite,
+# ---- 1. accumulate (per device) -------------------------------------------------------
+
+
+def add_micro_batch(
+    forward: Forward,
+    trainable: Any,
+    window: Window,
+    batch: Any,
+    scale: jax.Array,
+    *,
+    scatter: Callable[[Any], Any],
+) -> Window:
+    """``window`` plus one micro-batch, its position one further.
+
+    ``scale`` is its weight in the window: 1, or 0 for a padding micro-batch that
+    fills an incomplete last window (it then adds nothing and leaves the batch
+    statistics as they were). The loss is scaled, not the gradients: a pass less.
+    ``window``'s leaves are this device's: unbatched (fused), or its ``[1, ...]``
+    block of a per-device leaf (multisteps), or at ZeRO stage 2 its block of a split
+    leaf; ``scatter`` reduce-scatters the gradients into that block at stage 2.
+    """
+    grads, value, weight, stats, aux = forward(
+        trainable, batch, window.batch_stats, window.position, scale
+    )
+    dtype = window.loss_sum.dtype
+    grads = scatter(jax.tree.map(lambda g: g.astype(dtype), grads))
+    # In the carried dtype: a Linen BatchNorm writes its forward's (flax's bridge modules).
+    stats = jax.tree.map(
+        lambda n, o: jnp.where(scale > 0, n.astype(o.dtype), o), stats, window.batch_stats
+    )
+    scale = scale.astype(dtype)
+    return window._replace(
+        # Added in the block's own shape: XLA:CPU adds in place into the donated buffer
+        # only then (tests/core/test_streaming_program.py: no copy of a parameter's size in
+        # a call that does not end the window). One spelling everywhere: the reshape is a
+        # bitcast.
+        grads=jax.tree.map(lambda a, g: a + g.reshape(a.shape), window.grads, grads),
+        loss_sum=window.loss_sum + value.astype(dtype),
+        weight=window.weight + weight.astype(dtype) * scale,
+        batch_stats=stats,
+        position=window.position + 1,
+        aux=jax.tree.map(lambda s, a: s + jnp.asarray(a, dtype) * scale, window.aux, aux),
     )
 
 
-def _end(
+def accumulate(
+    o: StepOptions,
+    parts: _Parts,
+    forward: Forward,
+    params: Any,
+    model_state: Any,
+    micro_batches: Any,
+    micro_weights: jax.Array,
+) -> Window:
+    """A whole window in one call (the ``fused`` path): a ``lax.scan`` over this
+    device's ``[accum_steps, micro_batch_size, ...]`` rows.
+
+    The replicated parameters are marked per-device before the loop: without it
+    (``shard_map`` with ``check_vma``) JAX treats them as invariant and the transpose of
+    their implicit broadcast is a psum: an all-reduce inside the loop, one per
+    micro-batch.
+    """
+    dtype = o.accumulator_dtype(params)
+    scatter = _scatter(o, parts.plan)
+    trainable = split_trainable(params, parts.mask)
+    local = to_varying(o)(trainable)
+    stats = split_state(model_state)[0]
+    like = jax.eval_shape(scatter, jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), trainable))
+    aux = None
+    if o.has_aux:  # its shapes, from a trace of the first micro-batch's forward
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        aux = jax.eval_shape(forward, local, first, stats, 0, micro_weights[0])[-1]
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, dtype), (like, aux))
+    sums = (zeros[0], jnp.zeros([], dtype), jnp.zeros([], dtype), stats, zeros[1])
+    sums = to_varying(o)(sums)
+    window = Window(*sums[:4], position=jnp.zeros([], jnp.int32), last=None, aux=sums[4])
+
+    def body(window, inputs):
+        batch, scale = inputs
+        return add_micro_batch(forward, local, window, batch, scale, scatter=scatter), None
+
+    # Also for one micro-batch: without the loop XLA kept 19% more temporaries on
+    # the digits CNN, for no time measured (docs/decisions.md).
+    return jax.lax.scan(body, window, (micro_batches, micro_weights))[0]
+
+
+# ---- 2. reduce (per device) ----------------------------------------------------------------
+
+
+def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None) -> Reduced:
+    """The global sums of every device's ``window``: the step's one gradient collective.
+
+    Replicated (stage 0): ONE psum of the gradient sums, the loss and weight sums (and
+    ``loss_fn``'s aux sums) and device 0's batch statistics. Split (ZeRO stages 1 and
+    2): ONE reduce-scatter of the split leaves' sums (at stage 2 already done per
+    micro-batch, in stage 1: ``scattered``), then one small psum of the leaves kept
+    whole, the loss, weight and aux sums, device 0's batch statistics and the split
+    blocks' sum of squares (for the global gradient norm). ``wire`` (bfloat16) sends
+    the gradients narrow, as torch's ``bf16_compress_hook`` does.
+    """
+    axis, n, dtype = plan.axis_name, plan.num_devices, window.loss_sum.dtype
+    grads = window.grads if scattered else plan.reduce_scatter(window.grads, wire)
+    whole = plan.whole(grads)
+    dtypes = [x.dtype for x in whole]
+    payload = [[compress(x, wire, n) for x in whole], window.loss_sum, window.weight]
+    payload += [device0(window.batch_stats, axis, dtype), window.aux]
+    if plan.split:
+        payload.append(_squares(plan.blocks(grads), dtype))
+    summed = jax.lax.psum(tuple(payload), axis)
+    whole = [decompress(x, d, wire, n) for x, d in zip(summed[0], dtypes, strict=True)]
+    squares = _squares(whole, dtype)
+    if plan.split:
+        squares = summed[5] + squares
+    sums = window._replace(
+        grads=plan.with_whole(grads, whole),
+        loss_sum=summed[1],
+        weight=summed[2],
+        batch_stats=summed[3],
+        aux=summed[4],
+    )
+    return Reduced(sums, squares)
+
+
+def _reduce_window(o: StepOptions, parts: _Parts, window: Window) -> Reduced:
+    """:func:`reduce` on this device's block of the multisteps window (its leading
+    axis of 1 dropped; a split leaf at stage 2 is a block of its own shape)."""
+    scattered = o.zero_stage == 2
+    leaves = parts.plan.treedef.flatten_up_to(window.grads)
+    grads = parts.plan.treedef.unflatten(
+        [
+            x if scattered and d is not None else x[0]
+            for x, d in zip(leaves, parts.plan.dims, strict=True)
+        ]
+    )
+    rows = jax.tree.map(lambda x: x[0], (window.loss_sum, window.weight, window.batch_stats))
+    window = window._replace(grads=grads, loss_sum=rows[0], weight=rows[1], batch_stats=rows[2])
+    window = window._replace(aux=jax.tree.map(lambda x: x[0], window.aux))
+    return reduce(parts.plan, window, scattered=scattered, wire=o.comm)
+
+
+def _squares(leaves: list[Any], dtype: Any) -> jax.Array:
+    """The sum of squares of ``leaves``, as ``optax.tree.norm`` adds them."""
+    return sum((jnp.sum(jnp.square(x)) for x in leaves), jnp.zeros([], dtype))
+
+
+# ---- 3. update (on the logical arrays) -------------------------------------------------
+
+
+def update(o: StepOptions, parts: _Parts, state: TrainState, reduced: Reduced) -> Update:
+    """Applies the optimizer to the mean of ``reduced``'s gradient sums, or skips: with
+    ``Skips(nonfinite=True)``, a NaN or Inf in the gradients (by their norm), the loss or
+    the batch statistics leaves parameters, optimizer state and statistics as they were.
+
+    The finiteness is of all-reduced values, so every device decides the same; a NaN or
+    Inf on any device, or an overflow of a sum, makes it non-finite. At ZeRO stages 1
+    and 2 each device updates its block of every split leaf with its block of the
+    optimizer state, and XLA (GSPMD) inserts what a transform that reads beyond an
+    element needs (the scalar sums of a global-norm clip, a trust ratio's norms); then
+    one all-gather per parameter dtype returns the whole parameters (``plan.gather``).
+    """
+    sums, plan, skip_nonfinite = reduced.sums, parts.plan, o.skips.nonfinite
+    weight = sums.weight
+    loss = sums.loss_sum / weight.astype(sums.loss_sum.dtype)
+    grad_norm = jnp.sqrt(reduced.squares) / weight
+    stats_ok = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(sums.batch_stats)]
+    finite = jnp.all(jnp.stack([jnp.isfinite(grad_norm), jnp.isfinite(loss), *stats_ok]))
+    ok = finite if skip_nonfinite else jnp.ones([], bool)
+
+    def apply(operands: tuple[Any, Any]) -> tuple[Any, Any]:
+        params, opt_state = operands
+        mine = plan.local(params)
+        if o.cpu_spelling:
+            # XLA:CPU spelling of sums / weight: a multiply by 1 / weight, which XLA
+            # repeats inside each consumer (AdamW's two moment updates), where it computed
+            # a divide once and wrote it out: a pass over the gradients, 0.4 ms of a 4.3
+            # ms MLP step. At most one rounding apart, none for a power-of-two weight.
+            inverse = 1 / weight
+            grads = jax.tree.map(
+                lambda g, p: (g * inverse.astype(g.dtype)).astype(p.dtype), sums.grads, mine
+            )
+        else:
+            grads = jax.tree.map(
+                lambda g, p: (g / weight.astype(g.dtype)).astype(p.dtype), sums.grads, mine
+            )
+        updates, opt_state = o.applied_optimizer.update(grads, opt_state, mine)
+        return plan.gather(optax.apply_updates(mine, updates)), plan.constrain(opt_state)
+
+    operands = (parts.trainable, state.opt_state)
+    if not skip_nonfinite:
+        params, opt_state = apply(operands)
+    elif o.cpu_spelling:
+        # XLA:CPU spelling of "apply if ok": a lax.cond. A select over parameters and
+        # optimizer state cost 1.3 ms of a 6.6 ms MLP step; a branch not taken costs
+        # nothing. Elsewhere a select: a conditional reads its predicate on the host
+        # (XLA:GPU), a round trip per step, where the select is a pass at memory speed.
+        like = jax.eval_shape(apply, operands)
+        params, opt_state = jax.lax.cond(ok, apply, lambda x: _cast_like(like, x), operands)
+    else:
+        like = jax.eval_shape(apply, operands)
+        params, opt_state = _select(ok, apply(operands), _cast_like(like, operands))
+    committed = from_wire(sums.batch_stats, parts.batch_stats)
+    stats = _select(ok, committed, parts.batch_stats)
+    aux = jax.tree.map(lambda x: x / weight.astype(x.dtype), sums.aux)
+    return Update(params, opt_state, stats, ok, ~ok, Report(loss, grad_norm, finite, aux))
+
+
+# ---- 4. end ---------------------------------------------------------------------------
+
+
+def end(
     o: StepOptions, state: TrainState, parts: _Parts, result: Update, window: Window | None
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """The state after one call, laid out as the step keeps it, and its metrics."""
+    """The state after one call, laid out as the step keeps it, and its metrics (the
+    update's :class:`Report` and the skip counters)."""
     count = state.step.dtype
-    consecutive = jnp.where(
-        result.skipped,
-        state.consecutive_skips + 1,
-        jnp.where(result.applied, 0, state.consecutive_skips),
-    ).astype(count)
-    skipped = state.skipped_steps + result.skipped.astype(count)
+    skips = SkipCounts(
+        skipped_steps=state.skipped_steps + result.skipped.astype(count),
+        consecutive_skips=jnp.where(
+            result.skipped,
+            state.consecutive_skips + 1,
+            jnp.where(result.applied, 0, state.consecutive_skips),
+        ).astype(count),
+    )
     model_state = state.model_state
     if model_state is not None:
         _, rngs, constants = split_state(model_state)
@@ -189,22 +424,71 @@ def _end(
         window=window,
         graphdef=state.graphdef,
         model_state=model_state,
-        skipped_steps=skipped,
-        consecutive_skips=consecutive,
+        skips=skips,
     )
     shardings = jax.tree.map(
         lambda s: NamedSharding(o.mesh, s), state_specs(o, new), is_leaf=is_spec
     )
     new = jax.lax.with_sharding_constraint(new, shardings)
-    report = result.report
-    metrics = {"loss": report.loss, "grad_norm": report.grad_norm, "finite": report.finite}
-    if o.has_aux:
-        metrics["aux"] = report.aux
+    metrics = result.report._asdict()
+    if not o.has_aux:
+        del metrics["aux"]
     lr = _learning_rate(result.opt_state)
     if lr is not None:
         metrics["learning_rate"] = lr
-    metrics.update(skipped=result.skipped, skipped_steps=skipped, consecutive_skips=consecutive)
+    metrics.update(skipped=result.skipped, **skips._asdict())
     return new, metrics
+
+
+def _restarted(o: StepOptions, window: Window, ends: jax.Array, result: Update) -> Window:
+    """The window after a multisteps call: its sums zero and its position 0 where it
+    ended; the last update's report kept for the calls of the next window."""
+    if o.cpu_spelling:
+        # XLA:CPU spelling of "zeros where ends": zeros computed from the sums
+        # (where(finite, abs(a) * 0, 0): +0 for every element, NaN and Inf included), in a
+        # branch of their own, ordered after the update read them (by its norm): fresh
+        # zeros, or a reset inside the update's branch, made XLA:CPU copy the sums on
+        # every call, the ones that do not end the window included.
+        after = result.report.grad_norm
+        grads = jax.lax.cond(ends, _zeros_from, lambda o: o[0], (window.grads, after))
+    else:
+        grads = jax.lax.cond(ends, _zeros, lambda s: s, window.grads)
+    zero = functools.partial(jax.tree.map, lambda x: jnp.where(ends, 0, x))
+    return window._replace(
+        grads=grads,
+        loss_sum=zero(window.loss_sum),
+        weight=zero(window.weight),
+        batch_stats=zero(window.batch_stats),
+        position=zero(window.position),
+        last=_select(result.applied, result.report, window.last),
+        aux=zero(window.aux),
+    )
+
+
+def _zeros(sums: Any) -> Any:
+    return jax.tree.map(jnp.zeros_like, sums)
+
+
+def _zeros_from(operands: tuple[Any, jax.Array]) -> Any:
+    sums, after = operands
+    ordered = jnp.isfinite(after)
+
+    def zero(a):
+        return jnp.where(ordered & jnp.isfinite(a), jnp.abs(a) * 0, 0).astype(a.dtype)
+
+    return jax.tree.map(zero, sums)
+
+
+# ---- the state on the mesh, and how it starts -----------------------------------------
+
+
+def opt_state_like(o: StepOptions, state: TrainState) -> Any:
+    """The optimizer state the step's ``init`` builds for ``state``'s parameters."""
+    mask = trainable_mask(state.params, o.trainable)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), split_trainable(state.params, mask)
+    )
+    return jax.eval_shape(o.applied_optimizer.init, abstract)
 
 
 def state_specs(o: StepOptions, state: TrainState) -> TrainState:
@@ -221,8 +505,7 @@ def state_specs(o: StepOptions, state: TrainState) -> TrainState:
         window=window,
         graphdef=state.graphdef,
         model_state=jax.tree.map(lambda _: P(), state.model_state),
-        skipped_steps=P(),
-        consecutive_skips=P(),
+        skips=SkipCounts(P(), P()),
     )
 
 
@@ -254,7 +537,7 @@ def empty_window(
         weight=jnp.zeros([n], dtype),
         batch_stats=jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), batch_stats),
         position=jnp.zeros([], jnp.int32),
-        last=LastUpdate(
+        last=Report(
             zero, zero, jnp.ones([], bool), jax.tree.map(lambda x: jnp.zeros(x.shape, dtype), aux)
         ),
         aux=jax.tree.map(rows, aux),
@@ -297,27 +580,15 @@ def _window_specs(o: StepOptions, parts: _Parts, window: Any) -> Window:
         weight=rows,
         batch_stats=jax.tree.map(lambda _: rows, window.batch_stats),
         position=P(),
-        last=LastUpdate(P(), P(), P(), P()),
+        last=Report(P(), P(), P(), P()),
         aux=rows,
     )
 
 
 def _reduced_specs(parts: _Parts) -> Reduced:
     stats = jax.tree.map(lambda _: P(), parts.batch_stats)
-    return Reduced(parts.plan.specs(), P(), P(), stats, P(), P())
-
-
-def _sums_of(window: Window) -> Sums:
-    return Sums(window.grads, window.loss_sum, window.weight, window.batch_stats, window.aux)
-
-
-def _unblocked(plan: ShardPlan, grads: Any, scattered: bool) -> Any:
-    """A device's per-device gradient sums without their leading block axis (a split
-    leaf at stage 2 is a block of its own shape)."""
-    leaves = plan.treedef.flatten_up_to(grads)
-    return plan.treedef.unflatten(
-        [x if scattered and d is not None else x[0] for x, d in zip(leaves, plan.dims, strict=True)]
-    )
+    sums = Window(parts.plan.specs(), P(), P(), stats, position=P(), last=None, aux=P())
+    return Reduced(sums, P())
 
 
 def _forward(o: StepOptions, params, mask, model_state, step, graphdef):

@@ -1,12 +1,16 @@
-"""The host-side watch of a training loop: the skip limit and the calls in flight."""
+"""The host-side watches of a training loop, kept by :class:`jaxdp.TrainStep` between
+calls: the skip limit and the calls in flight (:class:`SkipWatch`), and the micro-batch
+size (:class:`ResizeWatch`)."""
 
 from __future__ import annotations
 
 import collections
+import warnings
 
 import jax
 import numpy as np
 
+from ._layout import BatchSizes
 from ._train_state import NonFiniteError, TrainState
 
 IN_FLIGHT = 2  # calls a loop may run ahead of the host
@@ -79,3 +83,46 @@ class SkipWatch:
     def reset(self) -> None:
         """Forgets the calls seen so far (a new loop, from another state)."""
         self._recent.clear()
+
+
+class ResizeWatch:
+    """The micro-batch size of a step's last call (host state, like :class:`SkipWatch`).
+
+    A multisteps window keeps one batch identity: a call with another
+    micro-batch size while a window is open raises, naming both sizes. The
+    first change of the size at all is announced with a ``UserWarning``: the
+    step compiles again and each update averages another number of samples.
+    Costs a comparison of two integers per call; the open window's position
+    (a device value) is read only when the size changes.
+    """
+
+    def __init__(self, path: str, accum_steps: int):
+        self.path = path
+        self.accum_steps = accum_steps
+        self.last: int | None = None
+        self.announced = False
+
+    def before(self, state: TrainState, sizes: BatchSizes) -> None:
+        size, last = sizes.micro_batch_size, self.last
+        if last is None or size == last:
+            self.last = size
+            return
+        if self.path == "multisteps":
+            done = int(np.asarray(state.window.position.addressable_data(0)))
+            if done:
+                raise ValueError(
+                    f"this call has micro_batch_size={size} ({sizes.describe()}), but the open "
+                    f"accumulation window ({done} of accum_steps={self.accum_steps} "
+                    f"micro-batches) started with micro_batch_size={last}: one update must "
+                    f"not mix batch identities; finish the window with micro_batch_size={last} "
+                    "and change the size between windows"
+                )
+        if not self.announced:
+            self.announced = True
+            warnings.warn(
+                f"micro_batch_size changed from {last} to {size} ({sizes.describe()}): the "
+                "step compiles again for the new shape, and each update now averages another "
+                "number of samples (said once per step)",
+                stacklevel=3,
+            )
+        self.last = size

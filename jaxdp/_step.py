@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -13,14 +14,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._forward import LossReduction, merge_model, split_model
-from ._frozen import Trainable, split_trainable, trainable_mask
+from ._frozen import Trainable, split_trainable
 from ._guards import (
-    ResizeWatch,
     check_loader_batch,
     check_micro_weights,
     check_params,
     check_state_devices,
-    check_state_layout,
     is_loader_batch,
 )
 from ._layout import BatchSizes, call_sizes
@@ -30,8 +29,8 @@ from ._model_state import BatchStats, check_batch_stats, split_state
 from ._options import OLD_SPELLINGS, AccumulationPath, Parallel, Skips, StepOptions, fold
 from ._pipeline import aux_like, empty_window, fused_call, multisteps_call, state_specs
 from ._replicas import check_replicas
-from ._skip_watch import SkipWatch
-from ._train_state import TrainState, Window, check_live
+from ._skip_watch import ResizeWatch, SkipWatch
+from ._train_state import SkipCounts, TrainState, Window, check_live
 
 
 class TrainStep:
@@ -47,12 +46,14 @@ class TrainStep:
     several processes each process passes only its rows of that batch
     (:func:`process_share`); no process holds the whole batch.
 
-    The step keeps no training state between calls. Its host state is
-    ``watch`` (:class:`SkipWatch`): the ``max_consecutive_skips`` limit and the
-    bound of two calls in flight on several CPU devices, which need the skip
-    counters of recent calls; and the micro-batch size of the last call, so
-    that a multisteps window never mixes two sizes and a change is announced
-    once (docs/semantics.md, "Errors and guards").
+    The step keeps no training state between calls. Its host state is two
+    watches (jaxdp/_skip_watch.py): ``watch`` (:class:`SkipWatch`), the
+    ``max_consecutive_skips`` limit and the bound of two calls in flight on
+    several CPU devices, which need the skip counters of recent calls; and the
+    micro-batch size of the last call (``ResizeWatch``), so that a multisteps
+    window never mixes two sizes and a change is announced once
+    (docs/semantics.md, "Errors and guards"). One call runs
+    jaxdp/_pipeline.py under ``jax.jit`` (docs/architecture.md).
     """
 
     def __init__(self, options: StepOptions):
@@ -64,16 +65,9 @@ class TrainStep:
         )
         self._resize = ResizeWatch(options.path, options.accum_steps)
         donate = (0,) if options.donate else ()
+        # One call of the step, read top to bottom: jaxdp/_pipeline.py.
         body = fused_call if options.path == "fused" else multisteps_call
-
-        def call(state: TrainState, batch: Any, micro_weights: jax.Array):
-            # Runs only when JAX traces a new input structure: free on later calls.
-            check_state_layout(
-                state, path=options.path, expected_opt_state=self._opt_state_like(state)
-            )
-            return body(options, state, batch, micro_weights)
-
-        self._jitted = jax.jit(call, donate_argnums=donate)
+        self._jitted = jax.jit(functools.partial(body, options), donate_argnums=donate)
         self._weights: dict[bytes, jax.Array] = {}
         self._rows = NamedSharding(options.mesh, P(options.axis_name))  # the batch's
         self._ones = np.ones((options.accum_steps,) if options.path == "fused" else (), np.float32)
@@ -152,8 +146,7 @@ class TrainStep:
             window=None,
             graphdef=graphdef,
             model_state=model_state,
-            skipped_steps=counter(),
-            consecutive_skips=counter(),
+            skips=SkipCounts(skipped_steps=counter(), consecutive_skips=counter()),
         )
         aux = None
         if o.has_aux and o.path == "multisteps":
@@ -180,14 +173,6 @@ class TrainStep:
         if o.path == "multisteps":
             window = empty_window(o, trainable, batch_stats, dtype, aux)
         return o.applied_optimizer.init(trainable), window
-
-    def _opt_state_like(self, state: TrainState) -> Any:
-        """The optimizer state this step's ``init`` builds for ``state``'s parameters."""
-        mask = trainable_mask(state.params, self.options.trainable)
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), split_trainable(state.params, mask)
-        )
-        return jax.eval_shape(self.options.applied_optimizer.init, abstract)
 
     def model(self, state: TrainState) -> Any:
         """The trained model, as given to :meth:`init`: the parameters, or the NNX, bound

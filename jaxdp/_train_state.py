@@ -13,35 +13,70 @@ from typing import Any, NamedTuple
 import jax
 
 
-class LastUpdate(NamedTuple):
-    """What the last optimizer step reported: kept so that every call of the next
-    multisteps window reports it (those calls apply no update)."""
+class Report(NamedTuple):
+    """What an optimizer step reports (``metrics``), also kept in the multisteps window so
+    that every call of the next window reports it (those calls apply no update).
+
+    Attributes:
+      loss: the loss over the step's micro-batches and devices (``loss_reduction``).
+      grad_norm: the global L2 norm of the mean gradients.
+      finite: gradients, loss and batch statistics free of NaN and Inf.
+      aux: ``loss_fn``'s aux averaged as the loss (``has_aux``; else None).
+    """
 
     loss: jax.Array
     grad_norm: jax.Array
-    finite: jax.Array  # gradients, loss and batch statistics free of NaN and Inf
-    aux: Any = None  # loss_fn's aux averaged as the loss (has_aux)
+    finite: jax.Array
+    aux: Any = None
 
 
 class Window(NamedTuple):
-    """The open accumulation window of the ``multisteps`` path: what the calls since
-    the last optimizer step added up.
+    """An accumulation window: what the micro-batches since the last optimizer step
+    added up. The ``multisteps`` path keeps the open one in ``TrainState.window``; the
+    ``fused`` path carries one through its ``lax.scan`` within a call.
 
-    ``grads``, ``loss_sum``, ``weight`` and ``batch_stats`` are per device (a
-    leading ``num_devices`` axis split over the mesh), except that at ZeRO
-    stage 2 the gradient leaves split over the mesh hold the window's global
-    sums (each device its block, reduce-scattered on every call). ``position``
-    (replicated) counts the micro-batches added since the last optimizer
-    step: 0 at a step boundary.
+    In ``TrainState.window`` the sums are per device (a leading ``num_devices`` axis
+    split over the mesh), except that at ZeRO stage 2 the gradient leaves split over
+    the mesh hold the window's global sums (each device its block, reduce-scattered on
+    every call).
+
+    Attributes:
+      grads: gradient sums in the accumulator dtype, the trainable leaves only.
+      loss_sum: ``[num_devices]``: the loss sums (of micro-batch means, or of
+        ``loss_sum`` with ``loss_reduction="weighted"``).
+      weight: ``[num_devices]``: micro-batch weights (mean) or counts (weighted).
+      batch_stats: ``[num_devices, ...]``: each device's running statistics in the window.
+      position: int32, replicated: micro-batches in the window so far (0 at a step
+        boundary).
+      last: the last optimizer step's :class:`Report` (None inside a fused call).
+      aux: ``[num_devices, ...]``: ``loss_fn``'s aux sums (``has_aux``; else None).
     """
 
-    grads: Any  # gradient sums in the accumulator dtype, the trainable leaves only
-    loss_sum: jax.Array  # [num_devices]
-    weight: jax.Array  # [num_devices]: micro-batch weights (mean) or counts (weighted)
-    batch_stats: Any  # [num_devices, ...]: each device's running statistics in the window
-    position: jax.Array  # int32: micro-batches in the window so far
-    last: LastUpdate
-    aux: Any = None  # [num_devices, ...]: loss_fn's aux sums (has_aux)
+    grads: Any
+    loss_sum: jax.Array
+    weight: jax.Array
+    batch_stats: Any
+    position: jax.Array
+    last: Report | None
+    aux: Any = None
+
+
+class SkipCounts(NamedTuple):
+    """The non-finite skip's counters (``Skips(nonfinite=True)``): replicated int32
+    scalars, what ``optax.ApplyIfFiniteState`` counts for ``optax.apply_if_finite``, kept
+    by the step for its own skip (which also leaves the batch statistics and the window's
+    restart alone, so it is no optax wrapper). Also in every call's metrics.
+
+    Attributes:
+      skipped_steps: updates skipped for NaN or Inf gradients, loss or batch statistics,
+        in total (optax's ``total_notfinite``).
+      consecutive_skips: updates skipped since the last applied one (optax's
+        ``notfinite_count``); :class:`jaxdp.SkipWatch` raises :class:`NonFiniteError`
+        when it reaches ``Skips(max_consecutive=...)``.
+    """
+
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
 
 
 class TrainState(NamedTuple):
@@ -60,8 +95,17 @@ class TrainState(NamedTuple):
     window: Window | None  # multisteps only
     graphdef: Any  # NNX graph definition (static), None for a plain pytree
     model_state: Any  # NNX non-parameter variables, None for a plain pytree
-    skipped_steps: jax.Array  # updates skipped for NaN/Inf gradients or loss, in total
-    consecutive_skips: jax.Array  # ... since the last applied update
+    skips: SkipCounts  # the non-finite skip's counters
+
+    @property
+    def skipped_steps(self) -> jax.Array:
+        """``skips.skipped_steps``: updates skipped for NaN or Inf, in total."""
+        return self.skips.skipped_steps
+
+    @property
+    def consecutive_skips(self) -> jax.Array:
+        """``skips.consecutive_skips``: updates skipped since the last applied one."""
+        return self.skips.consecutive_skips
 
     @property
     def accum(self) -> Window | None:
@@ -100,9 +144,7 @@ def check_live(state: TrainState, name: str = "state", *, quick: bool = False) -
     with the rest (a state passed again has them deleted), and at every leaf
     only to report one that is: O(1), what :class:`TrainStep` runs per call.
     """
-    if quick and not (
-        _deleted(state.step) or _deleted(state.skipped_steps) or _deleted(state.consecutive_skips)
-    ):
+    if quick and not (_deleted(state.step) or any(_deleted(x) for x in state.skips)):
         return
     leaves = jax.tree_util.tree_leaves_with_path(state)
     dead = [path for path, leaf in leaves if _deleted(leaf)]

@@ -15,6 +15,7 @@ from cells import BF16, ZERO, cell_id, torch_key
 
 import jaxdp
 from jaxdp.parity import compare, format_parity, run_jaxdp
+from jaxdp.testing import plain_spelling
 
 # Both sides round the same float32 gradient sums to bfloat16, except where their float32
 # sums (about 1e-7 apart) straddle a rounding boundary: such an element's gradient is one
@@ -33,6 +34,21 @@ def test_zero_stage_matches_zero_redundancy_optimizer(config, stage, torch_runs)
     report = compare(
         config, run_jaxdp(config, data, initial, parallel=jaxdp.Parallel(zero_stage=stage)), theirs
     )
+    assert report.passed, format_parity(report)
+
+
+# Issue 31, item 5: the spelling GPUs take (the divide, the select, fresh zeros), run on
+# the CPU mesh, against the same torch runs: stage 0 and 1 on fused and multisteps, 2 on
+# multisteps (torch's ZeroRedundancyOptimizer computes what DDP does at every stage).
+PLAIN = [(ZERO[0][0], 0), (ZERO[4][0], 1), (ZERO[1][0], 2)]
+
+
+@pytest.mark.parametrize("config, stage", PLAIN, ids=[f"{cell_id(c)}-stage{s}" for c, s in PLAIN])
+def test_plain_spelling_matches_torch(config, stage, torch_runs):
+    data, initial, theirs = torch_runs[torch_key(config, "zero")]
+    with plain_spelling():
+        ours = run_jaxdp(config, data, initial, parallel=jaxdp.Parallel(zero_stage=stage))
+    report = compare(config, ours, theirs)
     assert report.passed, format_parity(report)
 
 

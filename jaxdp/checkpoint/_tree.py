@@ -9,14 +9,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._train_state import TrainState
+from .._train_state import SkipCounts, TrainState
 from ._rules import is_accumulator, is_per_device, leaf_name
 
 ITEMS = ("replicated", "per_device", "shards")
 
 
 def saved_tree(state: TrainState) -> dict[str, Any]:
-    """What is saved: the state without its static NNX graph, rng keys as their data."""
+    """What is saved: the state without its static NNX graph, rng keys as their data, the
+    skip counters under their own names (format 3, as before they were one record)."""
     return {
         "step": state.step,
         "params": state.params,
@@ -50,8 +51,7 @@ def state_from_tree(tree: dict[str, Any], like: TrainState) -> TrainState:
         window=tree["window"],
         graphdef=like.graphdef,
         model_state=jax.tree.map(_like_key, tree["model_state"], like.model_state),
-        skipped_steps=tree["skipped_steps"],
-        consecutive_skips=tree["consecutive_skips"],
+        skips=SkipCounts(tree["skipped_steps"], tree["consecutive_skips"]),
     )
 
 

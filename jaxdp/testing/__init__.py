@@ -10,6 +10,7 @@ from .._inspect import Collective as Collective
 from .._inspect import all_reduces as all_reduces
 from .._inspect import collectives as collectives
 from .._inspect import format_report as format_report
+from .._options import plain_spelling as plain_spelling
 from ._collectives import assert_collectives as assert_collectives
 from ._trees import TOLERANCES as TOLERANCES
 from ._trees import Tolerance as Tolerance
@@ -27,4 +28,6 @@ __all__ = [
     "Tolerance",
     "TOLERANCES",
     "assert_collectives",
+    # The GPU's spelling of the step on a CPU mesh
+    "plain_spelling",
 ]

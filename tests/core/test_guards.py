@@ -69,7 +69,7 @@ def test_check_live_names_a_deleted_leaf_of_a_mixed_state():
     _train_state.check_live(state, "state")
     step(state, regression_data(16))
     fresh = jax.device_put(jnp.zeros([], jnp.int32))
-    mixed = state._replace(step=fresh, skipped_steps=fresh, consecutive_skips=fresh)
+    mixed = state._replace(step=fresh, skips=_train_state.SkipCounts(fresh, fresh))
     with pytest.raises(ValueError, match=r"state\.params\['b0'\] .* deleted"):
         _train_state.check_live(mixed, "state")
 
