@@ -9,8 +9,8 @@ shape alone, so a parameter, its gradient and every optimizer-state leaf of its 
 communication. The user's optimizer runs on these logical arrays, outside the mesh
 map: anything that reads beyond an element (a global-norm clip, a trust ratio, a
 factored moment) is partitioned by XLA, which inserts the collectives it needs, so the
-update is the one of stage 0 up to the order of sums (docs/decisions.md, "One
-pipeline"). Stage 0 is the plan that splits nothing.
+update is the one of stage 0 up to the order of sums (docs/decisions.md,
+"ZeRO"). Stage 0 is the plan that splits nothing.
 
 On the wire the split leaves are packed: ONE reduce-scatter carries every gradient
 (each leaf's rows side by side) and one all-gather per parameter dtype every
