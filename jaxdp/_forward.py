@@ -74,7 +74,7 @@ def loss_parts(
     negative count becomes a NaN weight, so the step's non-finite decision
     refuses the update (it would step up the gradient).
     For an NNX module, ``batch_stats``, ``rngs`` and ``constants`` are the
-    groups of :func:`jaxdp._state.split_state` and ``configure`` adjusts the
+    groups of :func:`jaxdp._model_state.split_state` and ``configure`` adjusts the
     merged module (the BatchNorm mode) before ``loss_fn`` sees it, and ``loss_fn`` runs
     in ``context()`` (Linen BatchNorms' mode). A :class:`LinenModel` reaches
     ``loss_fn`` as its bound Linen module, an equinox module whole.
@@ -165,7 +165,7 @@ def micro_forward(
     without a pass over the gradients (the weight is returned unscaled).
 
     Randomness: every ``nnx.Rngs`` stream, and ``loss_fn``'s ``rng`` when
-    ``rng_seed`` is set, is keyed by :func:`jaxdp._state.micro_key` of ``step``
+    ``rng_seed`` is set, is keyed by :func:`jaxdp._model_state.micro_key` of ``step``
     (updates applied so far), this device's mesh index and the micro-batch's
     index in its window.
     """

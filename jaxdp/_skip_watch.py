@@ -10,6 +10,7 @@ import warnings
 import jax
 import numpy as np
 
+from ._checks import is_integer
 from ._layout import BatchSizes
 from ._train_state import NonFiniteError, TrainState
 
@@ -41,9 +42,9 @@ class SkipWatch:
     """
 
     def __init__(self, limit: int | None, *, bound: bool):
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
+        if limit is not None and (not is_integer(limit) or limit < 1):
             raise ValueError(f"limit={limit!r} must be a positive integer or None")
-        self.limit = limit
+        self.limit = None if limit is None else int(limit)
         self.bound = bound
         self._recent: collections.deque[jax.Array] = collections.deque(maxlen=IN_FLIGHT)
 

@@ -32,7 +32,7 @@ def assert_collectives(
     """Asserts how many collectives of each kind run per call of ``compiled``.
 
     Counts executions, not instructions: an all-reduce inside a ``lax.scan`` of 4
-    steps counts 4 (see :func:`jaxdp.collectives`). A kind not named must not run at
+    steps counts 4 (see :func:`jaxdp.testing.collectives`). A kind not named must not run at
     all; ``None`` leaves it unchecked.
 
     A collective inside a conditional runs only when its branch is taken, so without
@@ -91,7 +91,7 @@ def assert_collectives(
 
 def _branch_counts(hlo: str) -> dict[str, tuple[int, int]]:
     """``name -> (branches, index of the true branch)`` of each conditional of the program
-    (the index as :func:`jaxdp.collectives` numbers its branches in ``context``)."""
+    (the index as :func:`jaxdp.testing.collectives` numbers its branches in ``context``)."""
     _, computations = _parse(hlo)
     counts = {}
     for instructions in computations.values():

@@ -51,6 +51,7 @@ TAKERS = {
         lambda v: jaxdp.Skips(max_consecutive=v),
         "max_consecutive_skips",
     ),
+    "SkipWatch(limit)": (lambda v: jaxdp.SkipWatch(v, bound=False), "limit"),
     "batch_sizes(num_devices)": (lambda v: sizes(num_devices=v), "num_devices"),
     "batch_sizes(accum_steps)": (lambda v: sizes(accum_steps=v), "accum_steps"),
     "batch_sizes(micro_batch_size)": (lambda v: sizes(micro_batch_size=v), "micro_batch_size"),
