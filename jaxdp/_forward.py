@@ -96,7 +96,8 @@ def loss_parts(
                 configure(model)
             if isinstance(model, LinenModel):
                 given = model.bound(train=True)
-        with context():
+        habits = model.habits() if given is not model else contextlib.nullcontext()
+        with context(), habits:
             out = loss_fn(given, batch, rng=rng) if with_rng else loss_fn(given, batch)
         if given is not model:
             model.absorb(given)

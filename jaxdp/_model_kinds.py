@@ -6,12 +6,16 @@
   committed as NNX's are), whose other collections are constants and whose rngs
   are ``nnx.Rngs`` streams (re-keyed per micro-batch as NNX's are). ``loss_fn``
   gets the Linen module bound afresh on every micro-batch: ``batch_stats``
-  mutable, each rng stream's key from jaxdp's per-device stream.
+  mutable, each rng stream's key from jaxdp's per-device stream. Linen's own
+  spellings of that inside ``loss_fn`` (``mutable=`` on a call, ``apply``) and a
+  forward that draws from a stream ``bind`` was given no key for are refused with
+  what to write instead (:meth:`LinenModel.habits`).
 - An equinox module is split by ``eqx.partition(module, eqx.is_inexact_array)``:
   its inexact arrays train, the rest is static (:class:`EquinoxDef`). Its
   stateful layers (``eqx.nn.BatchNorm``, anything with an ``eqx.nn.StateIndex``)
   are refused: their state is threaded through the forward by the caller, and
-  the step has no place for it.
+  the step has no place for it; so is the ``(model, state)`` pair
+  ``eqx.nn.make_with_state`` returns.
 
 equinox is never imported here: a model is an equinox module only if equinox was
 imported to build it.
@@ -19,14 +23,18 @@ imported to build it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import inspect
+import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import linen, nnx
+from flax import errors, linen, nnx
 from flax.nnx import bridge
 
 _KINDS = {"params": nnx.Param, "batch_stats": nnx.BatchStat}
@@ -63,7 +71,29 @@ class LinenModel(nnx.Module):
         if not train:
             return self.module.bind(variables)
         rngs = {name: stream() for name, stream in self.rngs.items()} if self.rngs else {}
-        return self.module.bind(variables, rngs=rngs, mutable=["batch_stats"])
+        bound = self.module.bind(variables, rngs=rngs, mutable=["batch_stats"])
+        # This copy lives for one micro-batch: its apply refuses mutable=, whose
+        # updates loss_fn would drop (the running statistics would never move).
+        object.__setattr__(bound, "apply", functools.partial(_apply_refusing_mutable, bound))
+        return bound
+
+    @contextlib.contextmanager
+    def habits(self) -> Iterator[None]:
+        """The context ``loss_fn`` runs in: Linen's habits that fail (or silently drop
+        the statistics) under jaxdp's binding get an error saying what jaxdp does instead."""
+        with linen.intercept_methods(_refuse_mutable_call):
+            try:
+                yield
+            except errors.InvalidRngError as e:
+                found = re.search(r'needs PRNG for "([^"]+)"', str(e))
+                stream = found.group(1) if found else "dropout"
+                given = f"rngs for {sorted(self.rngs.keys())}" if self.rngs else "no rngs"
+                raise ValueError(
+                    f"the Linen module's forward draws from the rng stream {stream!r} but "
+                    f"step.init got it bound with {given}: bind it with a key for "
+                    f"every stream it draws from, module.bind(variables, rngs={{{stream!r}: "
+                    "key}); jaxdp then draws a key per device and micro-batch from it"
+                ) from e
 
     def absorb(self, bound: linen.Module) -> None:
         """Takes the batch statistics a training forward of ``bound`` wrote."""
@@ -109,6 +139,8 @@ def as_trainable(model: Any) -> Any:
             )
     if is_equinox(model):
         _refuse_state(sys.modules["equinox"], model)
+    if _is_equinox_pair(model):
+        _refuse_state(sys.modules["equinox"], model[0], pair=True)
     return model
 
 
@@ -131,15 +163,30 @@ def merge_equinox(graphdef: EquinoxDef, params: Any) -> Any:
     return eqx.combine(params, graphdef.static)
 
 
-def _refuse_state(eqx: Any, model: Any) -> None:
+def _is_equinox_pair(model: Any) -> bool:
+    """``eqx.nn.make_with_state``'s ``(model, state)``."""
+    eqx = sys.modules.get("equinox")
+    return (
+        eqx is not None
+        and isinstance(model, tuple)
+        and len(model) == 2
+        and isinstance(model[0], eqx.Module)
+        and isinstance(model[1], eqx.nn.State)
+    )
+
+
+def _refuse_state(eqx: Any, model: Any, *, pair: bool = False) -> None:
     def stateful(x: Any) -> bool:
         return isinstance(x, eqx.nn.StateIndex)
 
     found = jax.tree_util.tree_flatten_with_path(model, is_leaf=stateful)[0]
     where = [jax.tree_util.keystr(path) for path, x in found if stateful(x)]
-    if where:
+    if where or pair:
+        what = "the equinox module has stateful layers"
+        if pair:
+            what = "step.init got an equinox (model, eqx.nn.State) pair (eqx.nn.make_with_state)"
         raise TypeError(
-            f"the equinox module has stateful layers (eqx.nn.StateIndex at {where}: "
+            f"{what} (eqx.nn.StateIndex at {where}: "
             "eqx.nn.BatchNorm, SpectralNorm); their eqx.nn.State is threaded through the "
             "forward by the caller and jaxdp's step has no place for it. Use a stateless "
             "normalization (eqx.nn.LayerNorm, GroupNorm, RMSNorm), or BatchNorm in a Flax "
@@ -177,6 +224,37 @@ def linen_batch_norms(mode: str | None, axis_name: str) -> Any:
         return next_fun(*args, **kwargs)
 
     return linen.intercept_methods(interceptor)
+
+
+def _apply_refusing_mutable(bound: linen.Module, *args: Any, **kwargs: Any) -> Any:
+    if kwargs.get("mutable"):  # False (apply's default) or an empty list mutate nothing
+        raise TypeError(
+            f"loss_fn called {type(bound).__name__}.apply(..., mutable="
+            f"{kwargs['mutable']!r}): jaxdp binds the module per micro-batch with "
+            "'batch_stats' mutable and collects the updated statistics itself, and apply's "
+            "updates would be dropped. Call the module given to loss_fn directly, "
+            "model(x, train=True), without apply or mutable="
+        )
+    return type(bound).apply(bound, *args, **kwargs)
+
+
+def _refuse_mutable_call(next_fun, args, kwargs, context):
+    if "mutable" in kwargs and not _takes(next_fun, "mutable"):
+        raise TypeError(
+            f"loss_fn called {type(context.module).__name__}.{context.method_name}(..., "
+            f"mutable={kwargs['mutable']!r}): jaxdp binds the module per micro-batch with "
+            "'batch_stats' mutable and collects the updated statistics itself. Call the "
+            "module given to loss_fn directly, model(x, train=True), without mutable="
+        )
+    return next_fun(*args, **kwargs)
+
+
+def _takes(fun: Any, name: str) -> bool:
+    try:
+        parameters = inspect.signature(fun).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: let the call decide
+        return True
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def _is_variable(x: Any) -> bool:

@@ -4,6 +4,7 @@ batch_stats; an equinox module trains as its pytree twin; what would train silen
 wrong is refused."""
 
 import equinox as eqx
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,6 +176,48 @@ def test_what_would_train_silently_wrong_is_refused():
         local(local.init(synced), (np.ones((8, 2)), np.ones((8, 2))))
 
 
+def apply_mutable(model, batch):  # Linen's own spelling of a training forward
+    x, y = batch
+    out, _ = model.apply(model.variables, x, train=True, mutable=["batch_stats"])
+    return jnp.mean((out - y) ** 2)
+
+
+def call_mutable(model, batch):
+    x, y = batch
+    out, _ = model(x, train=True, mutable=["batch_stats"])
+    return jnp.mean((out - y) ** 2)
+
+
+@pytest.mark.parametrize(
+    "loss, spelling",
+    [(apply_mutable, r"LinenNet.apply\(\.\.\., mutable="), (call_mutable, r"__call__\(")],
+    ids=["apply", "call"],
+)
+def test_linen_mutable_in_loss_fn_says_what_jaxdp_does_instead(loss, spelling):
+    # apply's updates would be dropped (the statistics never move); a call fails in flax.
+    step = jaxdp.make_train_step(loss, optax.sgd(0.1), mesh=jaxdp.data_mesh(4), batch_stats="local")
+    state = step.init(LinenNet().bind(linen_variables()))
+    with pytest.raises(
+        TypeError,
+        match=spelling + r".*collects the updated statistics itself.*model\(x, train=True\), "
+        r"without .*mutable=",
+    ):
+        step(state, data(rows=16))
+
+
+def test_linen_dropout_bound_without_rngs_says_how_to_bind():
+    variables = linen_variables(LinenNet(dropout=0.5))
+    step = jaxdp.make_train_step(mse, optax.sgd(0.1), mesh=jaxdp.data_mesh(4), batch_stats="local")
+    state = step.init(LinenNet(dropout=0.5).bind(variables))
+    with pytest.raises(
+        ValueError,
+        match=r"draws from the rng stream 'dropout' but step.init got it bound with no rngs: "
+        r".*module.bind\(variables, rngs=\{'dropout': key\}\)",
+    ) as raised:
+        step(state, data(rows=16))
+    assert isinstance(raised.value.__cause__, flax.errors.InvalidRngError)
+
+
 class EqxNet(eqx.Module):
     first: eqx.nn.Linear
     norm: eqx.nn.LayerNorm
@@ -243,6 +286,14 @@ def test_equinox_state_is_refused_at_init_with_what_works():
     step = jaxdp.make_train_step(mse, optax.sgd(0.1), mesh=jaxdp.data_mesh(4))
     with pytest.raises(TypeError, match=r"stateful layers \(eqx.nn.StateIndex at \['.norm"):
         step.init(model)
+    # make_with_state's (model, state) pair: the refusal at once, not eqx.partition's advice.
+    pair = eqx.nn.make_with_state(Normed)(eqx.nn.BatchNorm(4, axis_name="batch", mode="batch"))
+    with pytest.raises(
+        TypeError,
+        match=r"equinox \(model, eqx.nn.State\) pair .*StateIndex at \['.norm.*stateless "
+        r"normalization",
+    ):
+        step.init(pair)
 
 
 def test_linen_and_equinox_states_restore_from_checkpoints(tmp_path):
