@@ -31,8 +31,9 @@ def check_params(params: Any, trainable: Any, name: str = "params") -> tuple[boo
             raise TypeError(
                 f"{where} is a {type(leaf).__name__} ({_short(leaf)}), not an array: every "
                 "leaf of the parameters must be an array. Split static parts off the model "
-                "first; for an equinox module pass params, static = eqx.partition(model, "
-                "eqx.is_array) and rebuild it in loss_fn with eqx.combine(params, static)"
+                "first, or pass the model itself to step.init if it is an NNX, Linen or "
+                "equinox module (jaxdp trains an equinox module's inexact arrays and keeps "
+                "the rest static)"
             )
     mask = trainable_mask(params, trainable)
     for (path, leaf), trains in zip(leaves, mask, strict=True):
