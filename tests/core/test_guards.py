@@ -127,8 +127,8 @@ def test_an_integer_parameter_is_named_and_can_be_frozen():
 def test_a_non_array_leaf_is_named_with_what_to_do(leaf, kind):
     with pytest.raises(
         TypeError,
-        match=rf"params\['act'\] is a ({kind}) .* not an array.*eqx\.partition\(model, "
-        r"eqx\.is_array\)",
+        match=rf"params\['act'\] is a ({kind}) .* not an array.*Split static parts off.*"
+        r"pass the model itself to step\.init",
     ):
         make().init(mlp_params() | {"act": leaf})
 
