@@ -262,9 +262,15 @@ def test_aux_of_another_structure_or_shape_is_refused_while_tracing(
     assert int(state.step) == 0  # refused before it ran: the state is whole
 
 
-def test_a_per_row_aux_leaf_names_init_batch_of_another_micro_batch_size():
+def per_row_loss(p, batch):
+    """An aux leaf per row: its shape follows the micro-batch size."""
+    return mean_loss(p, batch)[0], {"err": errors(p, batch)}
+
+
+@pytest.mark.parametrize("strategy", ["shard_map", "pmap"])
+def test_a_per_row_aux_leaf_names_init_batch_of_another_micro_batch_size(strategy):
     x, y = data(steps=1)
-    step = make(lambda p, b: (mean_loss(p, b)[0], {"err": errors(p, b)}), "multisteps")
+    step = make(per_row_loss, "multisteps", parallel=jaxdp.Parallel(strategy=strategy))
     state = step.init(params(), batch=(x[: DEVICES * MICRO], y[: DEVICES * MICRO]))
     rows = DEVICES * (MICRO + 1)
     with pytest.raises(
