@@ -149,6 +149,68 @@ def _split_aux(out: Any, has_aux: bool, reduction: str) -> tuple[Any, Any]:
     return out
 
 
+def check_aux(recorded: Any, aux: Any, *, recorded_at: str, lead: int = 0) -> None:
+    """Raises ``ValueError`` unless ``aux``, one trace of ``loss_fn``'s, has the tree
+    structure of ``recorded``, the aux the step holds sums or a report of, and leaf by
+    leaf its shape past ``recorded``'s first ``lead`` axes (1 for a per-device block).
+
+    Run while JAX traces, before the sums meet the new aux: a tree map would raise
+    JAX's "pytree structure" error, which never says aux, and an add would broadcast a
+    leaf of another shape. The dtype may change: the step keeps aux in the accumulator
+    dtype. ``recorded_at`` says where the record comes from and what holds it.
+    """
+    if jax.tree.structure(recorded) == jax.tree.structure(aux):
+        for (path, old), new in zip(_aux_shapes(recorded, lead), jax.tree.leaves(aux), strict=True):
+            if jnp.shape(new) != old:
+                raise ValueError(
+                    f"has_aux=True: loss_fn's aux{jax.tree_util.keystr(path)} has shape "
+                    f"{jnp.shape(new)} in this trace, where the step recorded shape {old} "
+                    f"{recorded_at}; recorded aux: {_aux_names(recorded, lead)}. {_AUX_RULE}"
+                )
+        return
+    old_names = {name for name, _ in _aux_leaves(recorded, lead)}
+    new_names = {name for name, _ in _aux_leaves(aux, 0)}
+    added, missing = sorted(new_names - old_names), sorted(old_names - new_names)
+    change = "; ".join(
+        f"{what}: {', '.join(names)}"
+        for what, names in (("added", added), ("missing", missing))
+        if names
+    ) or (f"{jax.tree.structure(aux)} where the step recorded {jax.tree.structure(recorded)}")
+    raise ValueError(
+        f"has_aux=True: loss_fn's aux changed structure ({change}): this trace returned "
+        f"{_aux_names(aux, 0)}, the step recorded {_aux_names(recorded, lead)} "
+        f"{recorded_at}. {_AUX_RULE}"
+    )
+
+
+_AUX_RULE = (
+    "aux must keep one structure, and each leaf one shape, for a run: the step adds it "
+    "into sums of the recorded ones. Return every key on every call (e.g. zeros where a "
+    "metric is absent), each leaf reduced to a shape that does not follow the batch size"
+)
+
+
+def _aux_shapes(tree: Any, lead: int) -> list[tuple[Any, tuple[int, ...]]]:
+    """``(key path, shape)`` per leaf of ``tree``, its first ``lead`` axes dropped."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(path, tuple(jnp.shape(x))[lead:]) for path, x in leaves]
+
+
+def _aux_leaves(tree: Any, lead: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [(f"aux{jax.tree_util.keystr(p)}", s) for p, s in _aux_shapes(tree, lead)]
+
+
+def _aux_names(tree: Any, lead: int, most: int = 8) -> str:
+    """``{aux['abs']: (), aux['first']: (2,)}``: the leaves and their shapes, the first
+    ``most`` of them."""
+    leaves = _aux_leaves(tree, lead)
+    if not leaves:
+        return "no leaf"
+    names = [f"{name}: {shape}" for name, shape in leaves[:most]]
+    more = f" and {len(leaves) - most} more" if len(leaves) > most else ""
+    return "{" + ", ".join(names) + more + "}"
+
+
 def micro_forward(
     parts: Callable[..., Any],
     params: Any,

@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._forward import loss_parts, micro_forward
+from ._forward import check_aux, loss_parts, micro_forward
 from ._frozen import combine, split_trainable, trainable_mask
 from ._guards import check_state_layout
 from ._mesh_map import is_spec, mesh_map, to_varying
@@ -147,6 +147,7 @@ def multisteps_call(
         # Every call ends its window: the fused call on this micro-batch. The window's
         # sums stay the zeros they start as (no pass over them: the fused step's speed).
         result = _fused(o, parts, state, batch, micro_weight[None])
+        check_aux(state.window.last.aux, result.report.aux, recorded_at=_AUX_IN_WINDOW)
         last = _select(result.skipped, state.window.last, result.report)
         window = _cast_like(state.window, state.window._replace(last=last))
         new, metrics = end(o, state, parts, result, window)
@@ -192,6 +193,15 @@ def multisteps_call(
 
 # ---- 1. accumulate (per device) -------------------------------------------------------
 
+_AUX_IN_WINDOW = (
+    "at init(..., batch=...) (the open multisteps window holds its sums in the state, "
+    "and checkpoints keep them)"
+)
+_AUX_IN_CALL = (
+    "from loss_fn's first trace in this call (the call's loop over its micro-batches "
+    "adds each one's aux into sums of that structure)"
+)
+
 
 def add_micro_batch(
     forward: Forward,
@@ -214,6 +224,9 @@ def add_micro_batch(
     grads, value, weight, stats, aux = forward(
         trainable, batch, window.batch_stats, window.position, scale
     )
+    # The sums' leaves are per-device [1, ...] blocks where the loss sum is (multisteps).
+    blocks = window.loss_sum.ndim
+    check_aux(window.aux, aux, recorded_at=_AUX_IN_WINDOW if blocks else _AUX_IN_CALL, lead=blocks)
     dtype = window.loss_sum.dtype
     grads = scatter(jax.tree.map(lambda g: g.astype(dtype), grads))
     # In the carried dtype: a Linen BatchNorm writes its forward's (flax's bridge modules).

@@ -194,8 +194,9 @@ class TrainStep:
         Raises :class:`NonFiniteError` (from ``watch``) before using this
         call's batch once ``max_consecutive_skips`` updates in a row were
         skipped, at most two calls after it happened; ``ValueError`` for a
-        ``state`` that was donated to an earlier call, and for a micro-batch
-        size other than the open multisteps window's. The first call with
+        ``state`` that was donated to an earlier call, for a micro-batch
+        size other than the open multisteps window's, and for ``has_aux``'s aux
+        in another structure or shape than the step recorded. The first call with
         another micro-batch size than the call before warns (once per step).
         """
         check_live(state, "state", quick=True)
@@ -320,7 +321,10 @@ def make_train_step(
         ``"weighted"`` aux is a micro-batch sum and the step reports the total sum
         divided by the total count (accuracy: the number of correct rows). Its
         sums travel in the step's one all-reduce, in the accumulator dtype.
-        On the multisteps path ``init`` needs a ``batch`` for their shapes.
+        On the multisteps path ``init`` needs a ``batch`` for their shapes. aux
+        keeps one structure, and each leaf one shape, for a run: another one
+        (a key gained or lost, a leaf that follows the batch size) raises
+        ``ValueError`` while the step traces, naming the leaf and both.
       batch_stats: how BatchNorm modules (``nnx.BatchStat`` variables and an
         ``axis_name``) compute statistics; required when the model has any.
         ``"local"``: each device normalizes with its own micro-batch's

@@ -194,3 +194,88 @@ def test_a_checkpoint_mid_window_keeps_the_aux_sums(tmp_path):
     assert bool(again["emitted"])
     np.testing.assert_array_equal(again["aux"]["abs"], straight["aux"]["abs"])
     np.testing.assert_array_equal(again["aux"]["first"], straight["aux"]["first"])
+
+
+def drifting(change):
+    """``mean_loss`` whose aux goes through ``change`` from its second trace on: after the
+    record the step keeps (multisteps: ``init``'s trace; fused: the trace for the sums'
+    shapes, before the loop over micro-batches)."""
+    traces = []
+
+    def loss(p, batch):
+        traces.append(None)
+        value, aux = mean_loss(p, batch)
+        return value, aux if len(traces) == 1 else change(aux)
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("path", "accum_steps"), [("fused", ACCUM), ("multisteps", ACCUM), ("multisteps", 1)]
+)
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        pytest.param(
+            lambda aux: {**aux, "max": aux["abs"]},
+            r"loss_fn's aux changed structure \(added: aux\['max'\]\): this trace returned "
+            r"\{aux\['abs'\]: \(\), aux\['first'\]: \(2,\), aux\['max'\]: \(\)\}, the step "
+            r"recorded \{aux\['abs'\]: \(\), aux\['first'\]: \(2,\)\}",
+            id="a-key-added",
+        ),
+        pytest.param(
+            lambda aux: {"abs": aux["abs"]},
+            r"aux changed structure \(missing: aux\['first'\]\)",
+            id="a-key-missing",
+        ),
+        pytest.param(
+            # Broadcast into the sums' shape (2,) today: a silent wrong aux, not an error.
+            lambda aux: {**aux, "first": aux["first"][:1]},
+            r"loss_fn's aux\['first'\] has shape \(1,\) in this trace, where the step "
+            r"recorded shape \(2,\)",
+            id="a-shape-changed",
+        ),
+    ],
+)
+def test_aux_of_another_structure_or_shape_is_refused_while_tracing(
+    path, accum_steps, change, message
+):
+    x, y = data(steps=1)
+    rows = DEVICES * MICRO * (accum_steps if path == "fused" else 1)
+    batch = (x[:rows], y[:rows])
+    step = jaxdp.make_train_step(
+        drifting(change),
+        optax.sgd(0.05),
+        mesh=jaxdp.data_mesh(DEVICES),
+        accum_steps=accum_steps,
+        path=path,
+        has_aux=True,
+    )
+    state = step.init(params(), batch=batch)
+    where = "at init" if path == "multisteps" else "from loss_fn's first trace in this call"
+    with pytest.raises(ValueError, match=message) as raised:
+        step(state, batch)
+    assert where in str(raised.value)
+    assert "Return every key on every call (e.g. zeros where a metric is absent)" in str(
+        raised.value
+    )
+    assert int(state.step) == 0  # refused before it ran: the state is whole
+
+
+def per_row_loss(p, batch):
+    """An aux leaf per row: its shape follows the micro-batch size."""
+    return mean_loss(p, batch)[0], {"err": errors(p, batch)}
+
+
+@pytest.mark.parametrize("strategy", ["shard_map", "pmap"])
+def test_a_per_row_aux_leaf_names_init_batch_of_another_micro_batch_size(strategy):
+    x, y = data(steps=1)
+    step = make(per_row_loss, "multisteps", parallel=jaxdp.Parallel(strategy=strategy))
+    state = step.init(params(), batch=(x[: DEVICES * MICRO], y[: DEVICES * MICRO]))
+    rows = DEVICES * (MICRO + 1)
+    with pytest.raises(
+        ValueError,
+        match=r"aux\['err'\] has shape \(4,\) in this trace, where the step recorded shape "
+        r"\(3,\) at init\(\.\.\., batch=\.\.\.\)",
+    ):
+        step(state, (x[:rows], y[:rows]))
