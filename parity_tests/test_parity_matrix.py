@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from cells import FLOAT32, FLOAT64, LAST_WINDOW, cell_id
+from cells import FLOAT32, FLOAT64, LAST_WINDOW, LAYOUTS, MODELS, OPTIMIZERS, cell_id
 
 import jaxdp
 import torch_ref
@@ -20,6 +20,25 @@ def assert_parity(config, torch_runs):
 @pytest.mark.parametrize("config", FLOAT64, ids=cell_id)
 def test_float64_weights_and_losses_match_every_step(config, torch_runs):
     assert_parity(config, torch_runs)
+
+
+def test_the_matrix_meets_every_kind_of_cell():
+    """What the float64 cells cover once the N x K-only cells went (issue 31), so that a
+    later edit cannot drop a kind of cell unseen."""
+    paths, strategies = {"fused", "multisteps"}, {"pmap", "shard_map"}
+
+    def seen(*fields):
+        return {tuple(getattr(c, f) for f in fields) for c in FLOAT64}
+
+    assert seen("model", "optimizer") == {(m, o) for m in MODELS for o in OPTIMIZERS}
+    for kind in ("model", "optimizer"):
+        values = MODELS if kind == "model" else OPTIMIZERS
+        assert seen(kind, "path") == {(v, p) for v in values for p in paths}
+        assert seen(kind, "strategy") == {(v, s) for v in values for s in strategies}
+    layouts = {((c.num_devices, c.accum_steps), c.path) for c in FLOAT64}
+    assert layouts == {(lay, p) for lay in LAYOUTS for p in paths}
+    several = [c for c in FLOAT64 if c.num_devices > 1 and c.accum_steps > 1]
+    assert {c.strategy for c in several if c.path == "multisteps"} == strategies
 
 
 @pytest.mark.parametrize("config", FLOAT32, ids=cell_id)

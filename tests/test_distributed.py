@@ -940,20 +940,23 @@ def wait_for_records(launcher, path, count, timeout=240):
 
 
 @restarts_group
-def test_max_restarts_survives_two_kills_and_ends_bitwise_as_an_uninterrupted_run(
+def test_max_restarts_survives_three_kills_and_ends_bitwise_as_an_uninterrupted_run(
     tmp_path, uninterrupted
 ):
     """Acceptance 1 of issue 25: a random rank SIGKILLed at a random step, then a random
     rank SIGKILLed while a checkpoint is being written; each restart resumes (no
-    --resume typed) and the run ends as the uninterrupted one, bitwise."""
+    --resume typed) and the run ends as the uninterrupted one, bitwise. Before them,
+    rank 0 killed after the first optimizer step, before the first checkpoint (every 2
+    steps): the restarted group starts fresh over the records its first start wrote
+    (after the launch began: its own). One launch for both (issue 31: they were two)."""
     seed = int(time.time())
     rng = np.random.default_rng(seed)
     first, second = int(rng.integers(3, 6)), int(rng.choice([6, 8]))
-    ranks = [int(r) for r in rng.integers(0, 2, size=2)]
-    kills = {"0": [ranks[0], first, "step"], "1": [ranks[1], second, "save"]}
+    ranks = [0, *(int(r) for r in rng.integers(0, 2, size=2))]
+    kills = {"0": [0, 1, "step"], "1": [ranks[1], first, "step"], "2": [ranks[2], second, "save"]}
     print(f"seed {seed}: kills {kills}")
     launcher = launched(tmp_path, "run", ["--max-restarts", "3"], kills=kills)
-    _, err = launcher.communicate(timeout=400)
+    out, err = launcher.communicate(timeout=400)
     assert launcher.returncode == 0, (kills, err[-4000:])
     for restart, (rank, _, _) in enumerate(kills.values(), 1):
         assert re.search(
@@ -962,10 +965,12 @@ def test_max_restarts_survives_two_kills_and_ends_bitwise_as_an_uninterrupted_ru
             err,
             re.M,
         ), (kills, err[-4000:])
+    fresh = f"[rank 0] --resume: no checkpoint in {tmp_path / 'run'} yet; starting a fresh"
+    assert out.count(fresh) == 1, (kills, out[-4000:])  # the first restart only
     assert metrics(tmp_path / "run.jsonl") == uninterrupted[0]
     assert newest_leaves(tmp_path / "run") == uninterrupted[1]
     assert left_behind(launcher.mark) == []
-    assert len(assert_ports_free(tmp_path, "run")) == 2 * 3  # 2 ranks, 3 starts
+    assert len(assert_ports_free(tmp_path, "run")) == 2 * 4  # 2 ranks, 4 starts
 
 
 def test_a_restart_refuses_another_runs_records_as_its_first_start_did(tmp_path):
@@ -988,23 +993,6 @@ def test_a_restart_refuses_another_runs_records_as_its_first_start_did(tmp_path)
     refusal = f"jaxdp train: error: metrics_out={str(metrics)!r} holds 2 record(s) of another run"
     assert done.stderr.count(refusal) == 2, done.stderr[-4000:]  # the first start and the restart
     assert metrics.read_text() == other
-
-
-@restarts_group
-def test_a_restart_before_the_first_checkpoint_starts_over_on_its_own_records(
-    tmp_path, uninterrupted
-):
-    """Rank 0 killed after the first optimizer step, before the first checkpoint (every
-    2 steps): the restarted group starts fresh over the records its first start wrote
-    (after the launch began: its own), and ends as the uninterrupted run, bitwise."""
-    launcher = launched(tmp_path, "run", ["--max-restarts", "1"], kills={"0": [0, 1, "step"]})
-    out, err = launcher.communicate(timeout=400)
-    assert launcher.returncode == 0, err[-4000:]
-    assert "jaxdp launch: restart 1 of 1: rank 0 exited with status 137 (SIGKILL)" in err
-    assert f"[rank 0] --resume: no checkpoint in {tmp_path / 'run'} yet; starting a fresh" in out
-    assert metrics(tmp_path / "run.jsonl") == uninterrupted[0]
-    assert newest_leaves(tmp_path / "run") == uninterrupted[1]
-    assert left_behind(launcher.mark) == []
 
 
 class Lines:
