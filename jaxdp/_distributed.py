@@ -96,8 +96,11 @@ def initialize(
       process ``p`` owns a contiguous block of data-parallel ranks.
 
     Nothing else of the process changes: its ``sys.excepthook``, signal
-    handlers and file descriptors stay as they were. ``jaxdp launch`` does two
-    things in each rank it runs (:mod:`jaxdp.cli._rank`): a rank that fails
+    handlers and file descriptors stay as they were. ``jaxdp launch`` does three
+    things in each rank it runs (:mod:`jaxdp.cli._rank`): a rank that cannot join
+    (another program on the coordinator's port, or ``timeout_s`` passed) ends with one
+    line and status 2 before JAX's native abort (there JAX's start-up deadline comes
+    5 s after ``timeout_s``: the private ``JAXDP_JOIN_GRACE_S``); a rank that fails
     (an uncaught exception, a non-zero ``sys.exit``) ends at once instead of
     waiting ``timeout_s`` in JAX's shutdown barrier while its peers block in a
     collective, and gloo's C++ connection note (``[Gloo] Rank 1 is connected
