@@ -520,11 +520,11 @@ def test_processes_given_different_ports_end_with_one_line_each_before_jax_abort
 JOINS = "import jaxdp\njaxdp.initialize()\nprint('joined', flush=True)\n"
 
 
-def script_as(tmp_path, rank, port, **env):
-    """A user's script that joins, as ``jaxdp launch`` runs it (through _rank.py) as
-    process ``rank`` of 2, on ``port``."""
+def script_as(tmp_path, rank, port, code=JOINS, **env):
+    """A user's script (default: one that joins), as ``jaxdp launch`` runs it (through
+    _rank.py) as process ``rank`` of 2, on ``port``."""
     script = tmp_path / "joins.py"
-    script.write_text(JOINS)
+    script.write_text(code)
     env = {**os.environ, "JAXDP_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", **env}
     env.update(JAXDP_NUM_PROCESSES="2", JAXDP_PROCESS_ID=str(rank), JAXDP_CPU_DEVICES="1")
     env[ENV_FAILURE_FILE] = str(tmp_path / f"failure-{rank}")
@@ -581,6 +581,15 @@ def test_launched_scripts_given_different_ports_end_with_one_line_each_before_ja
         )
         assert "joined" not in out
         assert read_failure(tmp_path / f"failure-{rank}").status == 2
+
+
+def test_a_launched_script_is_not_ended_before_it_begins_to_join(tmp_path):
+    """The wrapper's join watchdog arms only once jaxdp.initialize waits: a rank that
+    works past JAXDP_TIMEOUT_S first (here it never joins: it needs no peers) runs on."""
+    code = "import time\ntime.sleep(4)\nprint('worked', flush=True)\n"
+    proc = script_as(tmp_path, 1, 1, code, JAXDP_TIMEOUT_S="1")  # nothing listens on port 1
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, out, err) == (0, "worked\n", "")
 
 
 RESTARTS = """
