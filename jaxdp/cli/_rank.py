@@ -23,10 +23,10 @@ In a launch of several processes, the C-level stdout goes through
 C++ code writes a connection note there from several threads at once, cut into pieces
 between the rank's own lines. (It is harmless where gloo never speaks, on GPUs.)
 
-A rank other than 0 of a launch of several processes that cannot join its run ends
-with one ``jaxdp launch: error:`` line and status 2, its failure recorded, where JAX
-aborted it (134, a native stack): before the rank's code runs, it asks the
-coordinator's port what listens there and refuses another program
+A rank of a launch of several processes that cannot join its run ends with one
+``jaxdp launch: error:`` line and status 2, its failure recorded, where JAX used to
+abort it (134, a native stack): before the rank's code runs, a rank other than 0 asks
+the coordinator's port what listens there and refuses another program
 (:func:`~jaxdp.cli._launch_link.check_coordinator`, as ``jaxdp train`` does); and a
 daemon watchdog ends every rank that has not joined ``timeout_s`` (``JAXDP_TIMEOUT_S``,
 or ``initialize``'s) after its ``jaxdp.initialize`` began to wait. The watchdog arms
