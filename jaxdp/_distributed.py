@@ -38,6 +38,13 @@ ENV_RESTART_COUNT = "JAXDP_RESTART_COUNT"
 # Also set by jaxdp launch: when the launch began (time.time()), so that a restarted
 # group's fresh start tells its earlier starts' outputs (written since) from another run's.
 ENV_LAUNCH_STARTED = "JAXDP_LAUNCH_STARTED"
+# Private to jaxdp launch's rank wrapper (jaxdp.cli._rank): seconds JAX's start-up
+# deadline comes after timeout_s, so that the wrapper's end of a rank that cannot join
+# (one line, status 2) comes before JAX's abort. Read once, and removed, by initialize.
+ENV_JOIN_GRACE = "JAXDP_JOIN_GRACE_S"
+# The name of the thread that lives while initialize waits for the run to join; it
+# carries ``timeout_s`` and ``timeout_source``, for the rank wrapper's watchdog.
+JOIN_THREAD_NAME = "jaxdp-join"
 
 # JAX's own defaults are 300 s to start and 100 s of missed heartbeats; these
 # end a job whose peer never started (JAX aborts ~5 s after the deadline), or
@@ -89,8 +96,11 @@ def initialize(
       process ``p`` owns a contiguous block of data-parallel ranks.
 
     Nothing else of the process changes: its ``sys.excepthook``, signal
-    handlers and file descriptors stay as they were. ``jaxdp launch`` does two
-    things in each rank it runs (:mod:`jaxdp.cli._rank`): a rank that fails
+    handlers and file descriptors stay as they were. ``jaxdp launch`` does three
+    things in each rank it runs (:mod:`jaxdp.cli._rank`): a rank that cannot join
+    (another program on the coordinator's port, or ``timeout_s`` passed) ends with one
+    line and status 2 before JAX's native abort (there JAX's start-up deadline comes
+    5 s after ``timeout_s``: the private ``JAXDP_JOIN_GRACE_S``); a rank that fails
     (an uncaught exception, a non-zero ``sys.exit``) ends at once instead of
     waiting ``timeout_s`` in JAX's shutdown barrier while its peers block in a
     collective, and gloo's C++ connection note (``[Gloo] Rank 1 is connected
@@ -103,6 +113,7 @@ def initialize(
         came from), or the runtime settings are incomplete.
       RuntimeError: JAX's backend already started in this process.
     """
+    grace = os.environ.pop(ENV_JOIN_GRACE, "")  # not a user's setting: never refused
     s = _Settings()
     s.take("coordinator_address", coordinator_address, ENV_COORDINATOR_ADDRESS, str)
     s.take("num_processes", num_processes, ENV_NUM_PROCESSES, int)
@@ -117,7 +128,7 @@ def initialize(
     if s.values["cpu_devices"] is not None:
         emulate_cpu_devices(s.values["cpu_devices"])
     if not jax.distributed.is_initialized() and s.values["num_processes"] != 1:
-        _start(s)
+        _start(s, grace_s=int(grace) if grace.isdigit() else 0)
     return data_mesh()
 
 
@@ -182,9 +193,11 @@ def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",")]
 
 
-def _start(s: _Settings) -> None:
-    """``jax.distributed.initialize``, with a clear message if the peers never connect."""
+def _start(s: _Settings, *, grace_s: int) -> None:
+    """``jax.distributed.initialize``, with a clear message if the peers never connect;
+    JAX's deadline ``grace_s`` after ``timeout_s`` (0 but under ``jaxdp launch``)."""
     v = s.values
+    jax_timeout_s = v["timeout_s"] + grace_s
     who = "this process"
     if v["process_id"] is not None and v["num_processes"] is not None:
         who = f"process {v['process_id']} of {v['num_processes']}"
@@ -204,8 +217,7 @@ def _start(s: _Settings) -> None:
 
     if v["process_id"] == 0 and v["coordinator_address"] is not None:
         _check_port_free(v["coordinator_address"], s.source["coordinator_address"])
-    watchdog = threading.Timer(v["timeout_s"] + 1, report)
-    watchdog.daemon = True
+    watchdog = _Joining(jax_timeout_s + 1, report, v["timeout_s"], s.source["timeout_s"])
     watchdog.start()
     try:
         jax.distributed.initialize(
@@ -213,7 +225,7 @@ def _start(s: _Settings) -> None:
             v["num_processes"],
             v["process_id"],
             local_device_ids=v["local_device_ids"],
-            initialization_timeout=v["timeout_s"],
+            initialization_timeout=jax_timeout_s,
             heartbeat_timeout_seconds=v["heartbeat_timeout_s"],
             shutdown_timeout_seconds=v["timeout_s"],
         )
@@ -242,6 +254,23 @@ def _start(s: _Settings) -> None:
         ) from e
     finally:
         watchdog.cancel()
+
+
+class _Joining(threading.Timer):
+    """Reports (once ``interval`` passed) that the run never joined; alive, under the name
+    :data:`JOIN_THREAD_NAME`, exactly while :func:`initialize` waits for the run to join.
+
+    Attributes:
+      timeout_s: the deadline initialize was given, before any launch's grace.
+      timeout_source: where it came from, e.g. ``JAXDP_TIMEOUT_S='3'``.
+    """
+
+    def __init__(
+        self, interval: float, report: Callable[[], None], timeout_s: int, timeout_source: str
+    ) -> None:
+        super().__init__(interval, report)
+        self.name, self.daemon = JOIN_THREAD_NAME, True
+        self.timeout_s, self.timeout_source = timeout_s, timeout_source
 
 
 def _check_port_free(address: str, source: str) -> None:

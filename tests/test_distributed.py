@@ -517,6 +517,81 @@ def test_processes_given_different_ports_end_with_one_line_each_before_jax_abort
         )
 
 
+JOINS = "import jaxdp\njaxdp.initialize()\nprint('joined', flush=True)\n"
+
+
+def script_as(tmp_path, rank, port, code=JOINS, **env):
+    """A user's script (default: one that joins), as ``jaxdp launch`` runs it (through
+    _rank.py) as process ``rank`` of 2, on ``port``."""
+    script = tmp_path / "joins.py"
+    script.write_text(code)
+    env = {**os.environ, "JAXDP_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", **env}
+    env.update(JAXDP_NUM_PROCESSES="2", JAXDP_PROCESS_ID=str(rank), JAXDP_CPU_DEVICES="1")
+    env[ENV_FAILURE_FILE] = str(tmp_path / f"failure-{rank}")
+    command = [sys.executable, str(ROOT / "jaxdp" / "cli" / "_rank.py"), str(script)]
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def test_a_launched_script_given_a_busy_coordinator_port_ends_process_1_with_one_line(
+    tmp_path,
+):
+    """Issue 33.4, a user's script under jaxdp launch: process 1 waited the timeout in
+    its jaxdp.initialize, then JAX aborted it (134). The rank wrapper asks the port
+    before the script runs, as jaxdp train does (a silent listener: PROBE_S, 5 s)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = script_as(tmp_path, 1, port)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-3000:]
+    assert err == (
+        f"jaxdp launch: error: JAXDP_COORDINATOR_ADDRESS='127.0.0.1:{port}': process 1 of 2 "
+        f"found a program on port {port} that is not JAX's coordinator (no answer to an "
+        "HTTP/2 preface in 5 s); process 0 cannot run the coordinator on a port in use: give "
+        "every process the same free port\n"
+    )
+    assert out == ""  # the script never ran
+    assert read_failure(tmp_path / "failure-1").status == 2
+
+
+def test_launched_scripts_given_different_ports_end_with_one_line_each_before_jax_aborts(
+    tmp_path,
+):
+    """Issue 33.4, a user's script under jaxdp launch: each rank waited JAXDP_TIMEOUT_S in
+    jaxdp.initialize, then JAX aborted it (134). The wrapper's watchdog ends each at that
+    deadline with status 2 and one line; JAX's own comes 5 s later."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    ranks = [script_as(tmp_path, rank, ports[rank], JAXDP_TIMEOUT_S="3") for rank in (0, 1)]
+    for rank, proc in enumerate(ranks):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err[-3000:]
+        assert err == (
+            f"jaxdp launch: error: process {rank} of 2 waited 3 s (JAXDP_TIMEOUT_S='3') for "
+            f"all processes to join at JAXDP_COORDINATOR_ADDRESS='127.0.0.1:{ports[rank]}', "
+            "in vain: a process never started or died while starting, or the processes were "
+            "given different addresses (each needs process 0's); the script stopped in "
+            "jaxdp.initialize\n"
+        )
+        assert "joined" not in out
+        assert read_failure(tmp_path / f"failure-{rank}").status == 2
+
+
+def test_a_launched_script_is_not_ended_before_it_begins_to_join(tmp_path):
+    """The wrapper's join watchdog arms only once jaxdp.initialize waits: a rank that
+    works past JAXDP_TIMEOUT_S first (here it never joins: it needs no peers) runs on."""
+    code = "import time\ntime.sleep(4)\nprint('worked', flush=True)\n"
+    proc = script_as(tmp_path, 1, 1, code, JAXDP_TIMEOUT_S="1")  # nothing listens on port 1
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, out, err) == (0, "worked\n", "")
+
+
 RESTARTS = """
 import os, signal, sys, time
 restart, rank = int(os.environ["JAXDP_RESTART_COUNT"]), int(os.environ["JAXDP_PROCESS_ID"])

@@ -73,7 +73,8 @@ def launch(
     with ``devices_per_process=D``, ``JAXDP_CPU_DEVICES=D`` (D emulated CPU
     devices) and ``JAXDP_LOCAL_DEVICE_IDS`` (GPUs ``r*D .. r*D+D-1``);
     ``timeout_s`` and ``heartbeat_timeout_s`` go to :func:`jaxdp.initialize`
-    the same way. A Python rank's non-zero ``sys.exit`` ends it at once
+    the same way. A Python rank's non-zero ``sys.exit`` ends it at once, and one
+    that cannot join its run ends with one line and status 2 before JAX's abort
     (:mod:`jaxdp.cli._rank`).
 
     A rank fails when it exits non-zero or, once it joined the run (JAX's distributed

@@ -24,12 +24,20 @@ failure began (``_rank.py`` for a non-zero ``sys.exit`` or an uncaught exception
 ``JAXDP_FAILURE_FILE`` (one per rank and start): one line ``BEGAN STATUS``, ``BEGAN``
 from :func:`time.monotonic` (one clock for every process of the machine). The first
 record of a process stands.
+
+**Joining.** A process that cannot join its run ends with one ``PROG: error:`` line
+and status 2 (:func:`give_up`) instead of JAX's native abort (134 and a C++ stack),
+for ``jaxdp train`` (:mod:`jaxdp.cli._join`) and for a script run by ``jaxdp launch``
+(``_rank.py``): a process other than 0 first asks the coordinator's port what listens
+there (:func:`check_coordinator`); one that has not joined at its deadline gives up
+before JAX's own, which comes :data:`JAX_GRACE_S` later.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import socket
 import sys
 import threading
 import time
@@ -39,6 +47,15 @@ from typing import NamedTuple
 ENV_FAILURE_FILE = "JAXDP_FAILURE_FILE"
 ENV_HEARTBEAT_FILE = "JAXDP_HEARTBEAT_FILE"
 INTERVAL_S = 1.0
+# How long a process waits for what listens on the coordinator's port to answer as
+# an HTTP/2 server. JAX's coordinator (gRPC) answers the client's preface in under a
+# millisecond; seconds leave room for a loaded machine.
+PROBE_S = 5.0
+# JAX aborts a process that has not joined at its own deadline; a process that gives
+# up (give_up) does so this much earlier.
+JAX_GRACE_S = 5
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS = 4  # the HTTP/2 frame type a server's preface begins with
 _started: set[str] = set()
 _lock = threading.Lock()
 
@@ -111,3 +128,74 @@ def read_failure(path: os.PathLike[str] | str) -> FailureRecord | None:
         return FailureRecord(float(began), int(status))
     except (OSError, ValueError):
         return None
+
+
+def run_of(env: os._Environ[str] | dict[str, str]) -> tuple[str, str] | None:
+    """``(who, address)`` of a multi-process run that ``env``'s ``JAXDP_*`` settings name,
+    ``who`` as ``"process 1 of 2"``; None for one process, a cluster's own settings, or a
+    value :func:`jaxdp.initialize` refuses (it says why)."""
+    address = env.get("JAXDP_COORDINATOR_ADDRESS", "")
+    try:
+        count, rank = int(env.get("JAXDP_NUM_PROCESSES", "")), int(env.get("JAXDP_PROCESS_ID", ""))
+    except ValueError:
+        return None
+    if ":" not in address or count < 2 or not 0 <= rank < count:
+        return None
+    if not address.rsplit(":", 1)[1].isdigit():
+        return None
+    return f"process {rank} of {count}", address
+
+
+def check_coordinator(address: str, who: str) -> None:
+    """Raises ValueError if a program other than an HTTP/2 server listens on the
+    coordinator's ``address``. Nothing listening is no error: process 0 may not be up."""
+    host, port = address.rsplit(":", 1)
+    try:
+        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S)
+    except OSError:
+        return  # not up yet (or unreachable): JAX's own wait decides
+    with conn:
+        try:
+            conn.sendall(_PREFACE)
+            answer = _read(conn, 9)
+        except OSError as e:
+            answer = f"({e.strerror or e})".encode()
+    if len(answer) == 9 and answer[3] == _SETTINGS:
+        return
+    heard = "no answer" if not answer else f"the answer {answer[:16]!r}"
+    raise ValueError(
+        f"JAXDP_COORDINATOR_ADDRESS={address!r}: {who} found a program on port {port} that "
+        f"is not JAX's coordinator ({heard} to an HTTP/2 preface in {PROBE_S:g} s); process "
+        "0 cannot run the coordinator on a port in use: give every process the same free port"
+    )
+
+
+def _read(conn: socket.socket, size: int) -> bytes:
+    """Up to ``size`` bytes: fewer when the peer closes or is silent for PROBE_S."""
+    data = b""
+    conn.settimeout(PROBE_S)
+    try:
+        while len(data) < size and (chunk := conn.recv(size - len(data))):
+            data += chunk
+    except TimeoutError:
+        pass
+    return data
+
+
+def never_joined(who: str, address: str, timeout_s: int, source: str) -> str:
+    """What a process that gave up joining says (``source``: where ``timeout_s`` came from)."""
+    return (
+        f"{who} waited {timeout_s} s ({source}) for all processes to join at "
+        f"JAXDP_COORDINATOR_ADDRESS={address!r}, in vain: a process never started or died "
+        "while starting, or the processes were given different addresses (each needs "
+        "process 0's)"
+    )
+
+
+def give_up(prog: str, said: str) -> None:
+    """Ends the process with one ``PROG: error:`` line and status 2, its failure recorded
+    for ``jaxdp launch``; for a process that cannot join, before JAX's abort."""
+    record_failure(2)  # for jaxdp launch: this process's failure began here
+    print(f"{prog}: error: {said}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(2)

@@ -23,6 +23,20 @@ In a launch of several processes, the C-level stdout goes through
 C++ code writes a connection note there from several threads at once, cut into pieces
 between the rank's own lines. (It is harmless where gloo never speaks, on GPUs.)
 
+A rank of a launch of several processes that cannot join its run ends with one
+``jaxdp launch: error:`` line and status 2, its failure recorded, where JAX used to
+abort it (134, a native stack): before the rank's code runs, a rank other than 0 asks
+the coordinator's port what listens there and refuses another program
+(:func:`~jaxdp.cli._launch_link.check_coordinator`, as ``jaxdp train`` does); and a
+daemon watchdog ends every rank that has not joined ``timeout_s`` (``JAXDP_TIMEOUT_S``,
+or ``initialize``'s) after its ``jaxdp.initialize`` began to wait. The watchdog arms
+only once that wait began (its thread, named ``jaxdp-join``, lives while it lasts): a
+script may work for long before joining, or never join and need no peers. It gives
+up at ``timeout_s`` itself, not a few seconds before: the wrapper sets
+``JAXDP_JOIN_GRACE_S`` (private to the launch, read and removed by ``initialize``),
+which puts JAX's own deadline that much later, so the setting keeps its meaning and a
+run that joins just in time is not ended early.
+
 Run as a file, not ``-m jaxdp...``: nothing of jaxdp (or JAX) is imported before
 the rank's own code; the modules it needs (stdlib only) are loaded by their paths.
 """
@@ -32,6 +46,8 @@ import os
 import pathlib
 import runpy
 import sys
+import threading
+import time
 import types
 
 
@@ -51,6 +67,8 @@ def main() -> None:
     processes = os.environ.get("JAXDP_NUM_PROCESSES", "")  # set by jaxdp launch
     if processes.isdigit() and int(processes) > 1:
         _load(here.parent / "_quiet_gloo.py").quiet_gloo_notes()
+        if run := link.run_of(os.environ):
+            _guard_the_join(link, *run)
     record = link.record_failure
     args = sys.argv[1:]
     try:
@@ -89,6 +107,35 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
+
+
+def _guard_the_join(link: types.ModuleType, who: str, address: str) -> None:
+    """Refuses a coordinator's port held by another program; starts the join's watchdog."""
+    if not who.startswith("process 0 "):
+        try:
+            link.check_coordinator(address, who)
+        except ValueError as e:
+            link.give_up("jaxdp launch", str(e))
+    os.environ["JAXDP_JOIN_GRACE_S"] = str(link.JAX_GRACE_S)
+
+    def watch() -> None:  # ends with the process, or once the join's wait ended
+        while True:
+            joining = next((t for t in threading.enumerate() if t.name == "jaxdp-join"), None)
+            if joining is not None:
+                break
+            if link.joined():  # up without a wait seen here: nothing to watch
+                return
+            time.sleep(0.1)
+        # The wait began within 0.1 s; JAX's deadline is JAX_GRACE_S after timeout_s.
+        # (joined() is true during the wait already: JAX's client exists before it connects.)
+        began = time.monotonic()
+        while joining.is_alive():
+            if time.monotonic() - began >= joining.timeout_s:
+                said = link.never_joined(who, address, joining.timeout_s, joining.timeout_source)
+                link.give_up("jaxdp launch", f"{said}; the script stopped in jaxdp.initialize")
+            joining.join(0.1)
+
+    threading.Thread(target=watch, name="jaxdp-join-watchdog", daemon=True).start()
 
 
 def _in_a_multi_process_run() -> bool:
