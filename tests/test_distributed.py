@@ -593,10 +593,18 @@ def test_a_launched_script_is_not_ended_before_it_begins_to_join(tmp_path):
 
 
 RESTARTS = """
-import os, signal, sys, time
+import os, pathlib, signal, sys, time
 restart, rank = int(os.environ["JAXDP_RESTART_COUNT"]), int(os.environ["JAXDP_PROCESS_ID"])
 print("start", restart, os.getpid(), flush=True)
+# Rank 0 has printed its start before rank 1 dies: else, on a loaded machine, the group
+# could be stopped before rank 0 got that far (a CI run saw its start 0 missing).
+started = pathlib.Path(__file__).with_name(f"started-{restart}-{rank}")
+started.touch()
 if (restart, rank) == (0, 1):
+    for _ in range(600):
+        if started.with_name("started-0-0").exists():
+            break
+        time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGKILL)
 if (restart, rank) == (1, 0):
     print("exits", time.time(), flush=True)
