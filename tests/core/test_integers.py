@@ -101,7 +101,12 @@ def test_a_bool_is_refused_naming_the_argument(taker):
 @pytest.mark.parametrize("taker", TAKERS)
 def test_a_numpy_integer_is_taken(taker):
     call, _ = TAKERS[taker]
-    call(np.int64(2))  # raises if refused; what it builds is checked below
+    built, plain = call(np.int64(2)), call(2)  # the first raises if refused
+    # What it builds holds the integer as a plain int: its value reads as the int's does
+    # (a repr showing np.int64(2) would differ); objects whose repr is their address aside.
+    assert type(built) is type(plain)
+    if " at 0x" not in repr(plain):
+        assert repr(built) == repr(plain)
 
 
 def test_checkpoints_keep_takes_a_numpy_integer_and_refuses_a_bool(tmp_path):
