@@ -84,7 +84,8 @@ def hung(tmp_path):
     def start(test, *args):
         env = dict(os.environ, STARTED=str(tmp_path / "started"))
         process = subprocess.Popen(
-            [sys.executable, "-c", PYTEST, "-p", "no:cacheprovider", "-p", "no:randomly"]
+            # -rN: no short summary, which on CI (CI set) repeats each failure's whole message.
+            [sys.executable, "-c", PYTEST, "-p", "no:cacheprovider", "-p", "no:randomly", "-rN"]
             + [f"test_hang.py::{test}", *args],
             cwd=tmp_path,
             env=env,
