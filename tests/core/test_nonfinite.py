@@ -1,4 +1,8 @@
-"""Non-finite steps: every replica skips them identically, as if the batch never came."""
+"""Non-finite steps: every replica skips them identically, as if the batch never came,
+under both spellings of the step (the CPU mesh's ``lax.cond`` skip and reset from the sums,
+and the select and fresh zeros every other backend takes: jaxdp.testing.plain_spelling)."""
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +12,7 @@ import pytest
 from flax import nnx
 
 import jaxdp
+from jaxdp.testing import plain_spelling
 
 NUM_DEVICES, ACCUM, MICRO = 4, 2, 4
 
@@ -47,17 +52,20 @@ def poisoned(batch, device, micro_batch, value=np.nan):
     return x, y
 
 
-def make(path, strategy="shard_map", **kw):
-    return jaxdp.make_train_step(
-        loss,
-        optax.adamw(1e-2, weight_decay=1e-2),
-        mesh=jaxdp.data_mesh(NUM_DEVICES),
-        accum_steps=ACCUM,
-        path=path,
-        batch_stats="local",
-        parallel=jaxdp.Parallel(strategy=strategy),
-        **kw,
-    )
+def make(path, strategy="shard_map", zero_stage=0, spelling="cpu", **kw):
+    with plain_spelling() if spelling == "plain" else contextlib.nullcontext():
+        step = jaxdp.make_train_step(
+            loss,
+            optax.adamw(1e-2, weight_decay=1e-2),
+            mesh=jaxdp.data_mesh(NUM_DEVICES),
+            accum_steps=ACCUM,
+            path=path,
+            batch_stats="local",
+            parallel=jaxdp.Parallel(strategy=strategy, zero_stage=zero_stage),
+            **kw,
+        )
+    assert step.options.cpu_spelling is (spelling == "cpu")
+    return step
 
 
 def calls(step, batch):
@@ -83,21 +91,47 @@ def host(state):
     return {jax.tree_util.keystr(path): np.asarray(_plain(x)) for path, x in leaves}
 
 
+# Each spelling meets both paths, both strategies and every ZeRO stage; every (path,
+# strategy) and every (path, stage) is met, the spelling alternating (was: the first four
+# cells under the CPU spelling, and tests/core/test_gpu_spelling.py's six under the plain
+# one, every (path, stage) on 2 devices x 2 micro-batches, an MLP without model state).
+SKIP_CELLS = [
+    ("fused", "shard_map", 0, "cpu", 1, 1),
+    ("fused", "pmap", 0, "plain", 0, 0),
+    ("multisteps", "shard_map", 0, "plain", 0, 0),
+    ("multisteps", "pmap", 0, "cpu", 3, 1),
+    ("fused", "shard_map", 1, "plain", 2, 1),
+    ("multisteps", "shard_map", 1, "cpu", 1, 0),
+    ("fused", "shard_map", 2, "cpu", 3, 0),
+    ("multisteps", "shard_map", 2, "plain", 2, 1),
+]
+
+
+def test_the_skip_cells_meet_every_kind_of_cell():
+    for spelling in ("cpu", "plain"):
+        mine = [c for c in SKIP_CELLS if c[3] == spelling]
+        assert {c[0] for c in mine} == {"fused", "multisteps"}
+        assert {c[1] for c in mine} == {"shard_map", "pmap"}
+        assert {c[2] for c in mine} == {0, 1, 2}
+    assert {(c[0], c[2]) for c in SKIP_CELLS} == {
+        (p, s) for p in ("fused", "multisteps") for s in (0, 1, 2)
+    }
+    assert {(c[0], c[1]) for c in SKIP_CELLS} == {
+        (p, s) for p in ("fused", "multisteps") for s in ("shard_map", "pmap")
+    }
+
+
 @pytest.mark.parametrize(
-    "path, strategy, device, micro_batch",
-    [
-        ("fused", "shard_map", 1, 1),
-        ("fused", "pmap", 0, 0),
-        ("multisteps", "shard_map", 0, 0),
-        ("multisteps", "pmap", 3, 1),
-    ],
+    "path, strategy, zero_stage, spelling, device, micro_batch",
+    SKIP_CELLS,
+    ids=["-".join(map(str, cell)) for cell in SKIP_CELLS],
 )
 def test_nan_on_one_device_skips_the_step_everywhere_like_a_run_without_that_batch(
-    path, strategy, device, micro_batch
+    path, strategy, zero_stage, spelling, device, micro_batch
 ):
     data = batches()
     mesh = jaxdp.data_mesh(NUM_DEVICES)
-    step = make(path, strategy)
+    step = make(path, strategy, zero_stage, spelling)
     state, history = step.init(Net()), []
     for batch in [data[0], poisoned(data[1], device, micro_batch), data[2], data[3]]:
         before = host(state)  # the window's start: a skip returns to it, window restarted
@@ -111,7 +145,8 @@ def test_nan_on_one_device_skips_the_step_everywhere_like_a_run_without_that_bat
                 jaxdp.check_replicas(jax.tree.map(_plain, tree), mesh, name=name)
             if metrics["skipped"]:  # nothing moved: parameters, optimizer, statistics, step
                 np.testing.assert_equal(host(state), before)
-    clean, _ = run(make(path, strategy), [data[0], data[2], data[3]])
+    # The run without that batch: the same step (its compiled programs) from a fresh state.
+    clean, _ = run(step, [data[0], data[2], data[3]])
 
     skipped = [bool(m["skipped"]) for m in history]
     per_step = 1 if path == "fused" else ACCUM
@@ -120,8 +155,11 @@ def test_nan_on_one_device_skips_the_step_everywhere_like_a_run_without_that_bat
     assert int(history[2 * per_step - 1]["consecutive_skips"]) == 1
     assert int(history[-1]["consecutive_skips"]) == 0
     assert np.isnan(history[2 * per_step - 1]["loss"])
-    # Bitwise: the skipped step changed nothing, not even the dropout keys' step.
+    # Bitwise: the skipped step changed nothing, not even the dropout keys' step, and the
+    # window restarted where a run without that batch has it.
     np.testing.assert_equal(host(state), host(clean))
+    for a, b in zip(jax.tree.leaves(state.window), jax.tree.leaves(clean.window), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _plain(x):
@@ -183,9 +221,10 @@ def test_check_reports_a_limit_reached_by_the_last_call():
         step.check(state)
 
 
-def test_skip_nonfinite_false_lets_nan_through():
+@pytest.mark.parametrize(("path", "spelling"), [("fused", "cpu"), ("multisteps", "plain")])
+def test_skip_nonfinite_false_lets_nan_through(path, spelling):
     data = batches(1)
-    step = make("fused", skips=jaxdp.Skips(nonfinite=False))
-    state, metrics = step(step.init(Net()), poisoned(data[0], 1, 0))
-    assert not bool(metrics["skipped"]) and int(state.step) == 1
+    step = make(path, spelling=spelling, skips=jaxdp.Skips(nonfinite=False))
+    state, history = run(step, [poisoned(data[0], 1, 0)])
+    assert not any(bool(m["skipped"]) for m in history) and int(state.step) == 1
     assert np.isnan(np.asarray(state.params["fc"]["kernel"][...])).all()

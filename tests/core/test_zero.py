@@ -132,7 +132,9 @@ def test_stage_1_optimizer_state_is_a_quarter_per_device():
     assert memory[0].arguments - memory[1].arguments == saved == 2 * 8 * SPLIT * 3 // 4
 
 
-@pytest.mark.parametrize("accum_steps", [1, 2, 4])
+# K = 1 (no loop) and K = 4 (a loop of micro-batches): the kinds of K (was 1, 2 and 4;
+# the multisteps test below takes K = 3).
+@pytest.mark.parametrize("accum_steps", [1, 4])
 def test_stage_1_sends_one_reduce_scatter_and_one_all_gather(accum_steps):
     step = make(1, accum_steps=accum_steps)
     found = kinds(step.compile(step.init(mlp_params()), one_call(step)))
@@ -152,7 +154,7 @@ def test_stage_1_sends_one_reduce_scatter_and_one_all_gather(accum_steps):
     )
 
 
-@pytest.mark.parametrize("accum_steps", [1, 2, 4])
+@pytest.mark.parametrize("accum_steps", [1, 4])
 def test_stage_2_reduce_scatters_every_micro_batch(accum_steps):
     step = make(2, accum_steps=accum_steps)
     found = kinds(step.compile(step.init(mlp_params()), one_call(step)))
