@@ -154,8 +154,11 @@ class LocalWorker:
             torch.set_num_threads(max(job["threads"] for job in jobs))
         self.framework, self.jobs, self.timer = framework, jobs, None
 
-    def ready(self) -> None:
-        self.timer = Timer(steppers(self.framework, self.jobs))
+    def ready(self) -> dict[str, Any]:
+        """Builds the steppers; their ``facts`` by key, as :meth:`Worker.ready`."""
+        built = steppers(self.framework, self.jobs)
+        self.timer = Timer(built)
+        return {key: fn.facts for key, fn in built.items() if getattr(fn, "facts", None)}
 
     def time(self, key: str, *, samples: int, sample_seconds: float, pause: bool) -> dict[str, Any]:
         if pause:
