@@ -142,7 +142,8 @@ class LocalWorker:
 
     For torch in ``vs_torch``: the parent process runs no XLA computation (it
     starts no XLA thread pools), so torch timed in it is timed in a process of
-    its own, and one process fewer imports both frameworks.
+    its own, and one process fewer imports both frameworks. For jaxdp in
+    ``zero`` under ``--quick`` (:mod:`._together`), whose process has its devices set.
     """
 
     local = True
