@@ -1,8 +1,8 @@
 """bin/jaxdp bench --quick: well-formed outputs, and the figures that are deterministic.
 
-One quick run (a subprocess: each measurement sets its own emulated device
-count before JAX starts) feeds every test here, so they share one xdist
-worker. Timings are checked for shape only, never against a threshold.
+One quick run (a subprocess: the measurements set their emulated device count
+before JAX starts, in processes of their own) feeds every test here, so they
+share one xdist worker. Timings are checked for shape only, never against a threshold.
 """
 
 import ast
@@ -52,6 +52,30 @@ def test_every_measurement_writes_its_json_and_figure(quick):
     assert results["run"]["command"].startswith("bin/jaxdp bench --quick")
     # --quick runs them side by side
     assert results["run"]["wall_seconds"] >= max(results[n]["wall_seconds"] for n in MEASUREMENTS)
+
+
+def test_quick_runs_the_xla_measurements_in_one_process_and_torch_apart():
+    """--quick's smoke run starts JAX once for overhead, comms, memory and zero; vs_torch
+    (torch here, XLA in its worker) keeps its own; a real run starts one process each."""
+    from benchmarks.harness._runner import CPU_MEASUREMENTS, _processes
+
+    quick = _processes(CPU_MEASUREMENTS, quick=True)
+    assert quick == {
+        "vs_torch": ["vs_torch", "--quick"],
+        "overhead, comms, memory, zero": [
+            "_together",
+            "overhead",
+            "comms",
+            "memory",
+            "zero",
+            "--quick",
+        ],
+    }
+    assert _processes(("memory", "gpu"), quick=True) == {
+        "gpu": ["gpu"],
+        "memory": ["_together", "memory", "--quick"],
+    }
+    assert _processes(CPU_MEASUREMENTS, quick=False) == {n: [n] for n in CPU_MEASUREMENTS}
 
 
 def test_timings_are_well_formed(quick):

@@ -247,8 +247,43 @@ def runs_elsewhere(code: str) -> bool:
 # ---- Python blocks ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", [p for p in FILES if blocks(p, "python")], ids=lambda p: p.name)
-def test_python_blocks_run(path, tmp_path):
+# Pages that need no process of their own share one interpreter with the pages that set
+# the same emulated device count (a page that set another would fail, emulate_cpu_devices
+# naming both counts): each page runs as __main__ in a fresh namespace, the environment
+# restored after it (scaling-out.md sets JAXDP_RESTART_COUNT). One interpreter start (the
+# imports, the first compiles) for the group instead of one per page; each page keeps its
+# test and its output. In order: what a page leaves set in JAX must not matter to the
+# pages after it (check-your-port.md and parity.md turn on float64, which testing.md's
+# blocks, compiling nothing, do not see; api.md points the compilation cache at the home
+# directory, so it comes last and nothing compiles after it).
+SHARED = {
+    "1 device": ("check-your-port.md", "parity.md", "testing.md", "api.md"),
+    "2 devices": ("checkpoints.md", "data.md", "memory-planning.md", "model-state.md"),
+    "4 devices": ("semantics.md", "scaling-out.md"),
+}
+PAGE_MARK = "@@docs page "
+PAGE_FAILED = "@@docs failed"
+DRIVER = f"""
+import os, runpy, sys, traceback
+for name, path in PAGES:
+    for stream in (sys.stdout, sys.stderr):
+        print({PAGE_MARK!r} + name, file=stream, flush=True)
+    environ = dict(os.environ)
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except (Exception, SystemExit):
+        traceback.print_exc()
+        print({PAGE_FAILED!r}, flush=True)
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os.environ.clear()
+        os.environ.update(environ)
+"""
+
+
+def doc_script(path: pathlib.Path) -> str:
+    """The page's Python blocks (but the one that runs elsewhere), each followed by its
+    checks from CHECKS, as one script."""
     checks = CHECKS.get(path.name, {})
     code = [b for b in blocks(path, "python") if not runs_elsewhere(b)]
     assert set(checks) <= {-1, *range(len(code))}, "a check names a block that is not there"
@@ -256,24 +291,78 @@ def test_python_blocks_run(path, tmp_path):
     for i, block in enumerate(code):
         script += [block, checks.get(i, "")]
     script.append(checks.get(-1, ""))
-    (tmp_path / "doc.py").write_text("\n".join(script))
-    out = subprocess.run(
-        [sys.executable, str(tmp_path / "doc.py")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return "\n".join(script)
+
+
+def by_page(output: str) -> dict[str, str]:
+    """A shared interpreter's stdout or stderr, split at the driver's page marks."""
+    pages = re.split(f"^{re.escape(PAGE_MARK)}(.*)\n", output, flags=re.M)
+    return dict(zip(pages[1::2], pages[2::2], strict=True))
+
+
+@pytest.fixture(scope="module")
+def shared_interpreter(tmp_path_factory):
+    """``outcome(group, page)``: whether the page's script ran to its end, its stdout and its
+    stderr, from one interpreter running every page of ``SHARED[group]`` (on first request)."""
+    runs = {}
+
+    def outcome(group: str, page: str) -> tuple[bool, str, str]:
+        if group not in runs:
+            folder = tmp_path_factory.mktemp("docs")
+            pages = []
+            for name in SHARED[group]:
+                (folder / name).with_suffix(".py").write_text(doc_script(ROOT / "docs" / name))
+                pages.append((name, str((folder / name).with_suffix(".py"))))
+            (folder / "driver.py").write_text(f"PAGES = {pages!r}\n{DRIVER}")
+            runs[group] = subprocess.run(
+                [sys.executable, str(folder / "driver.py")],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300 * len(pages),
+            )
+        done = runs[group]
+        out, err = by_page(done.stdout).get(page), by_page(done.stderr).get(page, "")
+        if out is None:  # the interpreter died before this page
+            return False, done.stdout, f"exit status {done.returncode}\n{done.stderr}"
+        return not out.endswith(PAGE_FAILED + "\n"), out, err
+
+    return outcome
+
+
+def python_pages():
+    for path in FILES:
+        if not blocks(path, "python"):
+            continue
+        group = next((g for g, names in SHARED.items() if path.name in names), None)
+        marks = [pytest.mark.xdist_group(f"docs {group}")] if group else []
+        yield pytest.param(path, group, marks=marks, id=path.name)
+
+
+@pytest.mark.parametrize(("path", "group"), python_pages())
+def test_python_blocks_run(path, group, tmp_path, shared_interpreter):
+    if group is not None:
+        ran, stdout, stderr = shared_interpreter(group, path.name)
+    else:
+        (tmp_path / "doc.py").write_text(doc_script(path))
+        out = subprocess.run(
+            [sys.executable, str(tmp_path / "doc.py")],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        ran, stdout, stderr = out.returncode == 0, out.stdout, out.stderr
+    assert ran, stdout[-2000:] + stderr[-4000:]
     if path == README:
         # 1024 rows over 4 ranks: 256 each, 8 steps of 2 x 16 per epoch; the fit
         # converges (the loss starts at E[(sum of 8 normals)^2] = 8).
-        first, *_, last = out.stdout.splitlines()
+        first, *_, last = stdout.splitlines()
         steps, loss, _ = first.split()
         assert steps == "40" and float(loss) < 0.1, first
         assert last == "nnx ok"
     if path.name == "model-state.md":
-        assert "choose batch_stats='local'" in out.stdout
+        assert "choose batch_stats='local'" in stdout
 
 
 def test_only_the_torch_ref_example_runs_elsewhere():

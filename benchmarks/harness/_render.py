@@ -300,9 +300,14 @@ def zero_section(z: dict[str, Any]) -> str:
             "CPU devices, per device:\n\n" + markdown_table(head, rows)
         )
     t = z["target"]
+    workers = (
+        f"{z['workers']} worker process(es) (one per variant but in --quick)"
+        if z["workers"]
+        else "Timed in the process of --quick's other XLA measurements"
+    )
     return "\n\n".join(parts) + (
         f"\n\nTarget: stage {t['variant']} at most {t['at_most']:.2f}x stage {t['of']}. "
-        f"{z['workers']} worker process(es) (one per variant but in --quick), timed in turns over "
+        f"{workers}, timed in turns over "
         f"{z['rounds']} rounds in alternating order, {z['samples_per_round']} samples a turn; "
         "ratios are medians of per-round ratios (in parentheses their range). Bytes from XLA's "
         "memory analysis: the parts as arguments of a compiled program, the accumulator the "

@@ -3,7 +3,9 @@ then draws and writes the results.
 
 Each measurement runs as ``python -m benchmarks.harness.<name>``: it must set its
 own emulated device count before JAX starts, and a fresh process keeps one
-measurement's threads, caches and memory from touching the next one's.
+measurement's threads, caches and memory from touching the next one's. ``--quick``
+(a smoke run, whose timings are not figures) runs the XLA-only ones in one process
+(:mod:`._together`), beside vs_torch's.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ CPU_MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory", "zero")
 # Only when named: gpu needs a GPU; loader (the input pipeline, issue 13) is its own run.
 ALL_MEASUREMENTS = (*CPU_MEASUREMENTS, "loader", "gpu")
 DEFAULT_OUT = Path("benchmarks/results")
+# What --quick runs in one process (._together): XLA alone, no torch, no GPU.
+TOGETHER = ("overhead", "comms", "memory", "zero")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bin/jaxdp bench",
-        description="Runs jaxdp's benchmarks (each in a fresh process), writes "
+        description="Runs jaxdp's benchmarks (each in a fresh process; --quick's XLA-only "
+        "ones in one), writes "
         "<out>/<name>.json and PNG figures, and fills the generated tables of the "
         "markdown file (BENCHMARKS.md). The CPU measurements run by default, about "
         "8 minutes on 2 cores; the GPU one only when named (--only gpu). Run from the "
@@ -94,12 +99,22 @@ def _env(name: str) -> dict[str, str]:
     return env
 
 
+def _processes(names: tuple[str, ...], *, quick: bool) -> dict[str, list[str]]:
+    """The module each process runs and its arguments, by what it measures: one
+    ``benchmarks.harness.<name>`` each, but in ``quick`` the XLA-only ones together."""
+    together = [name for name in names if quick and name in TOGETHER]
+    alone = [name for name in names if name not in together]
+    processes = {name: [name] + ["--quick"] * (quick and name != "gpu") for name in alone}
+    if together:
+        processes[", ".join(together)] = ["_together", *together, "--quick"]
+    return processes
+
+
 def _run_batch(names: tuple[str, ...], *, out: Path, quick: bool) -> int:
-    """Starts ``names`` together, each ``python -m benchmarks.harness.<name>``; waits for all."""
+    """Starts ``names`` together (see :func:`_processes`); waits for all."""
     running = {}
-    for name in names:
-        argv = [sys.executable, "-m", f"benchmarks.harness.{name}", "--out", str(out)]
-        argv += ["--quick"] if quick and name != "gpu" else []
+    for name, (module, *args) in _processes(names, quick=quick).items():
+        argv = [sys.executable, "-m", f"benchmarks.harness.{module}", *args, "--out", str(out)]
         print(f"jaxdp bench: {name} ...", flush=True)
         running[name] = (subprocess.Popen(argv, env=_env(name)), time.perf_counter())
     status = 0

@@ -142,7 +142,8 @@ class LocalWorker:
 
     For torch in ``vs_torch``: the parent process runs no XLA computation (it
     starts no XLA thread pools), so torch timed in it is timed in a process of
-    its own, and one process fewer imports both frameworks.
+    its own, and one process fewer imports both frameworks. For jaxdp in
+    ``zero`` under ``--quick`` (:mod:`._together`), whose process has its devices set.
     """
 
     local = True
@@ -154,8 +155,11 @@ class LocalWorker:
             torch.set_num_threads(max(job["threads"] for job in jobs))
         self.framework, self.jobs, self.timer = framework, jobs, None
 
-    def ready(self) -> None:
-        self.timer = Timer(steppers(self.framework, self.jobs))
+    def ready(self) -> dict[str, Any]:
+        """Builds the steppers; their ``facts`` by key, as :meth:`Worker.ready`."""
+        built = steppers(self.framework, self.jobs)
+        self.timer = Timer(built)
+        return {key: fn.facts for key, fn in built.items() if getattr(fn, "facts", None)}
 
     def time(self, key: str, *, samples: int, sample_seconds: float, pause: bool) -> dict[str, Any]:
         if pause:

@@ -174,11 +174,14 @@ def ring_table(payloads: dict[str, int], naive_factor: int) -> list[dict[str, An
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, *, shared: bool = False) -> None:
+    """``shared``: in :mod:`._together`'s process, whose devices are set (the first
+    ``NUM_DEVICES`` are used)."""
     args = standard_args(__doc__.split("\n")[0], argv)
     from jaxdp import data_mesh, emulate_cpu_devices
 
-    emulate_cpu_devices(NUM_DEVICES)
+    if not shared:
+        emulate_cpu_devices(NUM_DEVICES)
     started = time.perf_counter()
     ks = QUICK_ACCUM_STEPS if args.quick else ACCUM_STEPS
     mesh = data_mesh(NUM_DEVICES)

@@ -212,11 +212,13 @@ def measure_model(
     }
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, *, shared: bool = False) -> None:
+    """``shared``: in :mod:`._together`'s process, whose devices are set (one is used)."""
     args = standard_args(__doc__.split("\n")[0], argv)
     from jaxdp import emulate_cpu_devices
 
-    emulate_cpu_devices(1)
+    if not shared:
+        emulate_cpu_devices(1)
     started = time.perf_counter()
     load_start = load_average()
     ks = QUICK_ACCUM_STEPS if args.quick else ACCUM_STEPS

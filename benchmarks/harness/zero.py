@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._common import BenchModel, bench_models, load_average, median, standard_args
-from ._worker import Worker
+from ._worker import LocalWorker, Worker
 
 NUM_DEVICES, ACCUM_STEPS = 4, 4
 QUICK_NUM_DEVICES, QUICK_ACCUM_STEPS = 2, 2
@@ -76,11 +76,14 @@ def time_variants(
     samples: int,
     sample_seconds: float,
     one_worker: bool,
+    local: bool = False,
 ) -> tuple[dict[str, list[float]], dict[str, dict[str, Any]]]:
     """Per key, one figure per round (the median of its samples in that round), and
-    the workers' memory figures."""
-    jobs = _jobs(models, num_devices, k, one_worker=one_worker)
-    workers = {name: Worker("jaxdp", js) for name, js in jobs.items()}
+    the workers' memory figures. ``local``: the one worker's steps built and timed in
+    this process (whose devices are set), not in a worker process."""
+    jobs = _jobs(models, num_devices, k, one_worker=one_worker or local)
+    kind = LocalWorker if local else Worker
+    workers = {name: kind("jaxdp", js) for name, js in jobs.items()}
     facts: dict[str, dict[str, Any]] = {}
     try:
         for worker in workers.values():
@@ -161,7 +164,9 @@ def model_rows(
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, *, shared: bool = False) -> None:
+    """``shared``: in :mod:`._together`'s process, whose devices are set (the first
+    ``num_devices`` are used): the steps are timed in it, not in a worker process."""
     args = standard_args(__doc__.split("\n")[0], argv)
     n, k = (QUICK_NUM_DEVICES, QUICK_ACCUM_STEPS) if args.quick else (NUM_DEVICES, ACCUM_STEPS)
     started = time.perf_counter()
@@ -176,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         samples=samples,
         sample_seconds=sample_seconds,
         one_worker=args.quick,
+        local=shared,
     )
     from ._common import write_result
 
@@ -186,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "rounds": rounds,
         "samples_per_round": samples,
         "sample_seconds": sample_seconds,
-        "workers": 1 if args.quick else len(VARIANTS),
+        "workers": 0 if shared else 1 if args.quick else len(VARIANTS),
         "target": {"variant": TARGET[0], "at_most": TARGET[1], "of": BASELINE},
         "load_average_start": load_start,
         "models": [
