@@ -61,18 +61,10 @@ def test_multisteps_pmap_run_on_other_sizes(tmp_path):
     assert result["test_accuracy"] >= 0.9
 
 
-# The run of the in-process resume tests: one configuration, so that they share its compiled
-# programs (in one process, and through the suite's compilation cache). Multisteps in
-# float64, 4 devices x 4 micro-batches of 8: a global batch of 128, 11 optimizer steps per
-# epoch of the digits' 1438 training rows.
-RESUMED = ["--num-devices", "4", "--accum-steps", "4", "--micro-batch-size", "8"]
-RESUMED += ["--path", "multisteps", "--precision", "float64"]
-
-
 def test_sigterm_saves_a_checkpoint_where_it_stops_and_resume_continues(tmp_path, capsys):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     # In this process (8 emulated devices, see conftest), 4 of them.
-    flags = ["train", "--cpu-devices", "8", *RESUMED]
+    flags = ["train", "--cpu-devices", "8", "--num-devices", "4", "--path", "multisteps"]
     flags += ["--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics)]
 
     def terminate_once_training():
@@ -86,9 +78,9 @@ def test_sigterm_saves_a_checkpoint_where_it_stops_and_resume_continues(tmp_path
     (saved,) = list(ckpt.iterdir())
     meta = json.loads((saved / "meta" / "metadata").read_text())
     # Named by the updates applied; stopped after some micro-batch: whole steps of
-    # 128 rows plus micro-batches of 4 x 8.
+    # 128 rows plus micro-batches of 4 x 16.
     assert int(saved.name) == meta["step"]
-    assert meta["samples"] == meta["step"] * 128 + meta["position"]["micro_batch"] * 32
+    assert meta["samples"] == meta["step"] * 128 + meta["position"]["micro_batch"] * 64
     assert json.loads(metrics.read_text().splitlines()[-1])["step"] == meta["step"]
     steps = meta["step"] + 2
     # As if the stopped run had been SIGKILLed instead: its lock file is left behind.
@@ -297,7 +289,10 @@ def records(path):
 
 def test_resume_takes_the_run_config_from_the_checkpoint(tmp_path, capsys, monkeypatch):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    flags = [*RESUMED, "--epochs", "2", "--checkpoint-every", "5", "--metrics-out", str(metrics)]
+    # 1438 rows, global batch 4 x 4 x 8 = 128: 11 optimizer steps per epoch.
+    flags = ["--num-devices", "4", "--accum-steps", "4", "--micro-batch-size", "8"]
+    flags += ["--path", "multisteps", "--precision", "float64", "--epochs", "2"]
+    flags += ["--checkpoint-every", "5", "--metrics-out", str(metrics)]
     terminate_after(monkeypatch, 3)
     assert main([*TRAIN, *flags, "--checkpoint-dir", str(ckpt)]) == 128 + signal.SIGTERM
     capsys.readouterr()
@@ -331,7 +326,7 @@ def test_resume_takes_the_run_config_from_the_checkpoint(tmp_path, capsys, monke
 
 def test_resume_refuses_a_flag_the_checkpoint_cannot_continue_with(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
-    flags = [*TRAIN, *RESUMED, "--checkpoint-dir", ckpt]
+    flags = [*TRAIN, "--num-devices", "4", "--path", "multisteps", "--checkpoint-dir", ckpt]
     assert main([*flags, "--steps", "2"]) == 0
     for flag, message in [
         (
@@ -805,7 +800,7 @@ def test_resume_on_a_directory_without_checkpoints_starts_fresh_and_says_so(tmp_
     """A scheduler's requeue script runs one command, ``--resume``, every time (issue 23.7);
     a directory whose checkpoints are all unreadable is still refused, never restarted."""
     ckpt = tmp_path / "ckpt"
-    flags = [*TRAIN, *RESUMED, "--checkpoint-dir", str(ckpt), "--resume"]
+    flags = [*TRAIN, "--num-devices", "4", "--checkpoint-dir", str(ckpt), "--resume"]
     assert main([*flags, "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert f"--resume: no checkpoint in {ckpt} yet; starting a fresh run" in out
