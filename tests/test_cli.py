@@ -489,8 +489,8 @@ with directory_lock(sys.argv[1]):
 """
 
 
-@pytest.mark.parametrize("resume", [False, True])
-def test_a_checkpoint_directory_in_use_is_refused_naming_its_owner(tmp_path, capsys, resume):
+def test_a_checkpoint_directory_in_use_is_refused_naming_its_owner(tmp_path, capsys):
+    """A new run and a ``--resume`` alike, while one process holds the lock."""
     ckpt = tmp_path / "ckpt"
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD_LOCK, str(ckpt)],
@@ -498,22 +498,26 @@ def test_a_checkpoint_directory_in_use_is_refused_naming_its_owner(tmp_path, cap
         stdout=subprocess.PIPE,
         text=True,
     )
+    ends = []
     try:
         assert holder.stdout.readline() == "held\n"
-        with pytest.raises(SystemExit) as exit_:
-            main([*TRAIN, "--checkpoint-dir", str(ckpt), *(["--resume"] if resume else [])])
+        for resume in ([], ["--resume"]):
+            with pytest.raises(SystemExit) as exit_:
+                main([*TRAIN, "--checkpoint-dir", str(ckpt), *resume])
+            ends.append((resume, exit_.value.code, capsys.readouterr().err))
     finally:
         holder.communicate("")  # ends it
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith(
-        f"jaxdp train: error: checkpoint directory {ckpt} is in use by another run: host "
-        f"{socket.gethostname()}, pid {holder.pid} (-c {ckpt}, since "
-    )
-    assert err.endswith(
-        f") holds {ckpt / 'jaxdp.lock'}. Wait for it to end, or choose another directory (two "
-        "runs in one directory would remove each other's unfinished checkpoints)\n"
-    )
+    assert len(ends) == 2
+    for resume, code, err in ends:
+        assert code == 2, resume
+        assert err.startswith(
+            f"jaxdp train: error: checkpoint directory {ckpt} is in use by another run: host "
+            f"{socket.gethostname()}, pid {holder.pid} (-c {ckpt}, since "
+        ), (resume, err)
+        assert err.endswith(
+            f") holds {ckpt / 'jaxdp.lock'}. Wait for it to end, or choose another directory "
+            "(two runs in one directory would remove each other's unfinished checkpoints)\n"
+        ), (resume, err)
 
 
 # Fills the file system under a checkpoint directory once a checkpoint is there, so
