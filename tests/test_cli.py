@@ -489,8 +489,8 @@ with directory_lock(sys.argv[1]):
 """
 
 
-@pytest.mark.parametrize("resume", [False, True])
-def test_a_checkpoint_directory_in_use_is_refused_naming_its_owner(tmp_path, capsys, resume):
+def test_a_checkpoint_directory_in_use_is_refused_naming_its_owner(tmp_path, capsys):
+    """A new run and a ``--resume`` alike, while one process holds the lock."""
     ckpt = tmp_path / "ckpt"
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD_LOCK, str(ckpt)],
@@ -498,22 +498,26 @@ def test_a_checkpoint_directory_in_use_is_refused_naming_its_owner(tmp_path, cap
         stdout=subprocess.PIPE,
         text=True,
     )
+    ends = []
     try:
         assert holder.stdout.readline() == "held\n"
-        with pytest.raises(SystemExit) as exit_:
-            main([*TRAIN, "--checkpoint-dir", str(ckpt), *(["--resume"] if resume else [])])
+        for resume in ([], ["--resume"]):
+            with pytest.raises(SystemExit) as exit_:
+                main([*TRAIN, "--checkpoint-dir", str(ckpt), *resume])
+            ends.append((resume, exit_.value.code, capsys.readouterr().err))
     finally:
         holder.communicate("")  # ends it
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith(
-        f"jaxdp train: error: checkpoint directory {ckpt} is in use by another run: host "
-        f"{socket.gethostname()}, pid {holder.pid} (-c {ckpt}, since "
-    )
-    assert err.endswith(
-        f") holds {ckpt / 'jaxdp.lock'}. Wait for it to end, or choose another directory (two "
-        "runs in one directory would remove each other's unfinished checkpoints)\n"
-    )
+    assert len(ends) == 2
+    for resume, code, err in ends:
+        assert code == 2, resume
+        assert err.startswith(
+            f"jaxdp train: error: checkpoint directory {ckpt} is in use by another run: host "
+            f"{socket.gethostname()}, pid {holder.pid} (-c {ckpt}, since "
+        ), (resume, err)
+        assert err.endswith(
+            f") holds {ckpt / 'jaxdp.lock'}. Wait for it to end, or choose another directory "
+            "(two runs in one directory would remove each other's unfinished checkpoints)\n"
+        ), (resume, err)
 
 
 # Fills the file system under a checkpoint directory once a checkpoint is there, so
@@ -738,17 +742,22 @@ def test_resume_drops_a_metrics_line_torn_by_a_kill(tmp_path):
     ]
 
 
-def test_sigterm_ends_a_train_process_with_143_and_a_checkpoint_that_resumes(tmp_path):
+def test_sigterm_ends_a_train_process_with_143_and_a_bare_resume_continues_on_its_devices(
+    tmp_path,
+):
     """A scheduler's SIGTERM to ``jaxdp train`` as a process of its own (not ``main()`` in
     this process, not under the launcher): it exits 143 itself (a death by the signal
     would read -15 here), with a checkpoint of the step it reports, from which
     ``--resume`` continues (issue 23.1; the status over 20 runs of each way to end:
-    benchmarks/studies/exit_status.py)."""
+    benchmarks/studies/exit_status.py). The run had ``--cpu-devices 2``; the resume gives
+    no device count, and takes 2 from the checkpoint, not the default 4 (which the global
+    batch check refused: issue 23.7). In fresh processes: this one's JAX has its 8
+    devices already."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    command = [sys.executable, "-m", "jaxdp", "train", "--cpu-devices", "2", "--no-progress"]
+    command = [sys.executable, "-m", "jaxdp", "train", "--no-progress"]
     command += ["--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics)]
     child = subprocess.Popen(
-        [*command, "--steps", "100000"],
+        [*command, "--cpu-devices", "2", "--steps", "100000"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -780,6 +789,13 @@ def test_sigterm_ends_a_train_process_with_143_and_a_checkpoint_that_resumes(tmp
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed from {ckpt / str(step)}: step {step}" in done.stdout
+    taken = re.search(
+        r"^taken from checkpoint \S+ for the options not given: (.*)$", done.stdout, re.M
+    )
+    assert taken, done.stdout
+    assert re.search(r"\bcpu_devices=2\b", taken.group(1)), taken.group(1)
+    assert not re.search(r"\bsteps=", taken.group(1)), taken.group(1)  # --steps was given
+    assert "batch: global_batch_size=64 = num_devices=2 x" in done.stdout
     assert [r["step"] for r in records(metrics)] == list(range(1, step + 3))
     assert jaxdp.checkpoint.Checkpoints(ckpt).steps[-1] == step + 2
 
@@ -803,23 +819,3 @@ def test_resume_on_a_directory_without_checkpoints_starts_fresh_and_says_so(tmp_
     assert capsys.readouterr().err.startswith(
         f"jaxdp train: error: no readable checkpoint in {ckpt}"
     )
-
-
-def test_a_bare_resume_takes_the_cpu_device_count_from_the_checkpoint(tmp_path):
-    """``--cpu-devices 2``, then ``--resume`` alone: 2 devices again, not the default 4
-    (which the global batch check refused: issue 23.7). In fresh processes: this one's
-    JAX has its 8 devices already."""
-    ckpt = str(tmp_path / "ckpt")
-    jaxdp_ = [sys.executable, "-m", "jaxdp", "train", "--checkpoint-dir", ckpt]
-    first = subprocess.run(
-        [*jaxdp_, "--steps", "2", "--cpu-devices", "2"], capture_output=True, text=True
-    )
-    assert first.returncode == 0, first.stderr[-2000:]
-    done = subprocess.run([*jaxdp_, "--resume", "--steps", "3"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "for the options not given: cpu_devices=2, steps=2" not in done.stdout  # steps given
-    assert re.search(
-        r"^taken from checkpoint \S+ for the options not given: cpu_devices=2", done.stdout, re.M
-    ), done.stdout
-    assert "batch: global_batch_size=64 = num_devices=2 x" in done.stdout
-    assert jaxdp.checkpoint.Checkpoints(ckpt).steps == [2, 3]
