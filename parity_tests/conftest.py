@@ -1,14 +1,21 @@
-"""Parity set-up: 8 emulated CPU devices and float64 before JAX starts, and the
-torch_ref runs of every cell, made once and batched (one DDP start per world size)."""
+"""Parity set-up: 8 emulated CPU devices and float64 before JAX starts, torch on one
+thread, and the torch_ref runs of every cell, made once and batched (one DDP start per
+world size)."""
 
 import jax
 import pytest
+import torch
 
 import jaxdp
 
 jaxdp.emulate_cpu_devices(8)
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_default_matmul_precision", "highest")
+# torch in pytest's process on one thread, as torch_ref's ranks run: its models are a few
+# thousand parameters, and on a loaded machine a second thread's spin-waits cost more
+# than it computes (measured at load 13 on 2 cores: test_torch_ref.py's 3-step MLP runs
+# took 0.51 CPU s on two threads and 0.02 on one, its gradient check 0.36 and 0.02).
+torch.set_num_threads(1)
 
 
 @pytest.hookimpl(tryfirst=True)
