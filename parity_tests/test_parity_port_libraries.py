@@ -16,7 +16,8 @@ from jaxdp.cli._main import main
 from jaxdp.parity import RTOL, OptimizerSpec, compare_models, format_parity
 from jaxdp.parity._locate import STAGES
 
-# The torch runs of this module are shared: its tests run on one xdist worker.
+# One xdist worker runs this module: the command's tests reuse the programs the ports'
+# tests compiled in its process.
 pytestmark = pytest.mark.xdist_group("ports")
 
 MODELS = pathlib.Path(__file__).parent / "library_ports.py"
