@@ -34,6 +34,11 @@ FLOAT64 = [
     for j in range(len(OPTIMIZERS))
 ]
 
+# float32 against PyTorch's assert_equal defaults: each model once on 2 x 2 (shard_map),
+# the path and the optimizer alternating, cnn and transformer (convolutions, softmax,
+# LayerNorm: where float32 rounds most) on the other path in the pmap cells below; every
+# optimizer, both paths and both strategies meet float32. What only the optimizer or the
+# path changes, float64 asserts above at 1e-10 (issue 31: 4 cells went, 11 before).
 FLOAT32 = [
     ParityConfig(
         model=model,
@@ -44,8 +49,9 @@ FLOAT32 = [
         dtype="float32",
         path=path,
     )
-    for model in MODELS
-    for optimizer, path in (("sgd_momentum", "fused"), ("adamw", "multisteps"))
+    for model, (optimizer, path) in zip(
+        MODELS, [("adamw", "multisteps"), ("sgd_momentum", "fused")] * 2, strict=True
+    )
 ] + [
     # float32 with the other two optimizers, pmap, and other layouts.
     ParityConfig(

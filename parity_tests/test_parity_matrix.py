@@ -23,8 +23,8 @@ def test_float64_weights_and_losses_match_every_step(config, torch_runs):
 
 
 def test_the_matrix_meets_every_kind_of_cell():
-    """What the float64 cells cover once the N x K-only cells went (issue 31), so that a
-    later edit cannot drop a kind of cell unseen."""
+    """What the float64 and float32 cells cover once the N x K-only cells went (issue 31),
+    so that a later edit cannot drop a kind of cell unseen."""
     paths, strategies = {"fused", "multisteps"}, {"pmap", "shard_map"}
 
     def seen(*fields):
@@ -39,6 +39,13 @@ def test_the_matrix_meets_every_kind_of_cell():
     assert layouts == {(lay, p) for lay in LAYOUTS for p in paths}
     several = [c for c in FLOAT64 if c.num_devices > 1 and c.accum_steps > 1]
     assert {c.strategy for c in several if c.path == "multisteps"} == strategies
+    # float32: every model, optimizer, path and strategy; cnn and transformer on both paths.
+    assert {c.model for c in FLOAT32} == set(MODELS)
+    assert {c.optimizer for c in FLOAT32} == set(OPTIMIZERS)
+    assert {(c.path, c.strategy) for c in FLOAT32} == {(p, s) for p in paths for s in strategies}
+    assert {(c.model, c.path) for c in FLOAT32} >= {
+        (m, p) for m in ("cnn", "transformer") for p in paths
+    }
 
 
 @pytest.mark.parametrize("config", FLOAT32, ids=cell_id)

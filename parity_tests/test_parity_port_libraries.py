@@ -5,8 +5,6 @@ statistics as DDP's ranks do, and `jaxdp parity --jax-model` takes a Linen and a
 port."""
 
 import pathlib
-import subprocess
-import sys
 
 import equinox as eqx
 import library_ports as lp
@@ -14,13 +12,14 @@ import numpy as np
 import optax
 import pytest
 
+from jaxdp.cli._main import main
 from jaxdp.parity import RTOL, OptimizerSpec, compare_models, format_parity
 from jaxdp.parity._locate import STAGES
 
-# The torch runs of this module are shared: its tests run on one xdist worker.
+# One xdist worker runs this module: the command's tests reuse the programs the ports'
+# tests compiled in its process.
 pytestmark = pytest.mark.xdist_group("ports")
 
-JAXDP = pathlib.Path(sys.executable).parent / "jaxdp"
 MODELS = pathlib.Path(__file__).parent / "library_ports.py"
 ADAMW = OptimizerSpec("adamw", 1e-2, weight_decay=1e-2)
 LAYOUT = dict(num_devices=1, accum_steps=2, micro_batch_size=4)
@@ -112,19 +111,22 @@ def test_flax_batch_norm_differs_from_torch_in_its_running_variance_only():
 
 
 @pytest.mark.parametrize("port", ["LinenRMSNet", "EqxRMSNet"])
-def test_parity_command_takes_a_linen_and_an_equinox_port(tmp_path, port):
+def test_parity_command_takes_a_linen_and_an_equinox_port(tmp_path, port, monkeypatch, capsys):
+    """The command's own code (flags, the models loaded from a file, the report, the exit
+    status) in this process: a fresh process and its device count are
+    test_parity_cli.py's, which starts the command twice. This process's backend has 8
+    devices already; the command's num_devices=1 takes the first."""
     x, y = lp.features()
     np.savez(tmp_path / "features.npz", x=x, y=y)
-    out = subprocess.run(
-        [JAXDP, "parity", "--torch-model", f"{MODELS}:TorchRMSNet"]
-        + ["--jax-model", f"{MODELS}:{port}", "--data", tmp_path / "features.npz"]
-        + ["--num-devices", "1", "--accum-steps", "2", "--steps", "3"],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    monkeypatch.setattr("jaxdp._mesh.emulate_cpu_devices", lambda num_devices: None)
+    status = main(
+        ["parity", "--torch-model", f"{MODELS}:TorchRMSNet"]
+        + ["--jax-model", f"{MODELS}:{port}", "--data", str(tmp_path / "features.npz")]
+        + ["--num-devices", "1", "--accum-steps", "2", "--steps", "3"]
     )
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.splitlines()
+    out = capsys.readouterr()
+    assert status == 0, out.out + out.err
+    lines = out.out.splitlines()
     assert lines[0].startswith(f"parity: TorchRMSNet vs {port}, adamw, float64"), lines[0]
     assert "norm" in lines[lines.index("max relative difference per step and parameter group:") + 1]
     assert lines[-1] == "PASS: every step within tolerance"

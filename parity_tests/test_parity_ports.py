@@ -2,6 +2,7 @@
 torch models in float64, five broken ports are caught with the stage and parameter the
 divergence locator names, and a mapping error lists every problem on both sides."""
 
+import functools
 import re
 
 import optax
@@ -19,9 +20,6 @@ from jaxdp.parity import (
     format_parity,
 )
 from jaxdp.parity._port import prepare, run_jax_port, torch_trajectory
-
-# The torch runs of this module are shared: its tests run on one xdist worker.
-pytestmark = pytest.mark.xdist_group("ports")
 
 SGD = OptimizerSpec("sgd", 0.1, momentum=0.9)
 # The encoder trains with SGD: its attention's key bias has a true gradient of zero
@@ -54,15 +52,26 @@ def make_port(name, num_devices, accum_steps, **options):
     )
 
 
+@functools.cache
+def ports() -> dict[tuple, object]:
+    """``{(name, n, k): port}``: each port on each layout, prepared once."""
+    return {(name, n, k): make_port(name, n, k) for name in PAIRS for n, k in LAYOUTS}
+
+
+def torch_jobs() -> dict[tuple, tuple]:
+    """The DDP runs of the ports, for the run's shared batch (conftest.py's torch_batch:
+    one start of 2 ranks for this file and the others)."""
+    return {key: p.torch_job() for key, p in ports().items() if key[1] > 1}
+
+
 @pytest.fixture(scope="module")
-def port_runs():
-    """``{(name, n, k): (port, torch_ref.Result)}``; the DDP runs in ONE start of 2 ranks."""
-    ports = {(name, n, k): make_port(name, n, k) for name in PAIRS for n, k in LAYOUTS}
-    runs = {key: (p, torch_ref.train_ga(*p.torch_job())) for key, p in ports.items() if key[1] == 1}
-    ddp = {key: p for key, p in ports.items() if key[1] > 1}
-    results = torch_ref.train_ddp_many([p.torch_job() for p in ddp.values()])
-    runs |= {key: (p, r) for (key, p), r in zip(ddp.items(), results, strict=True)}
-    return runs
+def port_runs(torch_batch):
+    """``{(name, n, k): (port, torch_ref.Result)}``; the one-device runs in this process."""
+    ddp = torch_batch[__name__]
+    return {
+        key: (p, ddp[key] if key[1] > 1 else torch_ref.train_ga(*p.torch_job()))
+        for key, p in ports().items()
+    }
 
 
 # Each port on both layouts (one device's accumulation, DDP on 2 ranks) and both paths,

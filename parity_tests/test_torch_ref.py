@@ -140,20 +140,21 @@ def ga_equivalent(config: tr.TrainConfig, num_samples: int) -> tuple[np.ndarray,
     return np.concatenate(rows), ga
 
 
-# The tests that use ddp2 go to one pytest-xdist worker (bin/test runs --dist loadgroup),
-# so the processes start once per suite run.
-ddp2_group = pytest.mark.xdist_group("torch_ref_ddp2")
-
-
-@pytest.fixture(scope="module")
-def ddp2() -> dict[str, tr.Result]:
-    """Every 2-rank spawn run of this file, inside one start of the processes."""
+def torch_jobs() -> dict[str, tuple]:
+    """Every 2-rank spawn run of this file, for the run's shared batch (conftest.py's
+    torch_batch: one start of the processes for this file and the others)."""
     jobs = {"seed": (seed_ddp_config(), tr.seed_data(), initial_state("linear"))}
     for model in DDP_EQUALS_GA:
         jobs[model] = (ddp_vs_ga_config(model), tr.make_data(model, 36), initial_state(model))
     jobs["syncbn"] = (syncbn_config(), tr.make_data("cnn_bn", 32), initial_state("cnn_bn"))
     jobs["last_window"] = (last_window_config(), tr.make_data("mlp", 40), initial_state("mlp"))
-    return dict(zip(jobs, tr.train_ddp_many(list(jobs.values())), strict=True))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def ddp2(torch_batch) -> dict[str, tr.Result]:
+    """The results of torch_jobs(), spawned on 2 ranks."""
+    return torch_batch[__name__]
 
 
 def assert_states_close(
@@ -176,7 +177,6 @@ def test_seed_result_gradient_accumulation():
     assert result.losses[0] == pytest.approx(x.sum() / 2, rel=CLOSED_FORM_RTOL)
 
 
-@ddp2_group
 def test_seed_result_ddp_spawn(ddp2):
     result = ddp2["seed"]
     np.testing.assert_allclose(result.final["linear.weight"], SEED_FINAL, rtol=0, atol=SEED_ATOL)
@@ -185,7 +185,6 @@ def test_seed_result_ddp_spawn(ddp2):
     np.testing.assert_allclose(result.losses, ga.losses, rtol=FLOAT64_RTOL)
 
 
-@ddp2_group
 def test_seed_result_ddp_torchrun_equals_spawn(ddp2):
     jobs = [
         (seed_ddp_config(), tr.seed_data(), initial_state("linear")),
@@ -218,7 +217,6 @@ def test_torch_permutation_is_distributed_sampler_order(n, seed, epoch):
         assert list(sampler) == padded[rank::3].tolist()
 
 
-@ddp2_group
 @pytest.mark.parametrize("model", DDP_EQUALS_GA)
 def test_ddp_equals_accumulation_over_the_same_micro_batches(ddp2, model):
     config = ddp_vs_ga_config(model)
@@ -234,7 +232,6 @@ def test_ddp_equals_accumulation_over_the_same_micro_batches(ddp2, model):
     assert any(not np.array_equal(ddp.final[k], v) for k, v in initial_state(model).items())
 
 
-@ddp2_group
 def test_ddp_last_window_step_equals_accumulation(ddp2):
     config = last_window_config()
     x, y = tr.make_data("mlp", 40)
@@ -247,7 +244,6 @@ def test_ddp_last_window_step_equals_accumulation(ddp2):
     np.testing.assert_allclose(ddp.losses, ga.losses, rtol=FLOAT64_RTOL)
 
 
-@ddp2_group
 def test_sync_batchnorm_equals_one_process_with_the_ranks_micro_batches_joined(ddp2):
     """SyncBatchNorm over W ranks x b rows normalizes, and updates its running statistics
     (unbiased over all W*b values), as BatchNorm does on the joined W*b rows."""

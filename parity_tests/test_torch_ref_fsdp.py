@@ -1,7 +1,7 @@
 """torch_ref's FSDP2 and HSDP (issue 32, the PyTorch side): the sharded references equal
 plain DDP step by step (the pin that jaxdp's stage-3 parity stands on), and each rank
 holds only its shard. Imports neither jax nor jaxdp. The runs of each world size share
-one start of the processes (``runs``)."""
+one start of the processes, shared with the other files (``runs``)."""
 
 from __future__ import annotations
 
@@ -54,20 +54,17 @@ def initial_state() -> dict[str, np.ndarray]:
     return tr.numpy_state_dict(tr.build_model(MODEL))
 
 
-@pytest.fixture(scope="module")
-def runs() -> dict[tuple, tr.Result]:
-    """Every run of RUNS, keyed as there: one start of 2 ranks and one of 4."""
+def torch_jobs() -> dict[tuple, tuple]:
+    """Every run of RUNS, keyed as there, for the run's shared batch (conftest.py's
+    torch_batch: one start of 2 ranks and one of 4 for this file and the others)."""
     data, state = tr.make_data(MODEL, NUM_SAMPLES), initial_state()
-    results = {}
-    for world_size in (2, 4):
-        keys = [key for key in RUNS if key[1] == world_size]
-        jobs = [(config(*key), data, state) for key in keys]
-        results.update(zip(keys, tr.train_ddp_many(jobs), strict=True))
-    return results
+    return {key: (config(*key), data, state) for key in RUNS}
 
 
-# The tests that read runs share one pytest-xdist worker (--dist loadgroup): one start each.
-runs_group = pytest.mark.xdist_group("torch_ref_fsdp")
+@pytest.fixture(scope="module")
+def runs(torch_batch) -> dict[tuple, tr.Result]:
+    """The results of torch_jobs()."""
+    return torch_batch[__name__]
 
 
 def relative_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
@@ -77,7 +74,6 @@ def relative_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> f
     return max(float(np.max(np.abs(a[k] - b[k])) / np.max(np.abs(b[k]))) for k in b)
 
 
-@runs_group
 @pytest.mark.parametrize("key", SHARDED, ids=lambda key: "{}-n{}-k{}".format(*key))
 def test_fsdp2_trajectory_equals_ddp(runs, key):
     sharded, ddp = runs[key], runs[("ddp", *key[1:])]
@@ -97,7 +93,6 @@ def shard_rows(rows: int, shards: int, index: int) -> int:
     return max(0, min(size, rows - index * size))
 
 
-@runs_group
 @pytest.mark.parametrize(
     "key", [("fsdp", 2, 3), ("hsdp", 4, 3), ("fsdp", 4, 3)], ids=lambda key: "{}-n{}".format(*key)
 )

@@ -72,19 +72,19 @@ RUNS = {
 }
 
 
+def torch_jobs() -> dict[tuple, tuple]:
+    """Every run of RUNS, keyed ``(optimizer, zero, comm_hook, dtype)``, for the run's
+    shared batch (conftest.py's torch_batch: one DDP start for this file and the others)."""
+    return {key: (c, tr.make_data("mlp", NUM_SAMPLES, dtype=c.dtype), initial_state(c.dtype))
+            for key, c in RUNS.items()}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict[tuple, tr.Result]:
-    """Every run of RUNS, keyed ``(optimizer, zero, comm_hook, dtype)``, in one DDP start."""
-    jobs = [(c, tr.make_data("mlp", NUM_SAMPLES, dtype=c.dtype), initial_state(c.dtype))
-            for c in RUNS.values()]  # fmt: skip
-    return dict(zip(RUNS, tr.train_ddp_many(jobs), strict=True))
+def runs(torch_batch) -> dict[tuple, tr.Result]:
+    """The results of torch_jobs()."""
+    return torch_batch[__name__]
 
 
-# The tests that read runs share one pytest-xdist worker (--dist loadgroup): one start.
-runs_group = pytest.mark.xdist_group("torch_ref_zero_bf16")
-
-
-@runs_group
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_zero_redundancy_equals_plain_ddp_bitwise(runs, optimizer):
     # The same all-reduced gradients enter the same elementwise optimizer on each
@@ -112,7 +112,6 @@ def greedy_partition(sizes: list[int], world_size: int) -> list[list[int]]:
     return ranks
 
 
-@runs_group
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_zero_redundancy_holds_each_ranks_share_of_the_state(runs, optimizer):
     sizes = [v.size for v in initial_state().values()]
@@ -134,7 +133,6 @@ def off_bf16_grid(g: np.ndarray) -> np.ndarray:
     return np.abs(g - torch.from_numpy(g).to(torch.bfloat16).double().numpy())
 
 
-@runs_group
 def test_bf16_hook_all_reduces_gradients_on_the_bfloat16_grid(runs):
     # Step 1 of SGD with momentum: the buffer starts as the gradient, w1 = w0 - lr * g.
     w0 = initial_state()
@@ -159,7 +157,6 @@ def relative_distance(run: tr.Result, reference: tr.Result, step: int) -> float:
     return float(np.sqrt(apart / moved))
 
 
-@runs_group
 def test_bf16_hook_differs_from_float32_by_bfloat16_rounding(runs):
     exact = runs[("sgd_momentum", False, None, "float32")]
     bf16 = runs[("sgd_momentum", False, "bf16", "float32")]
