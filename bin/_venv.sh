@@ -14,7 +14,7 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
   # for PyTorch's CPU build (a bare `torch` from PyPI is several GB of CUDA wheels).
   index=()
   if [ -n "${JAXDP_TORCH_INDEX:-}" ]; then index=(--extra-index-url "$JAXDP_TORCH_INDEX"); fi
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile \
     -e "$root[cli,test]" torch "${index[@]}" -c "$root/constraints/cpu.txt"
   echo "$want" >"$stamp"
 fi
