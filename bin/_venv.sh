@@ -16,5 +16,10 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
   if [ -n "${JAXDP_TORCH_INDEX:-}" ]; then index=(--extra-index-url "$JAXDP_TORCH_INDEX"); fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile \
     -e "$root[cli,test]" torch "${index[@]}" -c "$root/constraints/cpu.txt"
+  # --no-compile above and this: the same .pyc files, byte-compiled on every core (pip
+  # does it on one: two thirds of its minute here). Written even where
+  # PYTHONDONTWRITEBYTECODE is set, as pip's are; a file that does not compile is left
+  # to Python, as pip leaves it.
+  "$venv/bin/python" -m compileall -qq -j 0 "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
   echo "$want" >"$stamp"
 fi
