@@ -2,6 +2,13 @@
 # .venv holds jaxdp (editable) with its command-line and test extras and the CPU
 # build of torch, and sets $venv. Reinstalls when pyproject.toml, the
 # constraints or $JAXDP_TORCH_INDEX change.
+#
+# Byte code: pip installs with --no-compile (compiling all 16,000 modules of torch, jax
+# and the rest took two thirds of a fresh .venv's minute, most of them never imported),
+# and Python writes each module's .pyc at its first import instead. So the processes
+# started from here write them even where PYTHONDONTWRITEBYTECODE is set (it is on some
+# machines: there every process compiled torch and jax from source at each start).
+unset PYTHONDONTWRITEBYTECODE
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
 stamp="$venv/.installed-from"
@@ -16,10 +23,5 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
   if [ -n "${JAXDP_TORCH_INDEX:-}" ]; then index=(--extra-index-url "$JAXDP_TORCH_INDEX"); fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile \
     -e "$root[cli,test]" torch "${index[@]}" -c "$root/constraints/cpu.txt"
-  # --no-compile above and this: the same .pyc files, byte-compiled on every core (pip
-  # does it on one: two thirds of its minute here). Written even where
-  # PYTHONDONTWRITEBYTECODE is set, as pip's are; a file that does not compile is left
-  # to Python, as pip leaves it.
-  "$venv/bin/python" -m compileall -qq -j 0 "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
   echo "$want" >"$stamp"
 fi
