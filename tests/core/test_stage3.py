@@ -233,6 +233,25 @@ def test_one_gather_per_layer_inside_the_loop_and_none_after_the_update():
     )
 
 
+def test_comm_dtype_sends_the_gradients_reduce_scatters_in_bfloat16():
+    """The gathers' backward is stage 2's packed reduce-scatter, so comm_dtype applies to
+    both (the layer loop's and the one outside it); the gathers send the parameters' own
+    dtype. Read from the program jaxdp hands XLA (XLA:CPU widens bfloat16 reductions)."""
+    step = jaxdp.make_train_step(
+        loss,
+        optimizer(),
+        mesh=jaxdp.data_mesh(4),
+        accum_steps=2,
+        parallel=jaxdp.Parallel(zero_stage=3, comm_dtype="bfloat16"),
+    )
+    hlo = step.lower(step.init(stacked_params()), batches()[0]).compiler_ir("hlo").as_hlo_text()
+    found = jaxdp.testing.collectives(hlo)
+    scatters = [c.shapes[0] for c in found if c.kind == "reduce-scatter"]
+    gathers = [c.shapes[0] for c in found if c.kind == "all-gather"]
+    assert len(scatters) == 2 and all(s.startswith("bf16[") for s in scatters), scatters
+    assert gathers and all(s.startswith("f64[") for s in gathers), gathers
+
+
 def wide_memory(stage, layers, loss_fn=loss, width=256):
     """XLA's memory analysis of a step on 4 devices of a stack of wide layers."""
     step = make(stage, 4, 1, loss_fn=loss_fn)
