@@ -76,7 +76,7 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
     collective inside the loop body, under ``jax.checkpoint`` with
     ``nothing_saveable``: the backward gathers each layer again instead of keeping
     the gathered weights, so the step's peak holds one layer's weights at a time; each
-    layer's gradient is reduce-scattered inside the loop (docs/semantics.md, "ZeRO").
+    layer's gradient is reduce-scattered inside the loop (docs/semantics.md, "ZeRO stage 3").
 
     Raises:
       ValueError: ``layers`` has no array leaf, a scalar leaf, or leaves of different
@@ -135,10 +135,11 @@ def _check_layers(state: Any) -> None:
 
 
 _NO_SCAN = (
-    "Parallel(zero_stage=3): loss_fn passes no stack of layers to jaxdp.scan_layers, so "
-    "every split parameter is gathered whole for each micro-batch: the parameters rest "
+    "Parallel(zero_stage=3): loss_fn passes no parameter to jaxdp.scan_layers as the step "
+    "hands it over (it never calls scan_layers, or transforms the layers first, e.g. a "
+    "cast), so every split parameter is gathered whole for each micro-batch: they rest "
     "split (1/{n} per device) but the step's peak memory is not reduced; loop over "
-    "stacked layers with jaxdp.scan_layers(fn, layers, carry) (docs/semantics.md, 'ZeRO')"
+    "stacked layers with jaxdp.scan_layers(fn, layers, carry) (docs/semantics.md, 'ZeRO stage 3')"
 )
 _OUTSIDE = (
     "Parallel(zero_stage=3): params leaves {names} reach jaxdp.scan_layers but loss_fn "
