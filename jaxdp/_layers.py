@@ -171,7 +171,8 @@ def gathered_loss(
             # whole leaves for the window (more memory, 1/K of the gathers: a later
             # regather="window", not this default).
             blocks = [leaves[i] for i in which]
-            blocks = jax.lax.optimization_barrier((blocks, jax.tree.leaves(rest)))[0]
+            batch = jax.tree.leaves(rest[0])  # parts(params, batch, ...)
+            blocks = jax.lax.optimization_barrier((blocks, batch))[0]
             for i, x in zip(which, blocks, strict=True):
                 leaves[i] = x
         leaves = gather(leaves, up_front, how)
@@ -217,7 +218,11 @@ def _stacked(parts, leaves, treedef, rest, dims, how, warn) -> set[int]:
     outside = {i for i in scope.seen if not _only_in_a_loop(jaxpr, jaxpr.invars[i])}
     if outside:
         paths = jax.tree_util.tree_flatten_with_path(treedef.unflatten(leaves))[0]
-        warn(_OUTSIDE.format(names=", ".join(jax.tree_util.keystr(paths[i][0]) for i in outside)))
+        warn(
+            _OUTSIDE.format(
+                names=", ".join(jax.tree_util.keystr(paths[i][0]) for i in sorted(outside))
+            )
+        )
     return scope.seen - outside
 
 
