@@ -124,6 +124,7 @@ def run_cli(*argv, cwd=None):
         (["launch", "--nprocs", "0", "--", "train"], 2, "nprocs=0 must be a positive integer"),
         (["launch", "--nprocs", "2", "--", "missing.py"], 2, "script 'missing.py' does not"),
         (["launch"], 2, "the following arguments are required: --nprocs"),
+        (["train", "--steps", "0"], 2, "jaxdp train: error: steps=0 must be a positive integer"),
         (["bench"], 2, "jaxdp bench runs from a source checkout"),
         (["nonsense"], 2, "invalid choice: 'nonsense'"),
     ],
