@@ -18,6 +18,8 @@ from ._reference import LinearModel as LinearModel
 from ._reference import Transformer as Transformer
 from ._reference import build_model as build_model
 from ._reference import model_loss as model_loss
+from ._scanned import ScannedTransformer as ScannedTransformer
+from ._scanned import stack_blocks as stack_blocks
 
 __all__ = [
     "CNN",
@@ -29,7 +31,9 @@ __all__ = [
     "BatchNorm",
     "EmbedBranch",
     "LinearModel",
+    "ScannedTransformer",
     "Transformer",
     "build_model",
     "model_loss",
+    "stack_blocks",
 ]
