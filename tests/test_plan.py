@@ -9,7 +9,7 @@ import pytest
 import jaxdp
 from jaxdp.cli import main
 from jaxdp.plan import _xla as xla
-from jaxdp.plan._memory import largest_divisor_at_most, parse_count
+from jaxdp.plan._memory import largest_divisor_at_most, parse_count, smallest_fit
 
 GB = 10**9
 
@@ -385,8 +385,8 @@ def test_stage_1_sends_what_a_ring_all_reduce_does_and_stage_2_one_scatter_per_m
     assert two.accum_steps == 2 and two.allreduce_bytes == 2e9  # 32 rows fit, bf16 sums
     share = (num_devices - 1) / num_devices
     assert two.ring_bytes == pytest.approx(share * (2 * 2e9 + 4e9))
-    with pytest.raises(ValueError, match="zero_stage=3 must be 0, 1 or 2"):
-        jaxdp.plan.plan_memory(**common, zero_stage=3)
+    with pytest.raises(ValueError, match="zero_stage=4 must be 0, 1, 2 or 3"):
+        jaxdp.plan.plan_memory(**common, zero_stage=4)
 
 
 def test_cli_model_at_a_zero_stage_says_xla_analysis_is_stage_0_only(capsys):
@@ -394,3 +394,94 @@ def test_cli_model_at_a_zero_stage_says_xla_analysis_is_stage_0_only(capsys):
     assert main(["plan", *flags]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "XLA's analysis: at --zero-stage 0 only" in out and "1 reduce-scatter" in out
+
+
+# The seeds' 70B example, Llama-2-70B's shape: 80 layers, the embedding and head outside.
+LAYERS_70B, ROOT_70B = 80, 1.05e9
+
+
+def test_stage_3_splits_the_whole_state_and_adds_one_gathered_layer_and_the_root_group():
+    """Per device at stage 3 on N devices (mixed-bf16 AdamW: 2 + 2 + 4 + 8 bytes of state
+    and 4 of accumulator per parameter, all split), in closed form: 20 P / N, plus one
+    layer of the stack and the root group gathered, in bf16 weights."""
+    p, n = 70e9, 32
+    plan = jaxdp.plan.plan_memory(
+        params=p,
+        device_memory="80GB",
+        num_devices=n,
+        zero_stage=3,
+        layers=LAYERS_70B,
+        root_params=ROOT_70B,
+    )
+    assert plan.state + plan.accumulator == pytest.approx(20 * p / n)
+    assert plan.weights == plan.gradients == pytest.approx(2 * p / n)
+    assert plan.gathered_layer == pytest.approx(2 * (p - ROOT_70B) / LAYERS_70B)
+    assert plan.root_group == 2 * ROOT_70B
+    assert plan.fixed == pytest.approx(20 * p / n + 2 * (p - ROOT_70B) / LAYERS_70B + 2 * ROOT_70B)
+    assert plan.fits_state
+    # Without --layers the gathered layer is unknown: not counted, and said so.
+    unknown = jaxdp.plan.plan_memory(params=p, num_devices=n, zero_stage=3)
+    assert unknown.gathered_layer is None
+    assert unknown.fixed == pytest.approx(20 * p / n)
+
+
+def test_the_70b_example_fits_at_stage_3_on_22_devices_where_stage_2_fits_on_none(capsys):
+    """Stage 2 keeps 4 bytes of weights and gradients per parameter whole, 280 GB of 70B
+    on any count; stage 3 fits from 70e9 x 20 / N + 1.72 GB + 2.1 GB <= 68 GB usable."""
+    common = dict(params=70e9, device_memory="80GB", layers=LAYERS_70B, root_params=ROOT_70B)
+    fewest = smallest_fit(jaxdp.plan.plan_memory(**common))
+    assert fewest == {0: None, 1: None, 2: None, 3: 22}
+    assert not jaxdp.plan.plan_memory(**common, num_devices=21, zero_stage=3).fits_state
+    assert jaxdp.plan.plan_memory(**common, num_devices=22, zero_stage=3).fits_state
+    assert not jaxdp.plan.plan_memory(**common, num_devices=22, zero_stage=2).fits_state
+    assert main(["plan", "--params", "70e9", "--device-memory", "80GB"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--zero-stage 2: state and accumulator fit on no device count up to 4096" in out
+    assert (
+        "--zero-stage 3: state and accumulator (before the gathered layer: give --layers) "
+        "fit on 21 device(s) or more"
+    ) in out
+    flags = ["--zero-stage", "3", "--num-devices", "22", "--layers", "80", "--root-params", "1.05B"]
+    assert main(["plan", "--params", "70e9", "--device-memory", "80GB", *flags]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "weights (1/22) 6.36 GB" in out and "gradients (1/22) 6.36 GB" in out
+    assert "gathered layer (1 of 80) 1.72 GB" in out and "root group gathered whole 2.10 GB" in out
+    assert "The state fits: 67.46 GB of 68.00 GB usable" in out
+
+
+@pytest.mark.parametrize("num_devices", [2, 8])
+def test_stage_3_gathers_each_layer_twice_and_scatters_it_once_per_micro_batch(num_devices):
+    """Per micro-batch: the stack's weights all-gathered in the forward and again in the
+    backward, the root group's once, every gradient reduce-scattered once; nothing
+    gathered after the update. Ring algorithms send (N-1)/N of each payload."""
+    p, root = 1e9, 1e8
+    plan = jaxdp.plan.plan_memory(
+        params=p,
+        policy="fp32",
+        num_devices=num_devices,
+        zero_stage=3,
+        layers=9,
+        root_params=root,
+        device_memory="80GB",
+        global_batch_size=64 * num_devices,
+        activation_bytes_per_sample=3e9,
+    )
+    assert plan.accum_steps == 4  # 19 to 21 rows of activations fit: 16 of the 64 per device
+    assert plan.gather_bytes == 4 * (2 * (p - root) + root)
+    assert plan.allreduce_bytes == 4 * p
+    share = (num_devices - 1) / num_devices
+    assert plan.ring_bytes == pytest.approx(share * 4 * (plan.gather_bytes + 4 * p))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(layers=0), r"layers=0 must be a positive integer"),
+        (dict(layers=2.5), r"layers=2.5 must be a positive integer"),
+        (dict(root_params=1e9), r"root_params=1000000000.0 must be a count in \[0, params="),
+        (dict(root_params=-1), r"root_params=-1 must be a count in \[0, params=1,000,000,000\)"),
+    ],
+)
+def test_stage_3_bad_stack_sizes_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jaxdp.plan.plan_memory(params=1e9, zero_stage=3, **kwargs)

@@ -115,10 +115,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--zero-stage",
         type=int,
-        choices=[0, 1, 2],
+        choices=[0, 1, 2, 3],
         default=0,
         help="1: master weights and optimizer state split over the devices (ZeRO-1); 2: the "
-        "gradient accumulator too (default: 0, all replicated)",
+        "gradient accumulator too; 3: the weights and gradients too, a layer gathered at a "
+        "time (ZeRO-3 / FSDP; see --layers) (default: 0, all replicated)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        metavar="L",
+        help="at --zero-stage 3: identical layers of the stack jaxdp.scan_layers loops over "
+        "(one is gathered at a time; default: unknown, not counted)",
+    )
+    p.add_argument(
+        "--root-params",
+        type=_arg(parse_count),
+        default=0,
+        metavar="COUNT",
+        help="at --zero-stage 3: parameters outside the stack (embeddings, head, final "
+        "norm), gathered whole per micro-batch (default: 0)",
     )
     p.add_argument(
         "--comm-dtype",
@@ -179,6 +196,8 @@ def plan_report(args: argparse.Namespace) -> str:
         input_bytes_per_sample=args.input_bytes_per_sample,
         zero_stage=args.zero_stage,
         comm_dtype=args.comm_dtype,
+        layers=args.layers,
+        root_params=args.root_params,
     )
     if args.params is not None:
         if args.model_arg:

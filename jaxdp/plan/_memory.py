@@ -10,7 +10,11 @@ and the all-reduce depend on ``num_devices``. The estimate counts, per device:
 - jaxdp's gradient accumulator: the step sums micro-batch gradients in
   ``accum_dtype`` (float32) and all-reduces that sum, 4 bytes per parameter;
 - the inputs of the per-device batch (``accum_steps * micro_batch_size`` rows)
-  and the activations of one micro-batch.
+  and the activations of one micro-batch;
+- at ZeRO stage 3, where weights and gradients rest split too, what the step gathers
+  while it runs: the largest layer of the stack (one at a time, by
+  :func:`jaxdp.scan_layers`) and the root group (the parameters outside the stack,
+  gathered whole for each micro-batch and kept through its backward).
 
 Sizes are bytes; GB means 10^9 bytes, GiB 2^30.
 """
@@ -150,8 +154,23 @@ class MemoryPlan:
     accum_steps: int | None
     allreduce_bytes: float  # payload of the gradient sums' collective per optimizer step
     link_bandwidth: float | None  # bytes/s each device sends at
-    zero_stage: int = 0  # 1: master weights and moments split over the devices; 2: accumulator too
-    gather_bytes: float = 0.0  # ZeRO: payload of the all-gather of the updated weights
+    # 1: master weights and moments split over the devices; 2: accumulator too; 3: weights
+    # and gradients too
+    zero_stage: int = 0
+    # ZeRO: the all-gathers' payload per optimizer step (stage 3: per micro-batch)
+    gather_bytes: float = 0.0
+    layers: int | None = None  # stage 3: layers of the stack; None: not given
+    root_params: int = 0  # stage 3: parameters outside the stack, gathered whole
+    gathered_layer: float | None = None  # stage 3: one layer's weights; None: layers unknown
+    root_group: float = 0.0  # stage 3: the root group's weights, gathered per micro-batch
+
+    @property
+    def gathered(self) -> float:
+        """Stage 3's gathered weights at the peak: one layer (where ``layers`` is known)
+        and the root group; 0 below stage 3."""
+        if self.zero_stage != 3:
+            return 0.0
+        return (self.gathered_layer or 0.0) + self.root_group
 
     @property
     def state(self) -> float:
@@ -160,8 +179,9 @@ class MemoryPlan:
 
     @property
     def fixed(self) -> float:
-        """Everything that does not grow with the batch: state and accumulator."""
-        return self.state + self.accumulator
+        """Everything that does not grow with the batch: state and accumulator, and at
+        stage 3 the gathered layer and root group."""
+        return self.state + self.accumulator + self.gathered
 
     @property
     def usable(self) -> float | None:
@@ -192,11 +212,15 @@ class MemoryPlan:
     def ring_bytes(self) -> float:
         """What each device sends per optimizer step under ring algorithms: one all-reduce
         (stage 0); a reduce-scatter and an all-gather (stage 1); ``accum_steps``
-        reduce-scatters and an all-gather (stage 2)."""
+        reduce-scatters and an all-gather (stage 2); per micro-batch the gathers of the
+        forward and backward and the reduce-scatters of every layer (stage 3)."""
         if not self.zero_stage:
             return ring_all_reduce_bytes(self.allreduce_bytes, self.num_devices)
-        scatters = (self.accum_steps or 1) if self.zero_stage == 2 else 1
+        k = self.accum_steps or 1
         share = (self.num_devices - 1) / self.num_devices
+        if self.zero_stage == 3:  # every collective once per micro-batch
+            return share * k * (self.allreduce_bytes + self.gather_bytes)
+        scatters = k if self.zero_stage == 2 else 1
         return share * (scatters * self.allreduce_bytes + self.gather_bytes)
 
     @property
@@ -220,6 +244,8 @@ def plan_memory(
     link_bandwidth: float | str | None = None,
     zero_stage: int = 0,
     comm_dtype: str | None = None,
+    layers: int | None = None,
+    root_params: float = 0,
 ) -> MemoryPlan:
     """Estimates one device's memory for data-parallel training with accumulation.
 
@@ -245,8 +271,17 @@ def plan_memory(
       zero_stage: 1 splits the master weights and the optimizer moments over
         the devices (``/ num_devices``), 2 the float32 gradient accumulator too
         (:func:`jaxdp.make_train_step`'s ``zero_stage``); weights and one
-        micro-batch's gradients stay whole.
+        micro-batch's gradients stay whole. 3 splits the weights and gradients too,
+        and counts what the step gathers (``layers``, ``root_params``). Every leaf is
+        assumed split: the planner has no leaf list, and the leaves jaxdp keeps whole
+        (no dimension the device count divides: biases, norms) are small.
       comm_dtype: ``"bfloat16"``: the gradient sums travel in 2 bytes/parameter.
+      layers: the identical layers of the stack :func:`jaxdp.scan_layers` loops over;
+        at stage 3 one of ``(params - root_params) / layers`` parameters is gathered at
+        a time (counted at stage 3, and in the fewest devices stage 3 needs). None:
+        unknown (the gathered layer is not counted).
+      root_params: stage 3: parameters outside the stack (embeddings, head, final
+        norm), gathered whole for each micro-batch and kept through its backward.
 
     Raises:
       ValueError: naming the argument, its value and the rule it breaks.
@@ -263,9 +298,17 @@ def plan_memory(
     num_devices = int(num_devices)
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1)")
-    if not is_integer(zero_stage) or zero_stage not in (0, 1, 2):
-        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1 or 2")
+    if not is_integer(zero_stage) or zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
     zero_stage = int(zero_stage)
+    if layers is not None and (not is_integer(layers) or layers < 1):
+        raise ValueError(f"layers={layers!r} must be a positive integer")
+    if not (isinstance(root_params, int | float) and 0 <= root_params < params):
+        raise ValueError(
+            f"root_params={root_params!r} must be a count in [0, params={params:,}): the "
+            "parameters outside the stack of layers"
+        )
+    root_params = int(round(root_params))
     if comm_dtype not in (None, "bfloat16"):
         raise ValueError(f"comm_dtype={comm_dtype!r} must be None or 'bfloat16'")
     for name, value in (
@@ -291,6 +334,16 @@ def plan_memory(
     def split(value: float, from_stage: int) -> float:
         return value / num_devices if zero_stage >= from_stage else value
 
+    gather_bytes = params * p.weights if zero_stage else 0.0
+    if zero_stage == 3:
+        # Per micro-batch: each layer gathered in the forward and again in the backward
+        # (the remat keeps no gathered weight), the root group once.
+        gather_bytes = (2 * (params - root_params) + root_params) * p.weights
+    # Counted at stage 3; at the others, for the fewest devices stage 3 needs.
+    gathered_layer = None
+    if layers is not None:
+        gathered_layer = (params - root_params) / layers * p.weights
+
     plan = MemoryPlan(
         params=params,
         policy=policy,
@@ -298,8 +351,8 @@ def plan_memory(
         num_devices=num_devices,
         device_memory=device_memory,
         headroom=headroom,
-        weights=params * p.weights,
-        gradients=params * p.gradients,
+        weights=split(params * p.weights, 3),
+        gradients=split(params * p.gradients, 3),
         master=split(params * p.master, 1),
         optimizer_state=split(params * p.moment * OPTIMIZER_MOMENTS[optimizer], 1),
         accumulator=split(params * ACCUM_BYTES, 2),
@@ -312,32 +365,46 @@ def plan_memory(
         allreduce_bytes=params * (2 if comm_dtype else ACCUM_BYTES),
         link_bandwidth=link_bandwidth,
         zero_stage=zero_stage,
-        gather_bytes=params * p.weights if zero_stage else 0.0,
+        gather_bytes=gather_bytes,
+        layers=layers,
+        root_params=root_params,
+        gathered_layer=gathered_layer,
+        root_group=root_params * p.weights,
     )
     return _size_batches(plan)
 
 
 def fixed_bytes(
-    params: int, policy: str, optimizer: str, num_devices: int, zero_stage: int
+    params: int,
+    policy: str,
+    optimizer: str,
+    num_devices: int,
+    zero_stage: int,
+    gathered: float = 0.0,
 ) -> float:
-    """Training state and accumulator per device, at a stage on ``num_devices``."""
+    """Training state and accumulator per device, at a stage on ``num_devices``; stage 3
+    adds ``gathered`` (its gathered layer and root group, the same on any count)."""
     p = DTYPE_POLICIES[policy]
     split = [p.master + p.moment * OPTIMIZER_MOMENTS[optimizer], ACCUM_BYTES]
-    whole = p.weights + p.gradients
+    split += [p.weights + p.gradients]
+    whole = 0.0
     for stage, part in enumerate(split, start=1):
         whole += part / num_devices if zero_stage >= stage else part
-    return params * whole
+    return params * whole + (gathered if zero_stage == 3 else 0.0)
 
 
 def smallest_fit(plan: MemoryPlan, *, max_devices: int = 4096) -> dict[int, int | None]:
     """Per ZeRO stage, the fewest devices on which state and accumulator fit the usable
-    memory (before the batch); None where no count does (stage 0: the same on any)."""
+    memory (before the batch; at stage 3 with ``plan``'s gathered layer and root group,
+    where known); None where no count does (stage 0: the same on any)."""
     assert plan.usable is not None
     found: dict[int, int | None] = {}
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         n = 1
         while n <= max_devices:
-            if fixed_bytes(plan.params, plan.policy, plan.optimizer, n, stage) <= plan.usable:
+            gathered = (plan.gathered_layer or 0.0) + plan.root_group
+            need = fixed_bytes(plan.params, plan.policy, plan.optimizer, n, stage, gathered)
+            if need <= plan.usable:
                 break
             n = n + 1 if stage else max_devices + 1
         found[stage] = n if n <= max_devices else None

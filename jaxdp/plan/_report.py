@@ -90,7 +90,18 @@ def _zero_line(plan: MemoryPlan) -> list[str]:
     split = "master weights and optimizer state"
     if plan.zero_stage == 2:
         split = "master weights, optimizer state and gradient accumulator"
-    return [f"zero_stage={plan.zero_stage}: {split} split over the {plan.num_devices} device(s)"]
+    if plan.zero_stage == 3:
+        split = "weights, gradients, master weights, optimizer state and gradient accumulator"
+    lines = [f"zero_stage={plan.zero_stage}: {split} split over the {plan.num_devices} device(s)"]
+    if plan.zero_stage == 3:
+        stack = f"{plan.params - plan.root_params:,} parameters in a stack of "
+        stack += f"{plan.layers} layers" if plan.layers else "layers (--layers not given)"
+        lines.append(
+            f"  {stack} gathered one layer at a time (jaxdp.scan_layers), {plan.root_params:,} "
+            "outside it (--root-params) gathered whole per micro-batch; every leaf assumed "
+            "split (those no device count divides, kept whole, are not counted)"
+        )
+    return lines
 
 
 def _table(plan: MemoryPlan) -> str:
@@ -107,13 +118,22 @@ def _table(plan: MemoryPlan) -> str:
         n = plan.num_devices
         rows[2] = (f"master weights (1/{n})", plan.master)
         rows[3] = (f"optimizer state ({moments} moment(s), 1/{n})", plan.optimizer_state)
-        if plan.zero_stage == 2:
+        if plan.zero_stage >= 2:
             rows[5] = (f"gradient accumulator (fp32, 1/{n})", plan.accumulator)
+        if plan.zero_stage == 3:
+            rows[0] = (f"weights (1/{n})", plan.weights)
+            rows[1] = (f"gradients (1/{n})", plan.gradients)
+            layer = plan.gathered_layer
+            named = f"gathered layer (1 of {plan.layers})" if plan.layers else "gathered layer"
+            rows.append((named, "unknown (give --layers)" if layer is None else layer))
+            rows.append(("root group gathered whole", plan.root_group))
     rows += _batch_rows(plan) if plan.device_memory is None else _fitted_rows(plan)
     lines = ["per device (estimate):"]
     for name, value in rows:
         shown = "unknown (give --activation-bytes-per-sample)" if value is None else value
-        lines.append(f"  {name:<34} {shown if value is None else format_bytes(shown):>12}")
+        if not isinstance(shown, str):
+            shown = format_bytes(shown)
+        lines.append(f"  {name:<34} {shown:>12}")
     return "\n".join(lines)
 
 
@@ -213,10 +233,17 @@ def _what_fits(plan: MemoryPlan) -> str:
         )
     else:
         lines.append(f"Not on {plan.num_devices} device(s) at zero_stage={plan.zero_stage}:")
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         n = fewest[stage]
         where = f"on {n} device(s) or more" if n else "on no device count up to 4096"
-        lines.append(f"  --zero-stage {stage}: state and accumulator fit {where}")
+        what = "state and accumulator"
+        if stage == 3:
+            what = (
+                "state, accumulator, gathered layer and root group"
+                if plan.gathered_layer is not None
+                else "state and accumulator (before the gathered layer: give --layers)"
+            )
+        lines.append(f"  --zero-stage {stage}: {what} fit {where}")
     return "\n".join(lines)
 
 
@@ -264,7 +291,17 @@ def _allreduce(plan: MemoryPlan, xla: XlaFigures | None) -> str:
     wire = "bf16" if plan.allreduce_bytes < plan.params * ACCUM_BYTES else "fp32"
     per_param = int(plan.allreduce_bytes // plan.params)
     sums = f"{wire} gradient sums, {per_param} bytes/parameter"
-    if plan.zero_stage:
+    if plan.zero_stage == 3:
+        k = plan.accum_steps
+        times = f"{k} per optimizer step" if k else "accum_steps not sized: counted once"
+        line = (
+            f"per micro-batch ({times}): each layer all-gathered in the forward and again "
+            "in the backward and the root group once, "
+            f"{format_bytes(plan.gather_bytes)} (the weights), and a reduce-scatter per layer "
+            f"and of the root group, {format_bytes(plan.allreduce_bytes)} ({sums}); no "
+            "all-gather after the update"
+        )
+    elif plan.zero_stage:
         count = "1 reduce-scatter"
         if plan.zero_stage == 2:
             k = plan.accum_steps
