@@ -38,20 +38,28 @@ def write_data(path, model, n=240):
     np.savez(path, x=x.astype(np.float32), y=y)
 
 
-@pytest.mark.parametrize("data", ["digits", "npz"])
-@pytest.mark.parametrize("model", model_choices())
+# The GPT reads the digits' pixels as tokens: the digits only (a test below says so).
+RUNS = [(m, d) for m in model_choices() for d in ("digits", "npz") if (m, d) != ("gpt", "npz")]
+
+
+@pytest.mark.parametrize("model,data", RUNS)
 def test_every_model_trains_on_the_digits_and_on_a_users_data(tmp_path, capsys, model, data):
     # 30 steps: the CNN learns the digits slowly (its loss 2.32 -> 2.18 over them).
     flags = ["--model", model, "--steps", "30", "--lr", "1e-2", "--hidden", "16"]
+    if model == "gpt":  # the model stage 3 is for: trained with its layers gathered
+        flags += ["--zero-stage", "3"]
     metrics, summary = tmp_path / "m.jsonl", tmp_path / "summary.json"
     flags += ["--metrics-out", str(metrics), "--summary-out", str(summary)]
     if data == "npz":
         write_data(tmp_path / "d.npz", model)
         flags += ["--data", str(tmp_path / "d.npz")]
     assert main([*TRAIN, *flags]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     named = str(tmp_path / "d.npz") if data == "npz" else "digits"
     assert f"jaxdp train: {named} {model.upper()} (float32) on 2 cpu device(s)" in out
+    if model == "gpt":  # no warning that the peak is not reduced: scan_layers took the stack
+        assert "zero_stage=3: parameters, gradients, gradient accumulator and optimizer " in out
+        assert "scan_layers" not in err, err
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert len(losses) == 30 and all(np.isfinite(losses)), losses
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.05, losses  # it learns
@@ -68,9 +76,25 @@ def test_every_model_trains_on_the_digits_and_on_a_users_data(tmp_path, capsys, 
     config = TrainConfig(model=model, hidden=16, data=flags[-1] if data == "npz" else None)
     split = load(config)
     inputs = {("mlp", "digits"): 64, ("mlp", "npz"): 6, ("cnn", "digits"): 1, ("cnn", "npz"): 2}
+    inputs["gpt", "digits"] = 64  # tokens, one per pixel
     assert split.x_train.shape[-1] == inputs[model, data]
-    first = build(config, split).fc1 if model == "mlp" else build(config, split).conv1
+    built = build(config, split)
+    if model == "gpt":
+        assert built.pos_emb.num_embeddings == 64 and built.tok_emb.num_embeddings == 17
+        assert split.x_train[:].dtype == np.int32 and split.x_train[:].max() <= 16
+        return
+    first = built.fc1 if model == "mlp" else built.conv1
     assert first.in_features == inputs[model, data]
+
+
+def test_zero_stage_3_trains_the_gpt_by_default_and_the_gpt_takes_no_data_of_its_own():
+    assert TrainConfig(zero_stage=3).model == "gpt"
+    assert TrainConfig().model == "mlp" and TrainConfig(zero_stage=2).model == "mlp"
+    assert TrainConfig(zero_stage=3, model="mlp").model == "mlp"  # trained, with a warning
+    with pytest.raises(ValueError, match=r"data='d.npz': model='gpt' trains on the digits only"):
+        TrainConfig(model="gpt", data="d.npz")
+    with pytest.raises(ValueError, match=r"hidden=30 is the GPT's d_model and must be divisible"):
+        TrainConfig(model="gpt", hidden=30)
 
 
 @pytest.mark.parametrize(

@@ -15,11 +15,14 @@ if TYPE_CHECKING:  # only names of string choices: the parser and its help impor
 
 Precision = Literal["float32", "float64", "bfloat16"]
 DEFAULT_EPOCHS = 15  # when neither epochs nor steps is given
+GPT_HEADS, GPT_LAYERS = 4, 4  # the sizes of --model gpt that --hidden (d_model) leaves fixed
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    model: str = "mlp"  # "mlp" (64-hidden-hidden-10) or "cnn" (on the 8x8x1 images)
+    # "mlp" (64-hidden-hidden-10), "cnn" (on the 8x8x1 images) or "gpt" (the scanned
+    # GPT on the 64 pixels as tokens); None: "gpt" at zero_stage 3, else "mlp".
+    model: str | None = None
     data: str | None = None  # a .npz with x (features or images) and y (labels); None: digits
     num_classes: int | None = None  # the model's outputs with data; None: the largest label + 1
     num_devices: int | None = None  # data-parallel devices; None: all there are
@@ -34,10 +37,12 @@ class TrainConfig:
     learning_rate: float = 3e-3
     path: AccumulationPath = "fused"  # "fused" or "multisteps"
     strategy: Strategy = "shard_map"  # "shard_map" or "pmap"
-    zero_stage: int = 0  # 1: optimizer state sharded over the devices; 2: and the accumulator
+    # 1: optimizer state sharded over the devices; 2: and the accumulator; 3: and the
+    # parameters and gradients (the GPT's blocks gathered one at a time)
+    zero_stage: int = 0
     comm_dtype: str | None = None  # "bfloat16": gradients sent in bfloat16; None: as accumulated
     precision: Precision = "float32"  # bfloat16: bfloat16 compute, float32 parameters
-    hidden: int = 128  # width of the MLP's hidden layers
+    hidden: int = 128  # width of the MLP's hidden layers, or the GPT's d_model
     seed: int = 0  # model init, held-out split, data order
     checkpoint_dir: str | None = None  # where checkpoints go; None: none
     checkpoint_every: int | None = None  # optimizer steps between checkpoints; None: at the end
@@ -68,11 +73,13 @@ class TrainConfig:
                 f"learning_rate={lr!r} must be a finite number >= 0 (as torch.optim requires; "
                 "a negative one ascends the loss)"
             )
+        if self.model is None:  # a stage-3 run trains the model whose layers it can gather
+            object.__setattr__(self, "model", "gpt" if self.zero_stage == 3 else "mlp")
         for name, allowed in (
-            ("model", ("mlp", "cnn")),
+            ("model", ("mlp", "cnn", "gpt")),
             ("optimizer", ("adamw", "sgd")),
             ("precision", ("float32", "float64", "bfloat16")),
-            ("zero_stage", (0, 1, 2)),
+            ("zero_stage", (0, 1, 2, 3)),
             ("comm_dtype", (None, "bfloat16")),
         ):
             if getattr(self, name) not in allowed:
@@ -84,6 +91,17 @@ class TrainConfig:
             raise ValueError(
                 f"num_classes={self.num_classes} needs data (the digits have 10 classes)"
             )
+        if self.model == "gpt":
+            if self.data is not None:
+                raise ValueError(
+                    f"data={self.data!r}: model='gpt' trains on the digits only (their 64 "
+                    "pixels as tokens); choose model='mlp' or 'cnn' for data of your own"
+                )
+            if self.hidden % GPT_HEADS:
+                raise ValueError(
+                    f"hidden={self.hidden} is the GPT's d_model and must be divisible by its "
+                    f"{GPT_HEADS} attention heads"
+                )
         if self.plot is not None and not self.plot.endswith(".png"):
             raise ValueError(f"plot={self.plot!r} must name a .png file")
 

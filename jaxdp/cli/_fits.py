@@ -62,10 +62,11 @@ def state_bytes(config: TrainConfig, params: int, num_devices: int) -> tuple[int
     """Bytes of one device's training state at least, and what they are made of."""
     each = 8 if config.precision == "float64" else 4  # bfloat16 keeps float32 parameters
     moments = 2 if config.optimizer == "adamw" else 1  # SGD keeps its momentum
-    # ZeRO stage 1 splits the moments over the devices, stage 2 the accumulator too.
+    # ZeRO stage 1 splits the moments over the devices, stage 2 the accumulator too,
+    # stage 3 the weights and gradients too (its gathered layer is a temporary).
     per = [
-        ("weights", each, False),
-        ("gradients", each, False),
+        ("weights", each, config.zero_stage >= 3),
+        ("gradients", each, config.zero_stage >= 3),
         (
             "AdamW's 2 moments" if moments == 2 else "SGD's momentum",
             moments * each,
@@ -107,12 +108,14 @@ def _model(config: TrainConfig, data: Split) -> str:
     if config.model == "mlp":
         sizes = [data.x_train.shape[-1], config.hidden, config.hidden, data.num_classes]
         return f"hidden={config.hidden}: the MLP {'-'.join(map(str, sizes))}"
+    if config.model == "gpt":
+        return f"hidden={config.hidden}: the GPT of d_model {config.hidden}"
     source = f"data={config.data!r}" if config.data else "model='cnn'"
     return f"{source}: the CNN on {data.x_train.shape[1:]} images"
 
 
 def _fix(config: TrainConfig) -> str:
-    flag = "--hidden" if config.model == "mlp" else "--data"
+    flag = "--data" if config.model == "cnn" else "--hidden"
     return f"choose a smaller {flag} (or fewer devices per process, on CPU)"
 
 

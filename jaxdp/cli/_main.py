@@ -56,7 +56,13 @@ def _options(p: argparse.ArgumentParser, title: str) -> Callable[..., Any]:
 
 
 def _model_options(option: Callable[..., Any], d: TrainConfig) -> None:
-    option("--model", choices=["mlp", "cnn"], help=f"reference model (default: {d.model})")
+    option(
+        "--model",
+        choices=["mlp", "cnn", "gpt"],
+        help="reference model; gpt: a GPT of 4 blocks scanned by jaxdp.scan_layers on the "
+        "digits' 64 pixels as tokens, classifying from the last (default: gpt at "
+        "--zero-stage 3, else mlp)",
+    )
     option(
         "--data",
         metavar="PATH",
@@ -70,7 +76,12 @@ def _model_options(option: Callable[..., Any], d: TrainConfig) -> None:
         type=int,
         help="classes of --data's labels, when some have no row (default: the largest label + 1)",
     )
-    option("--hidden", metavar="WIDTH", type=int, help=f"MLP hidden width (default: {d.hidden})")
+    option(
+        "--hidden",
+        metavar="WIDTH",
+        type=int,
+        help=f"MLP hidden width, or the GPT's d_model (default: {d.hidden})",
+    )
     option(
         "--precision",
         choices=["float32", "float64", "bfloat16"],
@@ -138,10 +149,12 @@ def _batch_options(option: Callable[..., Any], d: TrainConfig) -> None:
     option(
         "--zero-stage",
         type=int,
-        choices=[0, 1, 2],
+        choices=[0, 1, 2, 3],
         help="1: the optimizer state split over the devices (ZeRO-1: one reduce-scatter and "
         "one all-gather per step); 2: the gradient accumulator too (a reduce-scatter per "
-        f"micro-batch); shard_map only (default: {d.zero_stage})",
+        "micro-batch); 3: the parameters and gradients too (ZeRO-3 / FSDP: each GPT block "
+        "gathered when used, in the forward and again in the backward); shard_map only "
+        f"(default: {d.zero_stage})",
     )
     option(
         "--comm-dtype",

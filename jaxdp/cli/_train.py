@@ -48,9 +48,9 @@ from .._step import TrainStep, make_train_step
 from .._train_state import TrainState
 from ..checkpoint import CheckpointError, Checkpoints
 from ..data import Batch, DataChangedError, Loader, evaluate
-from ..models import CNN, MLP
-from ._config import Precision, TrainConfig
-from ._data import Split, load_digits, load_file
+from ..models import CNN, MLP, ScannedTransformer
+from ._config import GPT_HEADS, GPT_LAYERS, Precision, TrainConfig
+from ._data import Rows, Split, load_digits, load_file
 from ._fits import check_fits
 from ._metrics import MetricsLog, agree, plot_training, say
 from ._outputs import check_fresh, claimed, own_outputs_since
@@ -59,12 +59,32 @@ from ._resume import check_continues
 # ---- the config's model, data, loss and optimizer --------------------------------------
 
 
+# The GPT reads each digit's 64 pixels (0 to 16 in the UCI file) as 64 tokens.
+PIXEL_LEVELS = 16
+
+
 def build(config: TrainConfig, data: Split | None = None) -> nnx.Module:
     """The reference model of ``config`` with float64 or float32 parameters, sized
     from ``data`` (:func:`load`'s: the last axis of ``x`` is the MLP's features or the
-    CNN's channels; its classes; default: the digits, 64 pixels or 8x8x1 images)."""
+    CNN's channels; its classes; default: the digits, 64 pixels or 8x8x1 images).
+
+    ``gpt``: :class:`jaxdp.models.ScannedTransformer`, ``GPT_LAYERS`` blocks stacked
+    (one parameter tree at every ZeRO stage) of width ``hidden``, over the 64 pixel
+    tokens, with a head to the classes."""
     param_dtype = jnp.float64 if config.precision == "float64" else jnp.float32
     rngs = nnx.Rngs(config.seed)
+    if config.model == "gpt":
+        length = 64 if data is None else data.x_train.shape[-1]
+        return ScannedTransformer(
+            vocab_size=PIXEL_LEVELS + 1,
+            block_size=length,
+            d_model=config.hidden,
+            n_heads=GPT_HEADS,
+            n_layers=GPT_LAYERS,
+            num_outputs=10 if data is None else data.num_classes,
+            rngs=rngs,
+            param_dtype=param_dtype,
+        )
     cnn = config.model == "cnn"
     features, classes = (1 if cnn else 64), 10
     if data is not None:
@@ -78,8 +98,16 @@ def load(config: TrainConfig) -> Split:
     """The run's data: ``config.data`` (a .npz or a directory of .npy) or the digits,
     read as the parameters' dtype (float32 for bfloat16: the forward casts). ``x`` is
     rows of features for the MLP, images ``[n, h, w, channels]`` for the CNN (the digits:
-    ``[n, 8, 8, 1]``)."""
+    ``[n, 8, 8, 1]``), the digits' pixels as int32 tokens ``[n, 64]`` in ``[0, 16]`` for
+    the GPT."""
     dtype = np.float64 if config.precision == "float64" else np.float32
+    if config.model == "gpt":  # the config allows the digits only
+        pixels = load_digits(seed=config.seed)  # the same split as the MLP's
+        tokens = np.rint(pixels.x_train.base * PIXEL_LEVELS).astype(np.int32)
+        return pixels._replace(
+            x_train=Rows(tokens, pixels.x_train.index, np.int32),
+            x_test=Rows(tokens, pixels.x_test.index, np.int32),
+        )
     if config.data is None:
         return load_digits(seed=config.seed, dtype=dtype, images=config.model == "cnn")
     return load_file(
@@ -93,16 +121,22 @@ def load(config: TrainConfig) -> Split:
 
 def forward(model: nnx.Module, x: jax.Array, precision: Precision) -> jax.Array:
     """Logits of ``x`` (as :func:`load` gives it); bfloat16 computes on bfloat16 copies.
+    The GPT's are its last position's (the one that attends to every pixel).
 
     The bfloat16 casts are differentiable, so gradients reach the float32
     parameters in float32 (mixed precision without loss scaling: bfloat16
     has float32's exponent range).
     """
-    if precision != "bfloat16":
-        return model(x)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    low = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
-    return nnx.merge(graphdef, low, rest)(x.astype(jnp.bfloat16)).astype(jnp.float32)
+    if precision == "bfloat16":
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        low = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+        model = nnx.merge(graphdef, low, rest)
+        if jnp.issubdtype(x.dtype, jnp.floating):  # the GPT's tokens stay integers
+            x = x.astype(jnp.bfloat16)
+    logits = model(x)
+    if precision == "bfloat16":
+        logits = logits.astype(jnp.float32)
+    return logits[:, -1] if isinstance(model, ScannedTransformer) else logits
 
 
 def loss_fn(precision: Precision) -> Callable[[nnx.Module, Any], jax.Array]:
@@ -217,7 +251,11 @@ def prepare(
         say(f"classes: {data.num_classes} ({told})")
     say(f"batch: {sizes.describe()}")
     if config.zero_stage or config.comm_dtype:
-        split = ("optimizer state", "optimizer state and gradient accumulator")
+        split = (
+            "optimizer state",
+            "optimizer state and gradient accumulator",
+            "parameters, gradients, gradient accumulator and optimizer state",
+        )
         zero = f"zero_stage={config.zero_stage}"
         if config.zero_stage:
             zero += f": {split[config.zero_stage - 1]} split over {sizes.num_devices} device(s)"
