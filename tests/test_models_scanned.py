@@ -74,3 +74,19 @@ def test_bad_layer_counts_and_block_names_are_refused():
     state = nnx.state(Transformer(rngs=nnx.Rngs(0)), nnx.Param)
     with pytest.raises(ValueError, match=r"blocks=\['blocks'\]: \['blocks'\] not in the state"):
         stack_blocks(state, ["blocks"])
+
+
+def test_a_compute_dtype_casts_each_block_inside_the_loop():
+    """bfloat16 compute over float32 parameters: the scan takes the stacked float32
+    leaves and casts inside its body (at stage 3 after a layer's gather; a cast before
+    the loop would gather the whole stack), and the gradients stay float32."""
+    model = ScannedTransformer(n_layers=2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = tokens()
+    graphdef, params = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(x))(params)
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    stacked = [v.aval for v in scan.invars if v.aval.ndim and v.aval.shape[0] == 2]
+    assert stacked and {a.dtype for a in stacked} == {jnp.dtype(jnp.float32)}, stacked
+    assert jaxpr.out_avals[0].dtype == jnp.bfloat16
+    grads = nnx.jit(nnx.grad(lambda m, x: loss(m, x).astype(jnp.float32)))(model, x)
+    assert {a.dtype for a in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}

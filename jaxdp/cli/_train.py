@@ -82,6 +82,10 @@ def build(config: TrainConfig, data: Split | None = None) -> nnx.Module:
             n_heads=GPT_HEADS,
             n_layers=GPT_LAYERS,
             num_outputs=10 if data is None else data.num_classes,
+            # bfloat16: cast a block at a time inside the loop, after its gather (a cast
+            # of the whole model before it, as forward does for the others, would gather
+            # every block at once at stage 3).
+            dtype=jnp.bfloat16 if config.precision == "bfloat16" else None,
             rngs=rngs,
             param_dtype=param_dtype,
         )
@@ -120,19 +124,18 @@ def load(config: TrainConfig) -> Split:
 
 
 def forward(model: nnx.Module, x: jax.Array, precision: Precision) -> jax.Array:
-    """Logits of ``x`` (as :func:`load` gives it); bfloat16 computes on bfloat16 copies.
-    The GPT's are its last position's (the one that attends to every pixel).
+    """Logits of ``x`` (as :func:`load` gives it); bfloat16 computes on bfloat16 copies
+    (the GPT casts its own, a block at a time: :func:`build`). The GPT's logits are its
+    last position's (the one that attends to every pixel).
 
     The bfloat16 casts are differentiable, so gradients reach the float32
     parameters in float32 (mixed precision without loss scaling: bfloat16
     has float32's exponent range).
     """
-    if precision == "bfloat16":
+    if precision == "bfloat16" and not isinstance(model, ScannedTransformer):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         low = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
-        model = nnx.merge(graphdef, low, rest)
-        if jnp.issubdtype(x.dtype, jnp.floating):  # the GPT's tokens stay integers
-            x = x.astype(jnp.bfloat16)
+        model, x = nnx.merge(graphdef, low, rest), x.astype(jnp.bfloat16)
     logits = model(x)
     if precision == "bfloat16":
         logits = logits.astype(jnp.float32)

@@ -28,7 +28,10 @@ class ScannedTransformer(nnx.Module):
     ``tokens [B, T]`` (``T <= block_size``) -> logits ``[B, T, num_outputs]``;
     ``num_outputs`` None is ``vocab_size`` (a language model's head), a class count
     makes each position's logits a classification (``jaxdp train --model gpt`` reads the
-    last position's, which attends to every token).
+    last position's, which attends to every token). ``dtype``: the compute dtype (e.g.
+    bfloat16 over float32 parameters), each block's parameters cast inside the loop,
+    so that at stage 3 the cast follows the gather of one layer (a cast of the whole
+    stack before :func:`jaxdp.scan_layers` would gather it whole); None: the parameters'.
     """
 
     def __init__(
@@ -40,12 +43,14 @@ class ScannedTransformer(nnx.Module):
         n_layers: int = 2,
         *,
         num_outputs: int | None = None,
+        dtype: Any = None,
         rngs: nnx.Rngs,
         param_dtype: Any = jnp.float32,
     ):
         if n_layers < 1:
             raise ValueError(f"n_layers={n_layers} must be at least 1")
         kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.dtype = dtype
         self.tok_emb = nnx.Embed(vocab_size, d_model, **kw)
         self.pos_emb = nnx.Embed(block_size, d_model, **kw)
 
@@ -60,9 +65,24 @@ class ScannedTransformer(nnx.Module):
         self.head = nnx.Linear(d_model, num_outputs or vocab_size, use_bias=False, **kw)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        h = self.tok_emb(tokens) + self.pos_emb(jnp.arange(tokens.shape[1]))
-        h = scan_layers(lambda block, h: block(h), self.blocks, h)
-        return self.head(self.ln_f(h))
+        def cast(module: nnx.Module) -> nnx.Module:
+            return module if self.dtype is None else _cast(module, self.dtype)
+
+        def embed(table: nnx.Embed, ids: jax.Array) -> jax.Array:
+            # nnx.Embed computes in the dtype it was built with: cast the rows it picks.
+            rows = table(ids)
+            return rows if self.dtype is None else rows.astype(self.dtype)
+
+        h = embed(self.tok_emb, tokens) + embed(self.pos_emb, jnp.arange(tokens.shape[1]))
+        h = scan_layers(lambda block, h: cast(block)(h), self.blocks, h)
+        return cast(self.head)(cast(self.ln_f)(h))
+
+
+def _cast(module: nnx.Module, dtype: Any) -> nnx.Module:
+    """A copy of ``module`` with its parameters cast to ``dtype`` (differentiable: the
+    gradients reach the parameters in their own dtype)."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    return nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params), rest)
 
 
 def stack_blocks(state: Any, blocks: list[str]) -> Any:
