@@ -139,8 +139,18 @@ TRAIN = ["train", "--cpu-devices", "8"]
         ),
         (
             ["--zero-stage", "1", "--strategy", "pmap"],
-            "zero_stage=1 needs strategy='shard_map' (the legacy pmap strategy keeps the "
-            "optimizer state replicated); use strategy='shard_map' or zero_stage=0",
+            "zero_stage=1 needs strategy='shard_map' (the legacy pmap strategy keeps every "
+            "leaf replicated); use strategy='shard_map' or zero_stage=0",
+        ),
+        (
+            ["--zero-stage", "3", "--data", "/x.npz"],
+            "data='/x.npz': model='gpt' trains on the digits only (their 64 pixels as tokens); "
+            "choose model='mlp' or 'cnn' for data of your own",
+        ),
+        (
+            ["--zero-stage", "3", "--strategy", "pmap"],
+            "zero_stage=3 needs strategy='shard_map' (the legacy pmap strategy keeps every "
+            "leaf replicated); use strategy='shard_map' or zero_stage=0",
         ),
         (
             ["--num-devices", "99"],
