@@ -7,44 +7,48 @@ needs; the tools are subpackages, imported on first use:
 ``jaxdp.checkpoint``, ``jaxdp.data``, ``jaxdp.models``, ``jaxdp.parity``, ``jaxdp.plan``,
 ``jaxdp.testing`` and ``jaxdp.cli``. Everything not re-exported is private.
 
-``import jaxdp`` imports JAX but does not start its backend, so
-:func:`emulate_cpu_devices` still works right after it.
+``import jaxdp`` imports no JAX, flax or optax: each name is imported from
+its module on first use, so a process that only launches others, or prints
+the command line's help, never pays for them. Nor does any of it start JAX's
+backend, so :func:`emulate_cpu_devices` still works right after it.
 """
 
 import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-from ._distributed import initialize as initialize
-from ._forward import LossReduction as LossReduction
-from ._frozen import Trainable as Trainable
-from ._layers import scan_layers as scan_layers
-from ._layout import BatchSizes as BatchSizes
-from ._layout import EpochSchedule as EpochSchedule
-from ._layout import LastWindow as LastWindow
-from ._layout import ProcessShare as ProcessShare
-from ._layout import batch_sizes as batch_sizes
-from ._layout import epoch_schedule as epoch_schedule
-from ._layout import micro_batches as micro_batches
-from ._layout import process_share as process_share
-from ._mesh import DATA_AXIS as DATA_AXIS
-from ._mesh import data_mesh as data_mesh
-from ._mesh import emulate_cpu_devices as emulate_cpu_devices
-from ._model_state import BatchStats as BatchStats
-from ._options import AccumulationPath as AccumulationPath
-from ._options import Parallel as Parallel
-from ._options import Skips as Skips
-from ._options import Strategy as Strategy
-from ._position import SamplerPosition as SamplerPosition
-from ._position import resume_position as resume_position
-from ._replicas import ReplicaMismatchError as ReplicaMismatchError
-from ._replicas import check_replicas as check_replicas
-from ._sampler import DistributedSampler as DistributedSampler
-from ._skip_watch import SkipWatch as SkipWatch
-from ._step import TrainStep as TrainStep
-from ._step import make_train_step as make_train_step
-from ._train_state import NonFiniteError as NonFiniteError
-from ._train_state import TrainState as TrainState
-from ._train_state import Window as Window
+if _TYPE_CHECKING:  # for type checkers; at run time __getattr__ imports each on first use
+    from ._distributed import initialize as initialize
+    from ._forward import LossReduction as LossReduction
+    from ._frozen import Trainable as Trainable
+    from ._layers import scan_layers as scan_layers
+    from ._layout import BatchSizes as BatchSizes
+    from ._layout import EpochSchedule as EpochSchedule
+    from ._layout import LastWindow as LastWindow
+    from ._layout import ProcessShare as ProcessShare
+    from ._layout import batch_sizes as batch_sizes
+    from ._layout import epoch_schedule as epoch_schedule
+    from ._layout import micro_batches as micro_batches
+    from ._layout import process_share as process_share
+    from ._mesh import DATA_AXIS as DATA_AXIS
+    from ._mesh import data_mesh as data_mesh
+    from ._mesh import emulate_cpu_devices as emulate_cpu_devices
+    from ._model_state import BatchStats as BatchStats
+    from ._options import AccumulationPath as AccumulationPath
+    from ._options import Parallel as Parallel
+    from ._options import Skips as Skips
+    from ._options import Strategy as Strategy
+    from ._position import SamplerPosition as SamplerPosition
+    from ._position import resume_position as resume_position
+    from ._replicas import ReplicaMismatchError as ReplicaMismatchError
+    from ._replicas import check_replicas as check_replicas
+    from ._sampler import DistributedSampler as DistributedSampler
+    from ._skip_watch import SkipWatch as SkipWatch
+    from ._step import TrainStep as TrainStep
+    from ._step import make_train_step as make_train_step
+    from ._train_state import NonFiniteError as NonFiniteError
+    from ._train_state import TrainState as TrainState
+    from ._train_state import Window as Window
 
 __version__ = "0.3.0"
 
@@ -86,6 +90,41 @@ __all__ = [
     "Trainable",
 ]
 
+# Where each name of the core is defined (as the imports above say to type checkers),
+# imported on first use by __getattr__.
+_HOMES = {
+    "initialize": "_distributed",
+    "LossReduction": "_forward",
+    "Trainable": "_frozen",
+    "scan_layers": "_layers",
+    "BatchSizes": "_layout",
+    "EpochSchedule": "_layout",
+    "LastWindow": "_layout",
+    "ProcessShare": "_layout",
+    "batch_sizes": "_layout",
+    "epoch_schedule": "_layout",
+    "micro_batches": "_layout",
+    "process_share": "_layout",
+    "DATA_AXIS": "_mesh",
+    "data_mesh": "_mesh",
+    "emulate_cpu_devices": "_mesh",
+    "BatchStats": "_model_state",
+    "AccumulationPath": "_options",
+    "Parallel": "_options",
+    "Skips": "_options",
+    "Strategy": "_options",
+    "SamplerPosition": "_position",
+    "resume_position": "_position",
+    "ReplicaMismatchError": "_replicas",
+    "check_replicas": "_replicas",
+    "DistributedSampler": "_sampler",
+    "SkipWatch": "_skip_watch",
+    "TrainStep": "_step",
+    "make_train_step": "_step",
+    "NonFiniteError": "_train_state",
+    "TrainState": "_train_state",
+    "Window": "_train_state",
+}
 # The tools, imported on first use (``jaxdp.checkpoint.Checkpoints`` after ``import jaxdp``).
 _SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "models", "parity", "plan", "testing"})
 # Names that moved to a tool in jaxdp 0.3, still found here until 0.4 (with a
@@ -97,6 +136,10 @@ _MOVED = {
 
 
 def __getattr__(name: str) -> _Any:
+    if name in _HOMES:
+        value = getattr(_importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+        globals()[name] = value  # found directly from now on
+        return value
     if name in _SUBPACKAGES:
         return _importlib.import_module(f"{__name__}.{name}")
     import warnings
@@ -107,7 +150,7 @@ def __getattr__(name: str) -> _Any:
             DeprecationWarning,
             stacklevel=2,
         )
-        return Window
+        return __getattr__("Window")
     if name in ("torch_to_params", "params_to_torch"):  # jaxdp 0.2's names
         return _moved_to_parity(name)
     if name in _MOVED:
@@ -139,4 +182,4 @@ def _moved_to_parity(name: str) -> _Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_SUBPACKAGES})
+    return sorted({*globals(), *__all__, *_SUBPACKAGES})

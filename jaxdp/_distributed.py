@@ -17,13 +17,15 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import jax
-from jax.sharding import Mesh
+from typing import TYPE_CHECKING, Any
 
 from ._checks import is_integer
-from ._mesh import data_mesh, emulate_cpu_devices
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+# JAX is imported where it is used: jaxdp launch reads the names of the settings here,
+# and its process never needs JAX.
 
 ENV_COORDINATOR_ADDRESS = "JAXDP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXDP_NUM_PROCESSES"
@@ -113,6 +115,10 @@ def initialize(
         came from), or the runtime settings are incomplete.
       RuntimeError: JAX's backend already started in this process.
     """
+    import jax
+
+    from ._mesh import data_mesh, emulate_cpu_devices
+
     grace = os.environ.pop(ENV_JOIN_GRACE, "")  # not a user's setting: never refused
     s = _Settings()
     s.take("coordinator_address", coordinator_address, ENV_COORDINATOR_ADDRESS, str)
@@ -196,6 +202,8 @@ def _int_list(text: str) -> list[int]:
 def _start(s: _Settings, *, grace_s: int) -> None:
     """``jax.distributed.initialize``, with a clear message if the peers never connect;
     JAX's deadline ``grace_s`` after ``timeout_s`` (0 but under ``jaxdp launch``)."""
+    import jax
+
     v = s.values
     jax_timeout_s = v["timeout_s"] + grace_s
     who = "this process"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxdp.cli import main
-from jaxdp.cli._main import _train_parser
+from jaxdp.cli._main import train_arguments
 from jaxdp.cli._train import TrainConfig, build, load
 
 TRAIN = ["train", "--cpu-devices", "8", "--num-devices", "2", "--no-progress"]
@@ -21,9 +21,9 @@ TRAIN = ["train", "--cpu-devices", "8", "--num-devices", "2", "--no-progress"]
 
 def model_choices():
     """The choices of `jaxdp train --model`, read from its parser: a new one gets tested."""
-    sub = argparse.ArgumentParser().add_subparsers()
-    _train_parser(sub)
-    (model,) = [a for a in sub.choices["train"]._actions if a.dest == "model"]
+    parser = argparse.ArgumentParser()
+    train_arguments(parser)
+    (model,) = [a for a in parser._actions if a.dest == "model"]
     return model.choices
 
 

@@ -1,16 +1,17 @@
 """The configuration of ``jaxdp train`` and what a resumed run must keep.
 
-Nothing here needs the ``cli`` extra: the command line builds its parser (and
-its help, with these defaults) before it checks that the extra is installed.
+Nothing here needs the ``cli`` extra, nor JAX: the command line builds its parser
+(and its help, with these defaults) before it checks that the extra is installed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from .._options import AccumulationPath, Strategy
+if TYPE_CHECKING:  # only names of string choices: the parser and its help import no JAX
+    from .._options import AccumulationPath, Strategy
 
 Precision = Literal["float32", "float64", "bfloat16"]
 DEFAULT_EPOCHS = 15  # when neither epochs nor steps is given

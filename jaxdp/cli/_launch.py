@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Collection, Iterator, Sequence
-from typing import IO, Any
+from typing import IO
 
 from .._checks import is_integer
 from .._distributed import (
@@ -238,17 +238,15 @@ class _Signals:
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
-def add_launch_command(sub: Any) -> None:
-    """``jaxdp launch``: registered in ``jaxdp.cli._main.SUBCOMMANDS``."""
-    p = sub.add_parser(
-        "launch",
-        help="run a script or jaxdp subcommand as several processes of one run",
-        description="Starts --nprocs processes of the command after --, each with the "
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``jaxdp launch``'s options, added to its parser ``p`` (``jaxdp.cli._main.SUBCOMMANDS``)."""
+    p.description = (
+        "Starts --nprocs processes of the command after --, each with the "
         "environment jaxdp.initialize reads (coordinator on a free local port, process "
         "count and id, its devices), prefixes their output with [rank r], and stops all "
         "of them when one fails or stops answering; then starts them again, up to "
         "--max-restarts times, or exits with the failure's status. The command is a Python "
-        "script, -m module, a jaxdp subcommand (train ..., or jaxdp train ...) or a program.",
+        "script, -m module, a jaxdp subcommand (train ..., or jaxdp train ...) or a program."
     )
     p.add_argument("--nprocs", type=int, required=True, metavar="N", help="processes to start")
     p.add_argument(
@@ -300,10 +298,12 @@ def add_launch_command(sub: Any) -> None:
         f"{DEFAULT_HANG_TIMEOUT_S:g}; 0 turns the watch off)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
-    p.set_defaults(run=lambda args: _run_launch(args, set(sub.choices)))
+    p.set_defaults(run=_run_launch)
 
 
-def _run_launch(args: argparse.Namespace, subcommands: Collection[str]) -> int:
+def _run_launch(args: argparse.Namespace) -> int:
+    from ._main import SUBCOMMANDS  # the jaxdp subcommands a launch runs by their names
+
     try:
         hang = args.hang_timeout_s
         if not (hang == 0 or 0 < hang < float("inf")):  # NaN included
@@ -320,7 +320,7 @@ def _run_launch(args: argparse.Namespace, subcommands: Collection[str]) -> int:
             grace_s=args.grace_s,
             max_restarts=args.max_restarts,
             hang_timeout_s=args.hang_timeout_s or None,
-            subcommands=subcommands,
+            subcommands=set(SUBCOMMANDS),
         )
     except ValueError as e:  # a usage error: exit status 2, as argparse's own
         print(f"jaxdp launch: error: {e}", file=sys.stderr)

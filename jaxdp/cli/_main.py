@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import importlib
 import importlib.metadata
 import json
 import os
@@ -22,24 +23,20 @@ from ._compile_cache import add_compile_options, compile_cache
 from ._config import DEFAULT_EPOCHS, TrainConfig
 from ._extra import require_extra
 from ._help import Parser
-from ._launch import add_launch_command
-from ._parity import add_parity_command
-from ._plan import add_parser as plan_parser
 
 DEFAULT_CPU_DEVICES = 4
 
 
-def _train_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train",
-        help="train a model on the digits images, data-parallel",
-        description="Data-parallel training with gradient accumulation on scikit-learn's "
+def train_arguments(p: argparse.ArgumentParser) -> None:
+    """``jaxdp train``'s options, added to its parser ``p``."""
+    p.description = (
+        "Data-parallel training with gradient accumulation on scikit-learn's "
         "digits images; prints the batch identity, a progress bar and the held-out "
         "accuracy.\n\n"
         "With --checkpoint-dir it saves checkpoints, one directory per optimizer step, that "
         "--resume continues exactly; a resume takes every option not given from the "
         "checkpoint. SIGINT or SIGTERM stops at the next micro-batch with a checkpoint "
-        "there (unless that optimizer step is checkpointed already).",
+        "there (unless that optimizer step is checkpointed already)."
     )
     defaults = TrainConfig()
     _model_options(_options(p, "model and optimizer"), defaults)
@@ -215,6 +212,11 @@ def _run_train(args: argparse.Namespace) -> int:
         "train",
         ["sklearn", "tqdm", "matplotlib", "grain"] + (["tensorboardX"] if args.tensorboard else []),
     )
+    try:  # a bad flag: one line before JAX is imported (checked again in _start)
+        TrainConfig(**_given(args))
+    except ValueError as e:
+        print(f"jaxdp train: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     import jax
 
     from .._train_state import NonFiniteError
@@ -286,11 +288,8 @@ def _start(args: argparse.Namespace) -> TrainConfig:
     from ._outputs import lock_while
     from ._resume import has_checkpoints, resumed_config, saved_cpu_devices
 
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    if "data" in given:  # saved absolute: a resume from another directory finds the same file
-        given["data"] = str(pathlib.Path(given["data"]).resolve())
-    config = TrainConfig(**given)  # a bad flag fails before JAX starts
+    given = _given(args)
+    config = TrainConfig(**given)
     restart = os.environ.get(ENV_RESTART_COUNT, "0")
     restarted = restart.isdigit() and int(restart) > 0
     if restarted and config.checkpoint_dir is not None and not config.resume:
@@ -331,6 +330,15 @@ def _start(args: argparse.Namespace) -> TrainConfig:
     return resumed
 
 
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig fields given on the command line."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if "data" in given:  # saved absolute: a resume from another directory finds the same file
+        given["data"] = str(pathlib.Path(given["data"]).resolve())
+    return given
+
+
 def _exit_now(status: int) -> NoReturn:
     """Exits with ``status``, at once with several processes (as jaxdp launch's ranks do on
     an uncaught exception, :mod:`jaxdp.cli._rank`): a failure that reached this process
@@ -369,13 +377,24 @@ def _stop_on_signals() -> Iterator[list[int | None]]:
             signal.signal(s, handler)
 
 
-# Per subcommand, a function adding its parser to ``sub`` with ``run(args) -> status``.
-SUBCOMMANDS = (
-    _train_parser,
-    add_parity_command,
-    plan_parser,
-    add_launch_command,
-)
+# Per subcommand: its line in "jaxdp --help", and "module:function" (in this package) that
+# adds its options and ``run(args) -> status`` to its parser. Only the given command's
+# module is imported: "jaxdp --help" and "jaxdp launch" import no JAX, "jaxdp train" no torch.
+SUBCOMMANDS = {
+    "train": ("train a model on the digits images, data-parallel", "_main:train_arguments"),
+    "parity": (
+        "train jaxdp and torch_ref (PyTorch DDP + GA) side by side and compare",
+        "_parity:add_arguments",
+    ),
+    "plan": (
+        "per-device memory of data-parallel training, and the batch split that fits",
+        "_plan:add_arguments",
+    ),
+    "launch": (
+        "run a script or jaxdp subcommand as several processes of one run",
+        "_launch:add_arguments",
+    ),
+}
 # Commands of earlier releases that the installed package no longer has: where they went.
 MOVED = {"bench": "jaxdp bench runs from a source checkout: bin/jaxdp bench"}
 
@@ -403,9 +422,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     help = "print the versions of jaxdp and jax"
     parser.add_argument("--version", action="version", version=version(), help=help)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add_parser in SUBCOMMANDS:
-        add_parser(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
+    # jaxdp's own options take no value: the first other word names the command.
+    given = next((word for word in argv if not word.startswith("-")), None)
+    for name, (line, where) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=line)
+        if name == given:
+            module, function = where.split(":")
+            getattr(importlib.import_module(f".{module}", __package__), function)(p)
     if argv and argv[0] in MOVED:  # exit status 2, as argparse's for an unknown command
         parser.error(MOVED[argv[0]])
     args = parser.parse_args(argv)

@@ -21,18 +21,16 @@ REFERENCE_ONLY = ("num_samples", "sync_batchnorm")
 PORT_ONLY = ("loss", "mapping", "jax_optimizer", "locate")
 
 
-def add_parity_command(sub: Any) -> None:
-    """``jaxdp parity``: registered in ``jaxdp.cli._main.SUBCOMMANDS``."""
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``jaxdp parity``'s options, added to its parser ``p`` (``jaxdp.cli._main.SUBCOMMANDS``)."""
     defaults = ParityConfig()
-    p = sub.add_parser(
-        "parity",
-        help="train jaxdp and torch_ref (PyTorch DDP + GA) side by side and compare",
-        description="Same initial weights, data, order and hyper-parameters in jaxdp and in "
+    p.description = (
+        "Same initial weights, data, order and hyper-parameters in jaxdp and in "
         "torch_ref, on a reference model (--model) or on your torch model and its JAX port (Flax "
         "NNX, Flax Linen or equinox) "
         "(--torch-model, --jax-model, --data); compares weights and losses after every "
         "optimizer step and prints the largest differences, and for your models where they "
-        "first diverge. Exit status 1 if a step is beyond tolerance.",
+        "first diverge. Exit status 1 if a step is beyond tolerance."
     )
     p.add_argument(
         "--model",

@@ -23,17 +23,16 @@ _MAX_EMULATED = 8  # per-device figures do not depend on the device count
 DEFAULT_SAMPLES_PER_DEVICE = 32
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="per-device memory of data-parallel training, and the batch split that fits",
-        description="Estimates one device's memory (weights, gradients, optimizer state, "
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``jaxdp plan``'s options, added to its parser ``p`` (``jaxdp.cli._main.SUBCOMMANDS``)."""
+    p.description = (
+        "Estimates one device's memory (weights, gradients, optimizer state, "
         "accumulator, activations), whether it fits, the largest micro-batch and the "
         "accum_steps that reach the global batch, and the all-reduce per optimizer step. "
         "With --model it also compiles jaxdp's step and shows XLA's memory analysis, "
         "which then decides.\n\n"
         "Without --device-memory it shows the per-device figures only. Sizes: GB = 10^9 "
-        "bytes, GiB = 2^30.",
+        "bytes, GiB = 2^30."
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument(
