@@ -17,6 +17,7 @@ from typing import Any as _Any
 from ._distributed import initialize as initialize
 from ._forward import LossReduction as LossReduction
 from ._frozen import Trainable as Trainable
+from ._layers import scan_layers as scan_layers
 from ._layout import BatchSizes as BatchSizes
 from ._layout import EpochSchedule as EpochSchedule
 from ._layout import LastWindow as LastWindow
@@ -74,6 +75,7 @@ __all__ = [
     "SkipWatch",
     "NonFiniteError",
     "Parallel",
+    "scan_layers",
     "Skips",
     "ReplicaMismatchError",
     "check_replicas",

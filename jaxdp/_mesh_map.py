@@ -14,10 +14,23 @@ from ._options import StepOptions
 
 
 def to_varying(o: StepOptions) -> Callable[[Any], Any]:
-    """Marks replicated values per-device (shard_map); pmap does not track replication."""
+    """Marks replicated values per-device (shard_map); pmap does not track replication.
+    Values already per-device (a block of a leaf split at ZeRO stage 3) stay as they are."""
     if o.parallel.strategy == "shard_map":
-        return functools.partial(mark_varying, axis_name=o.axis_name)
+        return functools.partial(_to_varying, axis_name=o.axis_name)
     return _identity
+
+
+def _to_varying(tree: Any, axis_name: str) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    if all(axis_name not in jax.typeof(x).mat.varying for x in leaves):
+        return mark_varying(tree, axis_name)  # the stages 0 to 2: one pcast of the tree
+    return treedef.unflatten(
+        [
+            x if axis_name in jax.typeof(x).mat.varying else mark_varying(x, axis_name)
+            for x in leaves
+        ]
+    )
 
 
 def mesh_map(o: StepOptions, fn: Callable[..., Any], in_specs: Any, out_specs: Any):

@@ -33,9 +33,10 @@ AccumulationPath = Literal["fused", "multisteps"]
 Strategy = Literal["shard_map", "pmap"]
 """How the per-device step is mapped over the mesh: ``jax.shard_map`` or the legacy ``jax.pmap``."""
 
-ZeroStage = Literal[0, 1, 2]
+ZeroStage = Literal[0, 1, 2, 3]
 """0: replicated optimizer state; 1: optimizer state split over the data axis; 2: the
-gradient accumulator too (docs/semantics.md, "ZeRO")."""
+gradient accumulator too; 3: the parameters too, gathered for the forward
+(docs/semantics.md, "ZeRO")."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,10 +49,16 @@ class Parallel:
     reduce-scatter after the last micro-batch, each device updates its block of
     every parameter with its block of the state, ONE all-gather per parameter
     dtype; 2 (ZeRO-2) also splits the gradient accumulator (a reduce-scatter per
-    micro-batch). Any optax optimizer computes what it computes at stage 0.
+    micro-batch); 3 (ZeRO-3, FSDP: torch's ``fully_shard``) also splits the
+    parameters at rest: ``state.params``' trainable leaves are global arrays split
+    over the mesh (a leaf no dimension of which divides kept whole), gathered for each
+    micro-batch's forward (the layers passed to :func:`jaxdp.scan_layers` one at a
+    time inside its loop, the others in one all-gather per dtype up front), their
+    gradients reduce-scattered in the backward, and nothing gathered after the update.
+    Any optax optimizer computes what it computes at stage 0.
     ``comm_dtype``: ``"bfloat16"`` sends the gradient sums in bfloat16 (torch's
     ``bf16_compress_hook``). ``strategy``: ``"shard_map"`` or the legacy
-    ``"pmap"`` (stage 0 only).
+    ``"pmap"`` (stage 0 only). ``comm_dtype`` applies to every reduce-scatter.
     """
 
     zero_stage: ZeroStage = 0
@@ -59,8 +66,8 @@ class Parallel:
     strategy: Strategy = "shard_map"
 
     def __post_init__(self) -> None:
-        if not is_integer(self.zero_stage) or self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1 or 2")
+        if not is_integer(self.zero_stage) or self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
         object.__setattr__(self, "zero_stage", int(self.zero_stage))
         if self.strategy not in ("shard_map", "pmap"):
             raise ValueError(f"strategy={self.strategy!r} must be one of ('shard_map', 'pmap')")
@@ -72,7 +79,7 @@ class Parallel:
         if self.zero_stage and self.strategy == "pmap":
             raise ValueError(
                 f"zero_stage={self.zero_stage} needs strategy='shard_map' (the legacy pmap "
-                "strategy keeps the optimizer state replicated); use strategy='shard_map' or "
+                "strategy keeps every leaf replicated); use strategy='shard_map' or "
                 "zero_stage=0"
             )
 
@@ -125,6 +132,8 @@ class StepOptions:
     # The XLA:CPU spellings of the step (jaxdp/_pipeline.py, "XLA:CPU spelling"): chosen
     # when the step is made, on a CPU mesh unless jaxdp.testing.plain_spelling() is on.
     cpu_spelling: bool | None = None
+    # The warnings given so far (their texts): once per step, however often it traces.
+    warned: set[str] = dataclasses.field(default_factory=set, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_objects(self.loss_fn, self.optimizer, self.mesh)
@@ -190,6 +199,12 @@ class StepOptions:
             return jnp.dtype(self.accum_dtype)
         wide = any(jnp.dtype(x.dtype) == jnp.float64 for x in jax.tree.leaves(params))
         return jnp.dtype(jnp.float64 if wide else jnp.float32)
+
+    def warn_once(self, message: str) -> None:
+        """A ``UserWarning`` the first time this step gives ``message``."""
+        if message not in self.warned:
+            self.warned.add(message)
+            warnings.warn(message, UserWarning, stacklevel=2)
 
     def plan(self, trainable: Any) -> ShardPlan:
         """Where the trainable leaves lie: split at ZeRO stages, whole at stage 0."""

@@ -39,11 +39,12 @@ from jax.sharding import PartitionSpec as P
 from ._forward import check_aux, loss_parts, micro_forward
 from ._frozen import combine, split_trainable, trainable_mask
 from ._guards import check_state_layout
+from ._layers import Gather, gathered_loss
 from ._mesh_map import is_spec, mesh_map, to_varying
 from ._model_kinds import linen_batch_norms
 from ._model_state import configure, device0, from_wire, split_state
 from ._options import StepOptions
-from ._shards import ShardPlan, compress, decompress
+from ._shards import ShardPlan, compress, decompress, spec
 from ._train_state import Report, SkipCounts, TrainState, Window
 
 Forward = Callable[..., tuple[Any, jax.Array, jax.Array, Any, Any]]
@@ -95,11 +96,25 @@ class _Parts(NamedTuple):
     batch_stats: Any  # the committed nnx.BatchStat values (None without any)
     plan: ShardPlan
 
+    @property
+    def dims(self) -> list[int | None]:
+        """Per parameter leaf, the dimension it is split along at rest: the plan's at
+        stage 3, else None (whole)."""
+        if self.plan.stage < 3:
+            return [None] * len(self.mask)
+        dims = iter(self.plan.dims)
+        return [next(dims) if trains else None for trains in self.mask]
+
 
 def _parts(o: StepOptions, state: TrainState) -> _Parts:
     mask = trainable_mask(state.params, o.trainable)
     trainable = split_trainable(state.params, mask)
     return _Parts(mask, trainable, split_state(state.model_state)[0], o.plan(trainable))
+
+
+def _param_specs(o: StepOptions, parts: _Parts, params: Any) -> Any:
+    """How the parameters lie: replicated, but the split trainable leaves at stage 3."""
+    return jax.tree.structure(params).unflatten([spec(d, o.axis_name) for d in parts.dims])
 
 
 # ---- the two paths ---------------------------------------------------------------------
@@ -126,11 +141,11 @@ def _fused(
 
     def per_device(params, model_state, step, batch, weights):
         micro = jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
-        forward = _forward(o, params, parts.mask, model_state, step, state.graphdef)
+        forward = _forward(o, parts, params, model_state, step, state.graphdef)
         window = accumulate(o, parts, forward, params, model_state, micro, weights)
-        return reduce(parts.plan, window, scattered=o.zero_stage == 2, wire=o.comm)
+        return reduce(parts.plan, window, scattered=o.zero_stage >= 2, wire=o.comm)
 
-    in_specs = (P(), P(), P(), P(o.axis_name), P())
+    in_specs = (_param_specs(o, parts, state.params), P(), P(), P(o.axis_name), P())
     mapped = mesh_map(o, per_device, in_specs, _reduced_specs(parts))
     reduced = mapped(state.params, state.model_state, state.step, batch, micro_weights)
     return update(o, parts, state, reduced)
@@ -160,7 +175,7 @@ def multisteps_call(
         first = window.position == 0
         stats = jax.tree.map(lambda c, b: jnp.where(first, c, b[0]), committed, window.batch_stats)
         window = add_micro_batch(
-            _forward(o, params, parts.mask, model_state, step, state.graphdef),
+            _forward(o, parts, params, model_state, step, state.graphdef),
             to_varying(o)(split_trainable(params, parts.mask)),
             window._replace(batch_stats=stats),
             batch,
@@ -169,7 +184,7 @@ def multisteps_call(
         )
         return window._replace(batch_stats=jax.tree.map(lambda x: x[None], window.batch_stats))
 
-    in_specs = (P(), P(), P(), specs, P(o.axis_name), P())
+    in_specs = (_param_specs(o, parts, state.params), P(), P(), specs, P(o.axis_name), P())
     mapped = mesh_map(o, per_device, in_specs, specs)
     window = mapped(state.params, state.model_state, state.step, state.window, batch, micro_weight)
     ends = window.position == o.accum_steps
@@ -218,8 +233,9 @@ def add_micro_batch(
     fills an incomplete last window (it then adds nothing and leaves the batch
     statistics as they were). The loss is scaled, not the gradients: a pass less.
     ``window``'s leaves are this device's: unbatched (fused), or its ``[1, ...]``
-    block of a per-device leaf (multisteps), or at ZeRO stage 2 its block of a split
-    leaf; ``scatter`` reduce-scatters the gradients into that block at stage 2.
+    block of a per-device leaf (multisteps), or at ZeRO stages 2 and 3 its block of a
+    split leaf; ``scatter`` reduce-scatters the gradients into that block at stage 2
+    (at stage 3 the forward's gather did, in its backward: :mod:`jaxdp._layers`).
     """
     grads, value, weight, stats, aux = forward(
         trainable, batch, window.batch_stats, window.position, scale
@@ -296,8 +312,8 @@ def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None
     """The global sums of every device's ``window``: the step's one gradient collective.
 
     Replicated (stage 0): ONE psum of the gradient sums, the loss and weight sums (and
-    ``loss_fn``'s aux sums) and device 0's batch statistics. Split (ZeRO stages 1 and
-    2): ONE reduce-scatter of the split leaves' sums (at stage 2 already done per
+    ``loss_fn``'s aux sums) and device 0's batch statistics. Split (ZeRO stages 1 to
+    3): ONE reduce-scatter of the split leaves' sums (at stages 2 and 3 already done per
     micro-batch, in stage 1: ``scattered``), then one small psum of the leaves kept
     whole, the loss, weight and aux sums, device 0's batch statistics and the split
     blocks' sum of squares (for the global gradient norm). ``wire`` (bfloat16) sends
@@ -328,8 +344,8 @@ def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None
 
 def _reduce_window(o: StepOptions, parts: _Parts, window: Window) -> Reduced:
     """:func:`reduce` on this device's block of the multisteps window (its leading
-    axis of 1 dropped; a split leaf at stage 2 is a block of its own shape)."""
-    scattered = o.zero_stage == 2
+    axis of 1 dropped; a split leaf at stages 2 and 3 is a block of its own shape)."""
+    scattered = o.zero_stage >= 2
     leaves = parts.plan.treedef.flatten_up_to(window.grads)
     grads = parts.plan.treedef.unflatten(
         [
@@ -358,10 +374,11 @@ def update(o: StepOptions, parts: _Parts, state: TrainState, reduced: Reduced) -
 
     The finiteness is of all-reduced values, so every device decides the same; a NaN or
     Inf on any device, or an overflow of a sum, makes it non-finite. At ZeRO stages 1
-    and 2 each device updates its block of every split leaf with its block of the
+    to 3 each device updates its block of every split leaf with its block of the
     optimizer state, and XLA (GSPMD) inserts what a transform that reads beyond an
     element needs (the scalar sums of a global-norm clip, a trust ratio's norms); then
-    one all-gather per parameter dtype returns the whole parameters (``plan.gather``).
+    at stages 1 and 2 one all-gather per parameter dtype returns the whole parameters;
+    at stage 3 they stay split (``plan.at_rest``).
     """
     sums, plan, skip_nonfinite = reduced.sums, parts.plan, o.skips.nonfinite
     weight = sums.weight
@@ -388,7 +405,7 @@ def update(o: StepOptions, parts: _Parts, state: TrainState, reduced: Reduced) -
                 lambda g, p: (g / weight.astype(g.dtype)).astype(p.dtype), sums.grads, mine
             )
         updates, opt_state = o.applied_optimizer.update(grads, opt_state, mine)
-        return plan.gather(optax.apply_updates(mine, updates)), plan.constrain(opt_state)
+        return plan.at_rest(optax.apply_updates(mine, updates)), plan.constrain(opt_state)
 
     operands = (parts.trainable, state.opt_state)
     if not skip_nonfinite:
@@ -506,14 +523,14 @@ def opt_state_like(o: StepOptions, state: TrainState) -> Any:
 
 def state_specs(o: StepOptions, state: TrainState) -> TrainState:
     """How every leaf of ``state`` lies on the mesh: replicated, but the window's
-    per-device sums and, at ZeRO stages, the split leaves."""
+    per-device sums and, at ZeRO stages, the split leaves (the parameters' at stage 3)."""
     parts = _parts(o, state)
     window = state.window
     if window is not None:
         window = _window_specs(o, parts, window)
     return TrainState(
         step=P(),
-        params=jax.tree.map(lambda _: P(), state.params),
+        params=_param_specs(o, parts, state.params),
         opt_state=parts.plan.state_specs(state.opt_state),
         window=window,
         graphdef=state.graphdef,
@@ -525,8 +542,8 @@ def state_specs(o: StepOptions, state: TrainState) -> TrainState:
 def empty_window(
     o: StepOptions, trainable: Any, batch_stats: Any, dtype: Any, aux: Any = None
 ) -> Window:
-    """A window with nothing added: per-device zero sums (at stage 2 the split leaves'
-    global sums, each device its block), the committed statistics' shapes per device;
+    """A window with nothing added: per-device zero sums (at stages 2 and 3 the split
+    leaves' global sums, each device its block), the committed statistics' shapes per device;
     ``aux``: the shapes of ``loss_fn``'s aux (:func:`aux_like`)."""
     n = o.num_devices
 
@@ -534,7 +551,7 @@ def empty_window(
         return jnp.zeros((n, *x.shape), dtype)
 
     grads = jax.tree.map(rows, trainable)
-    if o.zero_stage == 2:
+    if o.zero_stage >= 2:
         plan = o.plan(trainable)
         leaves = plan.treedef.flatten_up_to(trainable)
         grads = plan.treedef.unflatten(
@@ -569,21 +586,22 @@ def aux_like(o: StepOptions, state: TrainState, batch: Any) -> Any:
     parts = _parts(o, state)
 
     def per_device(params, model_state, step, batch):
-        forward = _forward(o, params, parts.mask, model_state, step, state.graphdef)
+        forward = _forward(o, parts, params, model_state, step, state.graphdef)
         trainable = to_varying(o)(split_trainable(params, parts.mask))
         aux = forward(trainable, batch, split_state(model_state)[0], 0, jnp.ones([]))[-1]
         return jax.tree.map(lambda x: jnp.asarray(x)[None], aux)
 
-    mapped = mesh_map(o, per_device, (P(), P(), P(), P(o.axis_name)), P(o.axis_name))
+    in_specs = (_param_specs(o, parts, state.params), P(), P(), P(o.axis_name))
+    mapped = mesh_map(o, per_device, in_specs, P(o.axis_name))
     shapes = jax.eval_shape(mapped, state.params, state.model_state, state.step, batch)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shapes)
 
 
 def _window_specs(o: StepOptions, parts: _Parts, window: Any) -> Window:
-    """Per-device leaves split by their leading axis; at stage 2 the split gradient
-    leaves by their plan."""
+    """Per-device leaves split by their leading axis; at stages 2 and 3 the split
+    gradient leaves by their plan."""
     rows = P(o.axis_name)
-    if o.zero_stage == 2:
+    if o.zero_stage >= 2:
         grads = parts.plan.specs(whole=rows)
     else:
         grads = jax.tree.map(lambda _: rows, window.grads)
@@ -604,7 +622,7 @@ def _reduced_specs(parts: _Parts) -> Reduced:
     return Reduced(sums, P())
 
 
-def _forward(o: StepOptions, params, mask, model_state, step, graphdef):
+def _forward(o: StepOptions, parts: _Parts, params, model_state, step, graphdef):
     parts_of_loss = loss_parts(
         o.loss_fn,
         o.loss_reduction,
@@ -614,10 +632,13 @@ def _forward(o: StepOptions, params, mask, model_state, step, graphdef):
         with_rng=o.rng_seed is not None,
         has_aux=o.has_aux,
     )
+    if o.zero_stage == 3:  # the parameters arrive split: gathered for the loss
+        how = Gather(o.axis_name, o.num_devices, o.comm)
+        parts_of_loss = gathered_loss(parts_of_loss, parts.dims, how, o.warn_once)
     return micro_forward(
         parts_of_loss,
         params,
-        mask,
+        parts.mask,
         model_state,
         step,
         axis_name=o.axis_name,

@@ -1,16 +1,19 @@
-"""ZeRO stages 1 and 2: which dimension of each leaf is split over the mesh, and the two
+"""ZeRO stages 1 to 3: which dimension of each leaf is split over the mesh, and the two
 packed collectives that bring the gradients in and the parameters back.
 
 A leaf keeps its shape at every stage. At stages 1 and 2 it is split over the data
 axis along its first dimension whose size divides by ``num_devices``, or kept whole
-(replicated) when none does (a scalar, a bias of 10 on 4 devices). The rule reads the
-shape alone, so a parameter, its gradient and every optimizer-state leaf of its shape
-(momentum, Adam's moments) lie alike, and an elementwise update needs no
-communication. The user's optimizer runs on these logical arrays, outside the mesh
-map: anything that reads beyond an element (a global-norm clip, a trust ratio, a
-factored moment) is partitioned by XLA, which inserts the collectives it needs, so the
-update is the one of stage 0 up to the order of sums (docs/decisions.md,
-"ZeRO"). Stage 0 is the plan that splits nothing.
+(replicated) when none does (a scalar, a bias of 10 on 4 devices). At stage 3 (the
+parameters split at rest too) it is split along its LAST such dimension other than
+the first, a 1-D leaf along its only one: the first dimension of a stack of layers
+is the layer axis, which :func:`jaxdp.scan_layers` loops over and must not be split.
+The rule reads the shape alone, so a parameter, its gradient and every
+optimizer-state leaf of its shape (momentum, Adam's moments) lie alike, and an
+elementwise update needs no communication. The user's optimizer runs on these
+logical arrays, outside the mesh map: anything that reads beyond an element (a
+global-norm clip, a trust ratio, a factored moment) is partitioned by XLA, which
+inserts the collectives it needs, so the update is the one of stage 0 up to the
+order of sums (docs/decisions.md, "ZeRO"). Stage 0 is the plan that splits nothing.
 
 On the wire the split leaves are packed: ONE reduce-scatter carries every gradient
 (each leaf's rows side by side) and one all-gather per parameter dtype every
@@ -28,21 +31,25 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-def split_dim(shape: tuple[int, ...], num_devices: int) -> int | None:
-    """The dimension a leaf of ``shape`` is split along: the first that divides by
-    ``num_devices``; None keeps it whole."""
+def split_dim(shape: tuple[int, ...], num_devices: int, stage: int = 1) -> int | None:
+    """The dimension a leaf of ``shape`` is split along at ZeRO ``stage``: the first
+    that divides by ``num_devices`` (stages 1 and 2), the last but the first (stage 3:
+    never a stack's layer axis; a 1-D leaf its only one); None keeps it whole."""
     if num_devices == 1:
         return None
-    return next((k for k, d in enumerate(shape) if d >= num_devices and d % num_devices == 0), None)
+    dims = range(len(shape))
+    if stage == 3 and len(shape) > 1:
+        dims = range(len(shape) - 1, 0, -1)
+    return next((k for k in dims if shape[k] >= num_devices and shape[k] % num_devices == 0), None)
 
 
 def spec(dim: int | None, axis_name: str) -> P:
     return P() if dim is None else P(*(None,) * dim, axis_name)
 
 
-def split_specs(tree: Any, num_devices: int, axis_name: str) -> Any:
+def split_specs(tree: Any, num_devices: int, axis_name: str, stage: int = 1) -> Any:
     """:func:`split_dim`'s spec for every leaf of ``tree`` (arrays or shape structs)."""
-    return jax.tree.map(lambda x: spec(split_dim(x.shape, num_devices), axis_name), tree)
+    return jax.tree.map(lambda x: spec(split_dim(x.shape, num_devices, stage), axis_name), tree)
 
 
 def compress(x: jax.Array, wire: Any, num_devices: int) -> jax.Array:
@@ -62,7 +69,7 @@ def decompress(x: jax.Array, dtype: Any, wire: Any, num_devices: int) -> jax.Arr
 
 class ShardPlan:
     """Where the trainable leaves lie on a mesh: split along :func:`split_dim` at
-    ZeRO stages 1 and 2, whole at stage 0.
+    ZeRO stages 1 to 3, whole at stage 0.
 
     Built from the trainable tree (frozen leaves are ``optax.MaskedNode()``: no
     leaves); shapes are read, never values.
@@ -71,9 +78,9 @@ class ShardPlan:
     def __init__(self, trainable: Any, mesh: Mesh, stage: int):
         leaves, self.treedef = jax.tree.flatten(trainable)
         self.mesh, self.axis_name = mesh, mesh.axis_names[0]
-        self.num_devices = mesh.devices.size
+        self.num_devices, self.stage = mesh.devices.size, stage
         self.shapes = [tuple(x.shape) for x in leaves]
-        self.dims = [split_dim(s, self.num_devices) if stage else None for s in self.shapes]
+        self.dims = [split_dim(s, self.num_devices, stage) if stage else None for s in self.shapes]
         self.split = any(d is not None for d in self.dims)
 
     def specs(self, whole: P | None = None) -> Any:
@@ -86,10 +93,10 @@ class ShardPlan:
 
     def state_specs(self, opt_state: Any) -> Any:
         """The optimizer state's specs: split by its leaves' own shapes when the plan
-        splits anything (stages 1 and 2), else replicated."""
+        splits anything (stages 1 to 3), else replicated."""
         if not self.split:
             return jax.tree.map(lambda _: P(), opt_state)
-        return split_specs(opt_state, self.num_devices, self.axis_name)
+        return split_specs(opt_state, self.num_devices, self.axis_name, self.stage)
 
     def _split_leaves(self, tree: Any) -> list[Any]:
         return self.treedef.flatten_up_to(tree)
@@ -154,6 +161,11 @@ class ShardPlan:
             return opt_state
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs(opt_state))
         return jax.lax.with_sharding_constraint(opt_state, shardings)
+
+    def at_rest(self, tree: Any) -> Any:
+        """The updated parameters as the state keeps them: whole at stages 0 to 2 (one
+        all-gather per dtype, :meth:`gather`), split at stage 3 (nothing gathered)."""
+        return self.local(tree) if self.stage == 3 else self.gather(tree)
 
     def gather(self, tree: Any) -> Any:
         """The whole leaves from every device's block: one all-gather per dtype."""

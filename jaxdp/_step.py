@@ -24,6 +24,7 @@ from ._guards import (
 )
 from ._layout import BatchSizes, call_sizes
 from ._mesh import place, place_batch
+from ._mesh_map import is_spec
 from ._model_kinds import as_trainable
 from ._model_state import BatchStats, check_batch_stats, split_state
 from ._options import OLD_SPELLINGS, AccumulationPath, Parallel, Skips, StepOptions, fold
@@ -109,7 +110,9 @@ class TrainStep:
         function, a string: split them off first) or a trainable leaf that is
         not floating-point (freeze it with ``trainable``). The optimizer state
         covers trainable parameters only; at ZeRO stages its leaves of a
-        parameter's shape are split over the mesh.
+        parameter's shape are split over the mesh, and at stage 3 the trainable
+        parameters too (``state.params`` holds global arrays, each device its
+        block: :meth:`model` gives the whole model).
 
         ``batch``: one call's batch (arrays or ``jax.ShapeDtypeStruct``), needed
         only with ``has_aux=True`` on the multisteps path, whose window holds the
@@ -162,6 +165,9 @@ class TrainStep:
             lambda s: NamedSharding(o.mesh, s), (specs.opt_state, specs.window)
         )
         opt_state, window = jax.jit(fresh, out_shardings=shardings)(trainable)
+        if o.zero_stage == 3:  # the trainable leaves split at rest: each device its block
+            split = jax.tree.map(lambda s: NamedSharding(o.mesh, s), specs.params, is_leaf=is_spec)
+            state = state._replace(params=jax.device_put(params, split))
         return state._replace(opt_state=opt_state, window=window)
 
     def _fresh(
@@ -176,7 +182,9 @@ class TrainStep:
 
     def model(self, state: TrainState) -> Any:
         """The trained model, as given to :meth:`init`: the parameters, or the NNX, bound
-        Linen (``.unbind()`` gives ``(module, variables)``) or equinox module."""
+        Linen (``.unbind()`` gives ``(module, variables)``) or equinox module. Whole at
+        every ZeRO stage: at stage 3 its split leaves are global arrays (each device
+        holds its block; ``np.asarray`` or ``jax.device_get`` gathers them)."""
         return merge_model(state.graphdef, state.params, state.model_state)
 
     # ---- stepping ---------------------------------------------------------------
@@ -355,8 +363,11 @@ def make_train_step(
 
     Gradients travel in one all-reduce per optimizer step, issued after the
     last micro-batch (``no_sync`` on the others), together with the loss and
-    weight sums and device 0's batch statistics (ZeRO stages: one
-    reduce-scatter, then one all-gather of the parameters).
+    weight sums and device 0's batch statistics (ZeRO stages 1 and 2: one
+    reduce-scatter, then one all-gather of the parameters; stage 3: the
+    parameters gathered for each micro-batch's forward, a layer at a time inside
+    :func:`jaxdp.scan_layers`, and the gradients reduce-scattered in its
+    backward, nothing gathered after the update).
 
     Randomness: each micro-batch re-keys every ``nnx.Rngs`` stream of the
     module as ``fold_in(fold_in(fold_in(stream_key, step), device),

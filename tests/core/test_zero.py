@@ -286,7 +286,7 @@ def test_local_batch_statistics_and_weighted_loss_at_stage_1():
 def test_bad_zero_options_are_refused_naming_them():
     mesh = jaxdp.data_mesh(2)
     for kw, match in [
-        ({"zero_stage": 3}, "zero_stage=3 must be 0, 1 or 2"),
+        ({"zero_stage": 4}, "zero_stage=4 must be 0, 1, 2 or 3"),
         ({"zero_stage": 1, "strategy": "pmap"}, "needs strategy='shard_map'"),
         ({"comm_dtype": "float16"}, "comm_dtype='float16' must be None"),
     ]:

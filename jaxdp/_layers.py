@@ -1,0 +1,303 @@
+"""ZeRO stage 3 inside the step: the split parameters gathered for ``loss_fn``, and
+:func:`scan_layers`, the loop over a stack of layers that gathers one layer at a time.
+
+At stage 3 each device holds its block of every split parameter (:mod:`._shards`). The
+step hands ``loss_fn`` the parameters outside every stack of layers gathered whole (ONE
+packed all-gather per dtype per micro-batch) and the stacked ones as blocks, which
+:func:`scan_layers` gathers a layer at a time inside its loop, under a remat that saves
+no gathered weight: the peak holds one layer's weights, not the model's. Every gather
+is :func:`gather`, whose backward is the packed reduce-scatter of stage 2: each
+device gets its block of the gradient's global sum (in ``comm_dtype`` on the wire).
+
+Which leaves reach :func:`scan_layers` is found by tracing ``loss_fn`` once more,
+abstractly (``jax.make_jaxpr``, nothing runs): while it runs a context maps each leaf
+handed to it (the array object) to its place, and :func:`scan_layers` records the ones
+it receives. A leaf kept as blocks must be used by the loop alone: one that ``loss_fn``
+also uses elsewhere (or transforms before the loop, which gives another array) is
+gathered whole up front instead, with a warning (docs/decisions.md, "ZeRO stage 3").
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ._shards import compress, decompress
+
+Carry = TypeVar("Carry")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """How the split leaves travel: the mesh axis, its size, the reduce-scatter's wire
+    dtype (None: the gradients' own)."""
+
+    axis_name: str
+    num_devices: int
+    wire: Any = None
+
+
+@dataclasses.dataclass
+class _Scope:
+    """While the step traces ``loss_fn`` at stage 3: ``id`` of each leaf handed to it
+    that :func:`scan_layers` may take as blocks -> ``(index, split dimension)``.
+    ``gather`` None: the abstract trace, which records the indexes it sees in ``seen``."""
+
+    leaves: dict[int, tuple[int, int]]
+    gather: Gather | None
+    seen: set[int] = dataclasses.field(default_factory=set)
+
+
+_SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
+    "jaxdp_stage3_scope", default=None
+)
+
+
+def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) -> Carry:
+    """``fn(layer, carry) -> carry`` over the leading (layer) axis of ``layers``.
+
+    ``layers``: a pytree of arrays that share a leading axis of L layers (Linen's
+    ``nn.scan`` parameters, a stacked pytree), or an NNX module built with ``nnx.vmap``
+    (split, scanned over its state and merged for each layer, as flax's GSPMD guide
+    does; variables ``fn`` writes are not carried out of the loop). ``fn`` gets one
+    layer (the leaves indexed at the layer) and the carry, and returns the carry in
+    the same structure, shapes and dtypes.
+
+    Outside a step, and at ZeRO stages 0 to 2, a plain ``jax.lax.scan``. Inside a
+    ``Parallel(zero_stage=3)`` step, every split leaf of a layer is gathered in ONE
+    collective inside the loop body, under ``jax.checkpoint`` with
+    ``nothing_saveable``: the backward gathers each layer again instead of keeping
+    the gathered weights, so the step's peak holds one layer's weights at a time; each
+    layer's gradient is reduce-scattered inside the loop (docs/semantics.md, "ZeRO").
+
+    Raises:
+      ValueError: ``layers`` has no array leaf, a scalar leaf, or leaves of different
+        leading lengths (naming two of them).
+    """
+    graphdef, state = (None, layers)
+    if isinstance(layers, nnx.Module):
+        graphdef, state = nnx.split(layers)
+    leaves, treedef = jax.tree.flatten(state)
+    _check_layers(state)
+    scope, dims = _SCOPE.get(), [None] * len(leaves)
+    if scope is not None:
+        found = [scope.leaves.get(id(x)) for x in leaves]
+        if scope.gather is None:
+            scope.seen.update(f[0] for f in found if f is not None)
+        else:  # a layer's split dimension is one less than its stack's
+            dims = [None if f is None else f[1] - 1 for f in found]
+
+    def body(carry, xs):
+        if scope is not None and scope.gather is not None:
+            xs = gather(xs, dims, scope.gather)
+        layer = treedef.unflatten(xs)
+        if graphdef is not None:
+            layer = nnx.merge(graphdef, layer)
+        return fn(layer, carry), None
+
+    if any(d is not None for d in dims):
+        # Nothing saved: the backward gathers the layer again (the peak holds one layer).
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    return jax.lax.scan(body, carry, leaves)[0]
+
+
+def _check_layers(state: Any) -> None:
+    named = jax.tree_util.tree_flatten_with_path(state)[0]
+    if not named:
+        raise ValueError("scan_layers: layers has no array leaf to loop over")
+    for path, x in named:
+        if jnp.ndim(x) == 0:
+            raise ValueError(
+                f"scan_layers: layers{jax.tree_util.keystr(path)} is a scalar; every leaf "
+                "needs the leading layer axis (stack the layers' leaves, or build the "
+                "module with nnx.vmap)"
+            )
+    (first, x0), *rest = named
+    for path, x in rest:
+        if jnp.shape(x)[0] != jnp.shape(x0)[0]:
+            raise ValueError(
+                "scan_layers: every leaf of layers needs the same leading (layer) axis: "
+                f"layers{jax.tree_util.keystr(first)} has {jnp.shape(x0)[0]} layers "
+                f"(shape {jnp.shape(x0)}), layers{jax.tree_util.keystr(path)} has "
+                f"{jnp.shape(x)[0]} (shape {jnp.shape(x)})"
+            )
+
+
+# ---- loss_fn at stage 3 -----------------------------------------------------------------
+
+
+_NO_SCAN = (
+    "Parallel(zero_stage=3): loss_fn passes no stack of layers to jaxdp.scan_layers, so "
+    "every split parameter is gathered whole for each micro-batch: the parameters rest "
+    "split (1/{n} per device) but the step's peak memory is not reduced; loop over "
+    "stacked layers with jaxdp.scan_layers(fn, layers, carry) (docs/semantics.md, 'ZeRO')"
+)
+_OUTSIDE = (
+    "Parallel(zero_stage=3): params leaves {names} reach jaxdp.scan_layers but loss_fn "
+    "also uses them outside it (or the loop is inside another transform): they are "
+    "gathered whole for each micro-batch, not a layer at a time"
+)
+
+
+def gathered_loss(
+    parts: Callable[..., Any],
+    dims: list[int | None],
+    how: Gather,
+    warn: Callable[[str], None],
+) -> Callable[..., Any]:
+    """``parts(params, *rest)`` (:func:`jaxdp._forward.loss_parts`) on the parameters
+    as this device holds them at stage 3: ``dims`` per parameter leaf, the dimension
+    it is split along (None: whole). The leaves outside every stack are gathered up
+    front in one collective per dtype; the stacked ones go to :func:`scan_layers` as
+    blocks. ``warn`` gives a warning once per step."""
+
+    def parts_at_stage_3(params: Any, *rest: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(params)
+        stacked = _stacked(parts, leaves, treedef, rest, dims, how, warn)
+        up_front = [None if i in stacked else d for i, d in enumerate(dims)]
+        which = [i for i, d in enumerate(up_front) if d is not None]
+        if which:
+            # Tied to this micro-batch's inputs: the parameters do not change within a
+            # window, so XLA hoisted the gather out of the micro-batch loop and kept the
+            # whole leaves for the window (more memory, 1/K of the gathers: a later
+            # regather="window", not this default).
+            blocks = [leaves[i] for i in which]
+            blocks = jax.lax.optimization_barrier((blocks, jax.tree.leaves(rest)))[0]
+            for i, x in zip(which, blocks, strict=True):
+                leaves[i] = x
+        leaves = gather(leaves, up_front, how)
+        scope = _Scope({id(leaves[i]): (i, dims[i]) for i in stacked}, how)
+        token = _SCOPE.set(scope)
+        try:
+            return parts(treedef.unflatten(leaves), *rest)
+        finally:
+            _SCOPE.reset(token)
+
+    return parts_at_stage_3
+
+
+def _stacked(parts, leaves, treedef, rest, dims, how, warn) -> set[int]:
+    """The indexes of the split leaves that only :func:`scan_layers`' loop uses, from
+    an abstract trace of ``parts`` on the whole parameters."""
+    candidates = [i for i, d in enumerate(dims) if d is not None and d >= 1]
+    if not any(d is not None for d in dims):
+        return set()
+    like = [
+        jax.ShapeDtypeStruct(
+            _whole_shape(x.shape, d, how.num_devices),
+            x.dtype,
+            sharding=jax.typeof(x).sharding,
+            manual_axis_type=jax.typeof(x).mat,
+        )
+        for x, d in zip(leaves, dims, strict=True)
+    ]
+    scope = _Scope({}, None)
+
+    def traced(*xs):
+        scope.leaves = {id(xs[i]): (i, dims[i]) for i in candidates}
+        token = _SCOPE.set(scope)
+        try:
+            return parts(treedef.unflatten(list(xs)), *rest)
+        finally:
+            _SCOPE.reset(token)
+
+    jaxpr = jax.make_jaxpr(traced)(*like).jaxpr
+    if not scope.seen:
+        warn(_NO_SCAN.format(n=how.num_devices))
+        return set()
+    outside = {i for i in scope.seen if not _only_in_a_loop(jaxpr, jaxpr.invars[i])}
+    if outside:
+        paths = jax.tree_util.tree_flatten_with_path(treedef.unflatten(leaves))[0]
+        warn(_OUTSIDE.format(names=", ".join(jax.tree_util.keystr(paths[i][0]) for i in outside)))
+    return scope.seen - outside
+
+
+def _only_in_a_loop(jaxpr: Any, var: Any) -> bool:
+    """``var``'s one use in ``jaxpr`` is a ``scan`` (the loop of :func:`scan_layers`)."""
+    uses = [e for e in jaxpr.eqns if any(v is var for v in e.invars)]
+    returned = any(v is var for v in jaxpr.outvars)
+    return not returned and len(uses) == 1 and uses[0].primitive.name == "scan"
+
+
+def _whole_shape(shape: tuple[int, ...], dim: int | None, n: int) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(shape)
+    return (*shape[:dim], shape[dim] * n, *shape[dim + 1 :])
+
+
+# ---- the gather and its transpose ----------------------------------------------------
+
+
+def gather(leaves: list[Any], dims: list[int | None], how: Gather) -> list[Any]:
+    """``leaves`` with each split one (``dims[i]`` not None: this device's block along
+    that dimension) gathered whole: one all-gather per dtype; its gradient is this
+    device's block of the global sum (one reduce-scatter per dtype)."""
+    which = [i for i, d in enumerate(dims) if d is not None]
+    if not which:
+        return list(leaves)
+    whole = _gathered(tuple(dims[i] for i in which), how, tuple(leaves[i] for i in which))
+    out = list(leaves)
+    for i, x in zip(which, whole, strict=True):
+        out[i] = x
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _gathered(dims: tuple[int, ...], how: Gather, blocks: tuple[Any, ...]) -> tuple[Any, ...]:
+    return _all_gather(dims, how, blocks)
+
+
+def _gathered_forward(dims, how, blocks):
+    return _all_gather(dims, how, blocks), None
+
+
+def _gathered_backward(dims, how, _, cotangents):
+    return (_reduce_scatter(dims, how, cotangents),)
+
+
+_gathered.defvjp(_gathered_forward, _gathered_backward)
+
+
+def _by_dtype(xs: tuple[Any, ...]) -> list[list[int]]:
+    dtypes = sorted({str(x.dtype) for x in xs})
+    return [[i for i, x in enumerate(xs) if str(x.dtype) == t] for t in dtypes]
+
+
+def _all_gather(dims: tuple[int, ...], how: Gather, blocks: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The whole leaves from every device's blocks, packed: one all-gather per dtype."""
+    out = list(blocks)
+    for group in _by_dtype(blocks):
+        flat = [jnp.moveaxis(blocks[i], dims[i], 0).reshape(-1) for i in group]
+        rows = jax.lax.all_gather(jnp.concatenate(flat), how.axis_name)  # [n, total]
+        bounds = np.cumsum([f.size for f in flat])[:-1]
+        for i, part in zip(group, jnp.split(rows, bounds, axis=1), strict=True):
+            moved = jnp.moveaxis(blocks[i], dims[i], 0).shape
+            whole = part.reshape(how.num_devices * moved[0], *moved[1:])
+            out[i] = jnp.moveaxis(whole, 0, dims[i])
+    return tuple(out)
+
+
+def _reduce_scatter(dims: tuple[int, ...], how: Gather, wholes: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Each device's block of the sum of every device's ``wholes``, packed: one
+    reduce-scatter per dtype (the wire dtype as ``ShardPlan.reduce_scatter``'s)."""
+    n, out = how.num_devices, list(wholes)
+    for group in _by_dtype(wholes):
+        dtype = wholes[group[0]].dtype
+        rows = [jnp.moveaxis(wholes[i], dims[i], 0).reshape(n, -1) for i in group]
+        buffer = compress(jnp.concatenate(rows, axis=1), how.wire, n)
+        summed = jax.lax.psum_scatter(buffer, how.axis_name, scatter_dimension=0, tiled=False)
+        summed = decompress(summed, dtype, how.wire, n)
+        bounds = np.cumsum([r.shape[1] for r in rows])[:-1]
+        for i, part in zip(group, jnp.split(summed, bounds), strict=True):
+            moved = jnp.moveaxis(wholes[i], dims[i], 0).shape
+            block = part.reshape(moved[0] // n, *moved[1:])
+            out[i] = jnp.moveaxis(block, 0, dims[i])
+    return tuple(out)
