@@ -16,6 +16,12 @@ jaxdp leaf      torch name          jaxdp layout          torch layout
 other           same name           same                  same
 ==============  ==================  ====================  ==============================
 
+A stack of layers (a leaf with a leading layer axis, as ``nnx.vmap`` and Linen's ``nn.scan``
+build them) is torch's ``nn.ModuleList`` of identical modules: the leaf ``blocks.fc.kernel``
+``[L, in, out]`` is ``blocks.0.fc.weight`` ... ``blocks.{L-1}.fc.weight``, each layer in its
+own layout. It is told by the torch side: numbered keys for a leaf with one axis more than
+their tensors.
+
 A kernel's torch layout is its layer's: read from the torch module when one is given
 (the layer kinds of :mod:`jaxdp.parity._layer_rules`), else from ``layouts``. A bare
 state_dict does not say it, and when in and out are the same size (GPT-2's square
@@ -64,6 +70,11 @@ def torch_to_params(source: Any, like: Any, *, layouts: Layouts = None) -> Any:
     read as ``"out_in"`` if its shape says so, and a square one is refused: its shape
     cannot tell nn.Linear's ``[out, in]`` from Conv1D's ``[in, out]``.
 
+    A leaf with a leading layer axis (layers stacked by ``nnx.vmap`` or Linen's
+    ``nn.scan``) whose key ``source`` lacks is read from an ``nn.ModuleList``'s numbered
+    keys: ``blocks.fc.kernel`` ``[L, in, out]`` from ``blocks.0.fc.weight`` ...
+    ``blocks.{L-1}.fc.weight``, each of one axis less, in its layer's layout.
+
     A module's ``nnx.BatchStat`` variables (buffers) are read too, by name. Keys may
     carry DDP's ``module.`` prefix. A tensor tied to one that was read (a module's
     ``lm_head.weight`` that is its ``wte.weight``) may stay unused. Returns a new module
@@ -73,7 +84,9 @@ def torch_to_params(source: Any, like: Any, *, layouts: Layouts = None) -> Any:
       KeyError: a parameter of ``like`` has no tensor.
       ValueError: a tensor of the wrong shape, a square kernel of unknown layout (named
         with the fix), a tensor ``like`` has no parameter for (as
-        ``load_state_dict(strict=True)``), or a ``layouts`` entry that names no kernel.
+        ``load_state_dict(strict=True)``), a ``layouts`` entry that names no kernel, or a
+        module list whose layers are not numbered 0 to L - 1 for a stacked leaf of L
+        layers (naming the missing or left-over key).
     """
     theirs = _read(source)
     tensors = theirs.tensors
@@ -123,7 +136,10 @@ def params_to_torch(
     ``like``: the torch ``nn.Module`` it is for. Then each kernel takes its layer's
     layout (transformers' Conv1D ``[in, out]``, nn.Linear ``[out, in]``), the keys are
     exactly ``like.state_dict()``'s (a tied tensor gets its twin's value), and
-    ``like.load_state_dict({k: torch.from_numpy(v) ...})`` takes it. ``layouts`` names
+    ``like.load_state_dict({k: torch.from_numpy(v) ...})`` takes it; a leaf with a
+    leading layer axis becomes the numbered layers of ``like``'s ``nn.ModuleList``
+    (``blocks.fc.kernel`` ``[L, in, out]``: ``blocks.0.fc.weight`` ...), which need
+    ``like`` (a module or its state_dict) to be known. ``layouts`` names
     the layout of the kernels ``like`` does not tell (by torch key, or one for all);
     without ``like``, every kernel is written ``"out_in"`` (nn.Linear's, nn.Conv's)
     unless ``layouts`` says otherwise.
@@ -134,8 +150,8 @@ def params_to_torch(
 
     Raises:
       KeyError: ``like`` has a tensor ``params`` has no value for.
-      ValueError: a value whose shape is not ``like``'s tensor's, or a parameter
-        ``like`` has no tensor for.
+      ValueError: a value whose shape is not ``like``'s tensor's, a parameter ``like``
+        has no tensor for, or a module list of another length than a stacked leaf's.
     """
     flat = _flat_params(params)
     theirs = _read(like) if like is not None else _Torch({}, {}, {}, {})
