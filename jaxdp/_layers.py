@@ -76,7 +76,7 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
     collective inside the loop body, under ``jax.checkpoint`` with
     ``nothing_saveable``: the backward gathers each layer again instead of keeping
     the gathered weights, so the step's peak holds one layer's weights at a time; each
-    layer's gradient is reduce-scattered inside the loop (docs/semantics.md, "ZeRO").
+    layer's gradient is reduce-scattered inside the loop (docs/semantics.md, "ZeRO stage 3").
 
     Raises:
       ValueError: ``layers`` has no array leaf, a scalar leaf, or leaves of different
@@ -135,10 +135,11 @@ def _check_layers(state: Any) -> None:
 
 
 _NO_SCAN = (
-    "Parallel(zero_stage=3): loss_fn passes no stack of layers to jaxdp.scan_layers, so "
-    "every split parameter is gathered whole for each micro-batch: the parameters rest "
+    "Parallel(zero_stage=3): loss_fn passes no parameter to jaxdp.scan_layers as the step "
+    "hands it over (it never calls scan_layers, or transforms the layers first, e.g. a "
+    "cast), so every split parameter is gathered whole for each micro-batch: they rest "
     "split (1/{n} per device) but the step's peak memory is not reduced; loop over "
-    "stacked layers with jaxdp.scan_layers(fn, layers, carry) (docs/semantics.md, 'ZeRO')"
+    "stacked layers with jaxdp.scan_layers(fn, layers, carry) (docs/semantics.md, 'ZeRO stage 3')"
 )
 _OUTSIDE = (
     "Parallel(zero_stage=3): params leaves {names} reach jaxdp.scan_layers but loss_fn "
@@ -170,7 +171,8 @@ def gathered_loss(
             # whole leaves for the window (more memory, 1/K of the gathers: a later
             # regather="window", not this default).
             blocks = [leaves[i] for i in which]
-            blocks = jax.lax.optimization_barrier((blocks, jax.tree.leaves(rest)))[0]
+            batch = jax.tree.leaves(rest[0])  # parts(params, batch, ...)
+            blocks = jax.lax.optimization_barrier((blocks, batch))[0]
             for i, x in zip(which, blocks, strict=True):
                 leaves[i] = x
         leaves = gather(leaves, up_front, how)
@@ -216,7 +218,11 @@ def _stacked(parts, leaves, treedef, rest, dims, how, warn) -> set[int]:
     outside = {i for i in scope.seen if not _only_in_a_loop(jaxpr, jaxpr.invars[i])}
     if outside:
         paths = jax.tree_util.tree_flatten_with_path(treedef.unflatten(leaves))[0]
-        warn(_OUTSIDE.format(names=", ".join(jax.tree_util.keystr(paths[i][0]) for i in outside)))
+        warn(
+            _OUTSIDE.format(
+                names=", ".join(jax.tree_util.keystr(paths[i][0]) for i in sorted(outside))
+            )
+        )
     return scope.seen - outside
 
 

@@ -4,7 +4,8 @@ runs under ``jax.jit`` (the host side, before and after, is in :mod:`._step`).
 Every call, on either path and at every ZeRO stage, runs four stages in this order:
 
 1. accumulate (:func:`accumulate`, per device): each micro-batch's gradient, loss and
-   weight added into a :class:`Window`'s sums, in the accumulator dtype;
+   weight added into a :class:`Window`'s sums, in the accumulator dtype (at ZeRO stage 3
+   the forward first gathers the split parameters, :mod:`jaxdp._layers`);
 2. reduce (:func:`reduce`, per device): the window's sums made global, the step's only
    gradient collective (one psum; at ZeRO stages a reduce-scatter and a small psum);
 3. update (:func:`update`): the user's ``optimizer.update`` on the mean gradients, or
