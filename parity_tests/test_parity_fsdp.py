@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from test_torch_ref_fsdp import MICRO_BATCH_SIZE, MODEL, NUM_SAMPLES, OPTIMIZER, STEPS
 from test_torch_ref_fsdp import torch_jobs as torch_jobs  # the batch's runs, shared
 
@@ -136,3 +138,21 @@ def test_a_wrong_number_of_torch_layers_is_refused_naming_the_key():
     wrong = state_dict | {"blocks.1.fc.bias": np.zeros(23)}
     with pytest.raises(ValueError, match=r"'blocks\.1\.fc\.bias'.* layer 1 of the stacked"):
         torch_to_params(wrong, like)
+
+
+def test_a_stacked_pytree_reads_the_module_list_too():
+    # Linen's nn.scan parameters, or a dict stacked by hand: the same numbered keys.
+    torch_model = tr.build_model(MODEL)
+    state_dict = torch_model.state_dict()
+    like = jax.tree.map(
+        np.asarray,
+        nnx.to_pure_dict(nnx.state(build_model(MODEL, param_dtype=jnp.float64), nnx.Param)),
+    )
+    params = torch_to_params(torch_model, like)
+    assert params["blocks"]["proj"]["kernel"].shape == (3, 24, 12)
+    np.testing.assert_array_equal(
+        params["blocks"]["proj"]["kernel"][2], state_dict["blocks.2.proj.weight"].numpy().T
+    )
+    back = params_to_torch(params, torch_model)
+    for key, tensor in state_dict.items():
+        np.testing.assert_array_equal(back[key], tensor.numpy(), err_msg=key)
