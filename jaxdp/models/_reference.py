@@ -2,7 +2,9 @@
 
 Attribute names are the torch module names, so the state_dict key
 ``block.attn.query.weight`` is the NNX parameter ``block.attn.query.kernel``
-(see :func:`jaxdp.parity.torch_to_params`). Each model comes with its loss: the mean
+(see :func:`jaxdp.parity.torch_to_params`); ``stack``'s layers are stacked, so its
+``blocks.fc.kernel`` ``[3, 12, 24]`` holds torch's ``blocks.0.fc.weight`` ...
+``blocks.2.fc.weight``. Each model comes with its loss: the mean
 over the micro-batch, except ``linear`` whose loss is the seed example's sum.
 Batches are ``(x, y)``; images are NHWC.
 """
