@@ -16,8 +16,11 @@ JAXDP = pathlib.Path(sys.executable).parent / "jaxdp"
 
 
 def test_parity_command_prints_the_comparison():
+    # As `python -m jaxdp` (the script `jaxdp` below): its DDP ranks import the package's
+    # __main__.py again, which must not run the command line once more.
     out = subprocess.run(
-        [JAXDP, "parity", "--model", "mlp", "--num-devices", "2", "--accum-steps", "2"]
+        [sys.executable, "-m", "jaxdp", "parity", "--model", "mlp", "--num-devices", "2"]
+        + ["--accum-steps", "2"]
         + ["--steps", "10"],
         capture_output=True,
         text=True,
