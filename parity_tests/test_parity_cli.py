@@ -13,11 +13,9 @@ import pytest
 from jaxdp.cli import main
 from jaxdp.parity import ParityConfig, Trajectory, compare, format_parity, plot_parity
 
-JAXDP = pathlib.Path(sys.executable).parent / "jaxdp"
-
 
 def test_parity_command_prints_the_comparison():
-    # As `python -m jaxdp` (the script `jaxdp` below): its DDP ranks import the package's
+    # As `python -m jaxdp` (tests/test_cli.py runs the script `jaxdp`): its DDP ranks import the package's
     # __main__.py again, which must not run the command line once more.
     out = subprocess.run(
         [sys.executable, "-m", "jaxdp", "parity", "--model", "mlp", "--num-devices", "2"]
