@@ -15,8 +15,8 @@ from jaxdp.parity import ParityConfig, Trajectory, compare, format_parity, plot_
 
 
 def test_parity_command_prints_the_comparison():
-    # As `python -m jaxdp` (tests/test_cli.py runs the script `jaxdp`): its DDP ranks import the package's
-    # __main__.py again, which must not run the command line once more.
+    # As `python -m jaxdp` (tests/test_cli.py runs the script `jaxdp`): its DDP ranks
+    # import the package's __main__.py again, which must not run the command once more.
     out = subprocess.run(
         [sys.executable, "-m", "jaxdp", "parity", "--model", "mlp", "--num-devices", "2"]
         + ["--accum-steps", "2"]
