@@ -45,7 +45,9 @@ def _batch_owners(items) -> dict:
             owners["torch_runs"] = _cell_jobs
         module = getattr(item, "module", None)
         if hasattr(module, "torch_jobs"):
-            owners[module.__name__] = module.torch_jobs
+            # A file that imports another's torch_jobs shares its runs (the owner is the
+            # module that defines it), so they are made once.
+            owners[module.torch_jobs.__module__] = module.torch_jobs
     return owners
 
 
@@ -55,8 +57,9 @@ def torch_batch(request):
     ONE start of real gloo processes per (world size, device), shared by the test files
     (issue 31: "torch reference runs computed once per run and shared").
 
-    The owners are the selected tests' modules that define ``torch_jobs() -> {key: (config,
-    data, initial_state)}`` (``__name__`` is the owner), and ``"torch_runs"`` for the
+    The owners are the modules that define the selected tests' ``torch_jobs() -> {key:
+    (config, data, initial_state)}`` (its ``__module__`` is the owner: a file that imports
+    another's reads that one's runs), and ``"torch_runs"`` for the
     cells of cells.py. A start runs its jobs in order, each as ``train_ddp_many`` would
     alone: a job's result does not depend on the others (test_torch_ref.py's torchrun
     test checks two of them bitwise against a launch of their own)."""

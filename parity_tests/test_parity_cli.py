@@ -10,14 +10,16 @@ import numpy as np
 import port_models
 import pytest
 
+from jaxdp.cli import main
 from jaxdp.parity import ParityConfig, Trajectory, compare, format_parity, plot_parity
-
-JAXDP = pathlib.Path(sys.executable).parent / "jaxdp"
 
 
 def test_parity_command_prints_the_comparison():
+    # As `python -m jaxdp` (tests/test_cli.py runs the script `jaxdp`): its DDP ranks
+    # import the package's __main__.py again, which must not run the command once more.
     out = subprocess.run(
-        [JAXDP, "parity", "--model", "mlp", "--num-devices", "2", "--accum-steps", "2"]
+        [sys.executable, "-m", "jaxdp", "parity", "--model", "mlp", "--num-devices", "2"]
+        + ["--accum-steps", "2"]
         + ["--steps", "10"],
         capture_output=True,
         text=True,
@@ -42,22 +44,25 @@ def step_rows(lines):
     return [line.split()[0] for line in lines[start + 1 : end]]
 
 
-def test_parity_command_on_your_own_models(tmp_path):
-    """The command docs/check-your-port.md shows, on the ResCNN pair of port_models.py."""
+def test_parity_command_on_your_own_models(tmp_path, monkeypatch, capsys):
+    """The command docs/check-your-port.md shows, on the ResCNN pair of port_models.py: the
+    command's own code (flags, the models loaded from a file, the locator, the plot, the
+    report and the exit status) in this process, whose backend has 8 devices already (the
+    command's num_devices=1 takes the first); the command in a fresh process of its own
+    device count is test_parity_command_prints_the_comparison."""
     x, y = port_models.images()
     np.savez(tmp_path / "images.npz", x=x, y=y)
     models = pathlib.Path(__file__).parent / "port_models.py"
-    out = subprocess.run(
-        [JAXDP, "parity", "--torch-model", f"{models}:TorchResCNN"]
-        + ["--jax-model", f"{models}:JaxResCNN", "--data", tmp_path / "images.npz"]
+    monkeypatch.setattr("jaxdp._mesh.emulate_cpu_devices", lambda num_devices: None)
+    status = main(
+        ["parity", "--torch-model", f"{models}:TorchResCNN"]
+        + ["--jax-model", f"{models}:JaxResCNN", "--data", str(tmp_path / "images.npz")]
         + ["--num-devices", "1", "--accum-steps", "4", "--micro-batch-size", "2"]
-        + ["--steps", "3", "--locate", "--plot", tmp_path / "parity.png"],
-        capture_output=True,
-        text=True,
-        timeout=600,
+        + ["--steps", "3", "--locate", "--plot", str(tmp_path / "parity.png")]
     )
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.splitlines()
+    out = capsys.readouterr()
+    assert status == 0, out.out + out.err
+    lines = out.out.splitlines()
     assert lines[0].startswith("parity: TorchResCNN vs JaxResCNN, adamw, float64"), lines[0]
     assert step_rows(lines) == ["1", "2", "3"]
     assert "max relative difference per step and parameter group:" in lines

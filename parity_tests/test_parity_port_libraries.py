@@ -114,7 +114,7 @@ def test_flax_batch_norm_differs_from_torch_in_its_running_variance_only():
 def test_parity_command_takes_a_linen_and_an_equinox_port(tmp_path, port, monkeypatch, capsys):
     """The command's own code (flags, the models loaded from a file, the report, the exit
     status) in this process: a fresh process and its device count are
-    test_parity_cli.py's, which starts the command twice. This process's backend has 8
+    test_parity_cli.py's, which starts the command once. This process's backend has 8
     devices already; the command's num_devices=1 takes the first."""
     x, y = lp.features()
     np.savez(tmp_path / "features.npz", x=x, y=y)

@@ -310,7 +310,8 @@ def test_the_benchmarks_import_only_public_modules_and_names_of_jaxdp_and_torch_
 def test_the_hand_written_floors_make_jaxdps_step(name):
     """The floors the overhead ratios divide by train what jaxdp's fused step trains:
     same mean gradient over devices and micro-batches, same update (2 devices, K=2).
-    The bench's AdamW, and SGD, whose update is not blind to a gradient's scale."""
+    The bench's AdamW, and SGD, whose update is not blind to a gradient's scale. And
+    the hand-written step compiles once for its first call and the ones after."""
     import jax
     import numpy as np
     import optax
@@ -319,7 +320,11 @@ def test_the_hand_written_floors_make_jaxdps_step(name):
 
     import jaxdp
     from benchmarks.harness._common import BenchModel, micro_loss, optimizer
-    from benchmarks.harness._hand_written import hand_written_step, hand_written_streaming
+    from benchmarks.harness._hand_written import (
+        hand_written_step,
+        hand_written_streaming,
+        replicated,
+    )
 
     if name == "sgd":
         optimizer = lambda: optax.sgd(0.5)  # noqa: E731  (the name the steps below call)
@@ -337,7 +342,8 @@ def test_the_hand_written_floors_make_jaxdps_step(name):
 
     hand = hand_written_step(loss, optimizer(), mesh, k)
     p0 = copy(params)
-    hand_params, _, _ = hand(p0, optimizer().init(p0), jax.device_put(window, rows))
+    placed = replicated(mesh, (p0, optimizer().init(p0)))
+    hand_params, hand_state, _ = hand(*placed, jax.device_put(window, rows))
 
     accumulate, apply = hand_written_streaming(loss, optimizer(), mesh, k)
     p1 = copy(params)
@@ -355,6 +361,10 @@ def test_the_hand_written_floors_make_jaxdps_step(name):
             # float32, one step: sums in another order differ in the last bits;
             # RTOL is a few float32 ulps, ATOL a floor for elements near zero.
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+    # From state placed as the step returns it, a second call runs the first call's
+    # program (arrays made elsewhere, whose types name no mesh, compiled a second one).
+    hand(hand_params, hand_state, jax.device_put(window, rows))
+    assert hand._cache_size() == 1
 
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])

@@ -230,6 +230,11 @@ assert (wrong.first_failure, found.stage, found.module) == (
     1, "forward", "transformer.h.0.attn.c_proj"
 ), found
 """,
+        # torch's nn.ModuleList into a port of stacked (nnx.vmap) layers and back.
+        11: """
+assert port.blocks.kernel.shape == (3, 8, 8) and list(back) == list(tower.state_dict())
+assert np.abs(np.asarray(port(h)) - tower(torch.from_numpy(h)).detach().numpy()).max() < 1e-14
+""",
     },
 }
 

@@ -16,6 +16,7 @@ from jaxdp.models import (
     MODELS,
     EmbedBranch,
     LinearModel,
+    Stack,
     Transformer,
     build_model,
 )
@@ -49,6 +50,7 @@ def test_models_are_built_by_name_as_their_classes():
         "transformer": Transformer,
         "cnn_bn": CNNBN,
         "embed_branch": EmbedBranch,
+        "stack": Stack,
     }
     assert sorted(MODELS) == sorted(classes)
     for name, cls in classes.items():

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
@@ -51,6 +51,14 @@ def hand_written_step(
         local, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=(P(), P(), P())
     )
     return jax.jit(mapped, donate_argnums=(0, 1))
+
+
+def replicated(mesh: Mesh, tree: Any) -> Any:
+    """``tree`` placed whole on every device of ``mesh``, as :func:`hand_written_step`
+    returns its parameters and optimizer state: its first call then compiles the one
+    program every call runs (from arrays placed otherwise, the second call compiles
+    it again: the arrays' types name the mesh after the first)."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
 def hand_written_streaming(

@@ -71,14 +71,14 @@ def hand_written_stepper(
 
     from jaxdp import data_mesh
 
-    from ._hand_written import hand_written_step
+    from ._hand_written import hand_written_step, replicated
 
     mesh = data_mesh(num_devices)
     loss, params = micro_loss(bm, bm.make())
     step = hand_written_step(loss, optimizer(), mesh, accum_steps)
     batch = _placed(bm, num_devices * accum_steps * bm.micro_batch_size, mesh)
     params = jax.tree.map(jax.numpy.copy, params)
-    box = [params, optimizer().init(params)]
+    box = list(replicated(mesh, (params, optimizer().init(params))))
 
     def run() -> float:
         box[0], box[1], value = step(box[0], box[1], batch)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ._common import BenchModel, bench_models, standard_args
@@ -50,6 +50,10 @@ class FusedSteps:
                 self.bm.loss, self.optimizer, mesh=self.mesh, accum_steps=accum_steps
             )
         return self._steps[accum_steps]
+
+    def compiled(self) -> list[tuple[int, int]]:
+        """The ``(micro_batch_size, accum_steps)`` pairs compiled so far."""
+        return list(self._memory)
 
     def memory(self, micro_batch_size: int, accum_steps: int = 1) -> Any:
         """XLA's per-device figures (:class:`jaxdp.plan.CompiledMemory`) of the step over
@@ -89,15 +93,20 @@ def param_count(bm: BenchModel) -> int:
     return sum(x.size for x in jax.tree.leaves(params))
 
 
-def largest_fitting(total: Callable[[int], int], budget: int, *, limit: int = 2**30) -> dict:
+def largest_fitting(
+    total: Callable[[int], int], budget: int, *, limit: int = 2**30, known: Iterable[int] = ()
+) -> dict:
     """The largest ``n >= 1`` with ``total(n) <= budget``, for ``total`` increasing in ``n``.
 
     XLA's total is close to affine in the batch rows and in ``K`` beyond ``K = 1``
     (at ``K = 1`` there is no loop and no accumulator): the line through the
-    two nearest compiled points predicts the answer, which is compiled, and so
-    is the size one above the answer to show it does not fit. Each compile
-    narrows the bracket ``[fits, does not fit)``; at most ``MAX_COMPILES``.
+    two nearest points read predicts the answer, which is compiled, and so
+    is the size one above the answer to show it does not fit. ``known``: sizes
+    whose totals are at hand (compiled for the other figures), read first, so that
+    the line starts from them rather than from 1 and 2. Each compile narrows the
+    bracket ``[fits, does not fit)``; at most ``MAX_COMPILES``, ``known`` not counted.
     """
+    known = set(known)
     seen: dict[int, int] = {}
 
     def fits(n: int) -> bool:
@@ -105,15 +114,21 @@ def largest_fitting(total: Callable[[int], int], budget: int, *, limit: int = 2*
             seen[n] = total(n)
         return seen[n] <= budget
 
+    def compiles() -> int:
+        return len(seen.keys() - known)
+
     if not fits(1):
-        return {"largest": 0, "compiles": 1, "total": seen[1], "verified": True}
+        return {"largest": 0, "compiles": compiles(), "total": seen[1], "verified": True}
     lo, hi = 1, limit + 1  # fits(lo); hi does not fit, or lies past the limit
-    probe = 2
-    while hi - lo > 1 and len(seen) < MAX_COMPILES:
-        if fits(probe):
-            lo = probe
+
+    def narrow(n: int) -> None:
+        nonlocal lo, hi
+        if fits(n):
+            lo = max(lo, n)
         else:
-            hi = probe
+            hi = min(hi, n)
+
+    def next_probe() -> int:
         points = sorted(seen)
         a = max((n for n in points if n < lo and n > 1), default=None)  # K = 1 is off the line
         left, right = (lo, hi) if hi in seen else ((a, lo) if a is not None else (lo, lo))
@@ -122,8 +137,15 @@ def largest_fitting(total: Callable[[int], int], budget: int, *, limit: int = 2*
         probe = min(max(guess, lo + 1), hi - 1)
         if probe in seen:  # the line points at a compiled size: step next to it
             probe = lo + 1 if probe <= lo else hi - 1
+        return probe
+
+    for n in sorted(known - {1}):
+        if n <= limit:
+            narrow(n)
+    while hi - lo > 1 and compiles() < MAX_COMPILES:
+        narrow(next_probe())
     verified = hi - lo == 1 and hi in seen
-    return {"largest": lo, "compiles": len(seen), "total": seen[lo], "verified": verified}
+    return {"largest": lo, "compiles": compiles(), "total": seen[lo], "verified": verified}
 
 
 def measure_model(
@@ -155,9 +177,14 @@ def measure_model(
                 "micro_input_bytes": micro * row_bytes if k > 1 else 0,
             }
         )
-    without = largest_fitting(lambda b: steps.memory(b, 1).total, budget)
-    m = bm.micro_batch_size
-    with_accum = largest_fitting(lambda k: steps.memory(m, k).total, budget)
+    # The rows compiled some sizes already: the searches start from them.
+    m, compiled = bm.micro_batch_size, steps.compiled()
+    without = largest_fitting(
+        lambda b: steps.memory(b, 1).total, budget, known=[b for b, k in compiled if k == 1]
+    )
+    with_accum = largest_fitting(
+        lambda k: steps.memory(m, k).total, budget, known=[k for b, k in compiled if b == m]
+    )
     multi = make_train_step(bm.loss, steps.optimizer, mesh=mesh, path="multisteps")
     multisteps = compiled_memory(multi.compile(multi.init(bm.make()), bm.data(n * m)))
     return {

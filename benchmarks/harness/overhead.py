@@ -73,7 +73,7 @@ def _streamed(loss: Any, k: int, mesh: Any, params: Any, micro: Any) -> Callable
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ._hand_written import hand_written_streaming
+    from ._hand_written import hand_written_streaming, replicated
 
     accumulate, apply = hand_written_streaming(loss, optimizer(), mesh, k)
     n = mesh.devices.size
@@ -82,7 +82,7 @@ def _streamed(loss: Any, k: int, mesh: Any, params: Any, micro: Any) -> Callable
         lambda t: jax.tree.map(lambda p: jnp.zeros((n, *p.shape), p.dtype), t),
         out_shardings=stacked,
     )
-    box = [params, optimizer().init(params), zeros(params)]
+    box = [*replicated(mesh, (params, optimizer().init(params))), zeros(params)]
 
     def run() -> Any:
         for _ in range(k):
@@ -150,7 +150,7 @@ def _variants(bm: BenchModel, k: int, mesh: Any, module: Any) -> dict[str, Calla
 
     from jaxdp import make_train_step
 
-    from ._hand_written import hand_written_step
+    from ._hand_written import hand_written_step, replicated
 
     rows = NamedSharding(mesh, P(mesh.axis_names[0]))
     window = jax.device_put(bm.data(k * bm.micro_batch_size), rows)
@@ -160,13 +160,15 @@ def _variants(bm: BenchModel, k: int, mesh: Any, module: Any) -> dict[str, Calla
     variants = {}
     hand = hand_written_step(loss, optimizer(), mesh, k)
     hand_params = copy(params)
-    variants["hand-written"] = _chained(hand, hand_params, optimizer().init(hand_params), window, 1)
+    hand_state = replicated(mesh, (hand_params, optimizer().init(hand_params)))
+    variants["hand-written"] = _chained(hand, *hand_state, window, 1)
     for path, batch, calls in (("fused", window, 1), ("multisteps", micro, k)):
         step = make_train_step(bm.loss, optimizer(), mesh=mesh, accum_steps=k, path=path)
         variants[path] = _stepper(step, step.init(module), batch, calls)
     variants[STREAMING] = _streamed(loss, k, mesh, copy(params), micro)
     optax_step, opt_state = _optax_multisteps(loss, copy(params), k)
-    variants["optax.MultiSteps"] = _chained(optax_step, copy(params), opt_state, micro, k)
+    optax_state = replicated(mesh, (copy(params), opt_state))
+    variants["optax.MultiSteps"] = _chained(optax_step, *optax_state, micro, k)
     return variants
 
 

@@ -67,13 +67,13 @@ def _fused(bm, k: int):
     import jax
 
     from benchmarks.harness._common import optimizer
-    from benchmarks.harness._hand_written import hand_written_step
+    from benchmarks.harness._hand_written import hand_written_step, replicated
     from benchmarks.harness.overhead import _chained
 
     mesh, rows, loss, params, copy = _setup(bm)
     window = jax.device_put(bm.data(k * bm.micro_batch_size), rows)
     step, p = hand_written_step(loss, optimizer(), mesh, k), copy(params)
-    return _chained(step, p, optimizer().init(p), window, 1)
+    return _chained(step, *replicated(mesh, (p, optimizer().init(p))), window, 1)
 
 
 def _streaming(bm, k: int, *, apply: bool):

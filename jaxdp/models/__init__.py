@@ -15,6 +15,7 @@ from ._reference import TRAINABLE as TRAINABLE
 from ._reference import BatchNorm as BatchNorm
 from ._reference import EmbedBranch as EmbedBranch
 from ._reference import LinearModel as LinearModel
+from ._reference import Stack as Stack
 from ._reference import Transformer as Transformer
 from ._reference import build_model as build_model
 from ._reference import model_loss as model_loss
@@ -32,6 +33,7 @@ __all__ = [
     "EmbedBranch",
     "LinearModel",
     "ScannedTransformer",
+    "Stack",
     "Transformer",
     "build_model",
     "model_loss",

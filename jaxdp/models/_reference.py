@@ -2,7 +2,9 @@
 
 Attribute names are the torch module names, so the state_dict key
 ``block.attn.query.weight`` is the NNX parameter ``block.attn.query.kernel``
-(see :func:`jaxdp.parity.torch_to_params`). Each model comes with its loss: the mean
+(see :func:`jaxdp.parity.torch_to_params`); ``stack``'s layers are stacked, so its
+``blocks.fc.kernel`` ``[3, 12, 24]`` holds torch's ``blocks.0.fc.weight`` ...
+``blocks.2.fc.weight``. Each model comes with its loss: the mean
 over the micro-batch, except ``linear`` whose loss is the seed example's sum.
 Batches are ``(x, y)``; images are NHWC.
 """
@@ -17,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from .._layers import scan_layers
 
 LAYER_NORM_EPS = 1e-5
 """The reference models' LayerNorm epsilon: torch.nn.LayerNorm's default (flax's is 1e-6)."""
@@ -298,6 +302,59 @@ class Transformer(nnx.Module):
         return self.head(self.ln_f(self.block(h)))
 
 
+class ResidualBlock(nnx.Module):
+    """Pre-LayerNorm residual MLP block: ``h + proj(gelu(fc(norm(h))))``, width ``d -> 2d -> d``
+    (tanh-approximated GELU, as torch's ``F.gelu(approximate="tanh")``)."""
+
+    def __init__(self, d_model: int, *, rngs: nnx.Rngs, param_dtype: Any):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.norm = _layer_norm(d_model, **kw)
+        self.fc = nnx.Linear(d_model, 2 * d_model, **kw)
+        self.proj = nnx.Linear(2 * d_model, d_model, **kw)
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return h + self.proj(jax.nn.gelu(self.fc(self.norm(h)), approximate=True))
+
+
+class Stack(nnx.Module):
+    """The sharded-parameter reference: ``[B, 6]`` -> ``embed`` (to width 12) -> 3
+    identical :class:`ResidualBlock` s -> ``norm`` -> ``head``: 5 logits.
+
+    ``blocks`` is ONE module made with ``nnx.vmap``: each of its parameters has a
+    leading layer axis (``blocks.fc.kernel`` is ``[3, 12, 24]``), the layout of torch's
+    ``nn.ModuleList`` ``blocks.0`` ... ``blocks.2`` stacked (``torch_to_params`` converts
+    it). The forward loops over it with :func:`jaxdp.scan_layers`, so at ZeRO stage 3 the
+    blocks are gathered one at a time. ``head`` has 5 rows, which 2 or 4 devices do not
+    divide.
+    """
+
+    def __init__(
+        self,
+        d_in: int = 6,
+        d_model: int = 12,
+        n_blocks: int = 3,
+        num_classes: int = 5,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Any = jnp.float32,
+    ):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.embed = nnx.Linear(d_in, d_model, **kw)
+
+        @nnx.split_rngs(splits=n_blocks)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs: nnx.Rngs) -> ResidualBlock:
+            return ResidualBlock(d_model, rngs=rngs, param_dtype=param_dtype)
+
+        self.blocks = blocks(rngs)
+        self.norm = _layer_norm(d_model, **kw)
+        self.head = nnx.Linear(d_model, num_classes, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = scan_layers(lambda block, h: block(h), self.blocks, self.embed(x))
+        return self.head(self.norm(h))
+
+
 def _sum_loss(model: nnx.Module, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
     return model(batch[0]).sum()
 
@@ -314,6 +371,7 @@ MODELS: dict[str, tuple[Callable[..., nnx.Module], Callable[..., jax.Array]]] = 
     "transformer": (Transformer, _cross_entropy),
     "cnn_bn": (CNNBN, _cross_entropy),
     "embed_branch": (EmbedBranch, _cross_entropy),
+    "stack": (Stack, _cross_entropy),
 }
 """``name -> (model class, loss(module, (x, y)))`` of every reference model."""
 

@@ -16,6 +16,12 @@ jaxdp leaf      torch name          jaxdp layout          torch layout
 other           same name           same                  same
 ==============  ==================  ====================  ==============================
 
+A stack of layers (a leaf with a leading layer axis, as ``nnx.vmap`` and Linen's ``nn.scan``
+build them) is torch's ``nn.ModuleList`` of identical modules: the leaf ``blocks.fc.kernel``
+``[L, in, out]`` is ``blocks.0.fc.weight`` ... ``blocks.{L-1}.fc.weight``, each layer in its
+own layout. It is told by the torch side: numbered keys for a leaf with one axis more than
+their tensors.
+
 A kernel's torch layout is its layer's: read from the torch module when one is given
 (the layer kinds of :mod:`jaxdp.parity._layer_rules`), else from ``layouts``. A bare
 state_dict does not say it, and when in and out are the same size (GPT-2's square
@@ -25,6 +31,7 @@ torch is never imported here: tensors are read through ``numpy.asarray``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
@@ -63,6 +70,11 @@ def torch_to_params(source: Any, like: Any, *, layouts: Layouts = None) -> Any:
     read as ``"out_in"`` if its shape says so, and a square one is refused: its shape
     cannot tell nn.Linear's ``[out, in]`` from Conv1D's ``[in, out]``.
 
+    A leaf with a leading layer axis (layers stacked by ``nnx.vmap`` or Linen's
+    ``nn.scan``) whose key ``source`` lacks is read from an ``nn.ModuleList``'s numbered
+    keys: ``blocks.fc.kernel`` ``[L, in, out]`` from ``blocks.0.fc.weight`` ...
+    ``blocks.{L-1}.fc.weight``, each of one axis less, in its layer's layout.
+
     A module's ``nnx.BatchStat`` variables (buffers) are read too, by name. Keys may
     carry DDP's ``module.`` prefix. A tensor tied to one that was read (a module's
     ``lm_head.weight`` that is its ``wte.weight``) may stay unused. Returns a new module
@@ -72,7 +84,9 @@ def torch_to_params(source: Any, like: Any, *, layouts: Layouts = None) -> Any:
       KeyError: a parameter of ``like`` has no tensor.
       ValueError: a tensor of the wrong shape, a square kernel of unknown layout (named
         with the fix), a tensor ``like`` has no parameter for (as
-        ``load_state_dict(strict=True)``), or a ``layouts`` entry that names no kernel.
+        ``load_state_dict(strict=True)``), a ``layouts`` entry that names no kernel, or a
+        module list whose layers are not numbered 0 to L - 1 for a stacked leaf of L
+        layers (naming the missing or left-over key).
     """
     theirs = _read(source)
     tensors = theirs.tensors
@@ -82,25 +96,32 @@ def torch_to_params(source: Any, like: Any, *, layouts: Layouts = None) -> Any:
     for path, current in flat.items():
         name = ".".join(map(str, path))
         key = _torch_key(path)
-        if key not in tensors:
-            raise KeyError(
-                f"state_dict has no {key!r} for parameter {name} of shape {np.shape(current)}"
-            )
-        tensor = tensors[key]
-        if path[-1] == "kernel":
-            layout = _kernel_layout(key, tensor.shape, np.shape(current), name, theirs, layouts)
-        else:
-            layout = None
-        axes = _torch_axes(layout, np.ndim(current))
-        want = tuple(np.shape(current)[a] for a in axes)
-        if tensor.shape != want:
-            raise ValueError(
-                f"state_dict[{key!r}] has shape {tensor.shape}; parameter {name} of shape "
-                f"{np.shape(current)} needs a torch tensor of shape {want}"
-                + _layout_hint(key, layout, theirs)
-            )
-        values[path] = np.transpose(tensor, np.argsort(axes)).astype(current.dtype)
-        used.add(key)
+        shape = np.shape(current)
+        stacked = None if key in tensors else _layer_keys(key, tensors, name, shape)
+        if key not in tensors and stacked is None:
+            raise KeyError(f"state_dict has no {key!r} for parameter {name} of shape {shape}")
+        if stacked is not None:  # one torch tensor per layer, each of the layer's shape
+            shape = shape[1:]
+        layers = []
+        for layer_key in stacked or [key]:
+            tensor = tensors[layer_key]
+            if path[-1] == "kernel":
+                layout = _kernel_layout(layer_key, tensor.shape, shape, name, theirs, layouts)
+            else:
+                layout = None
+            axes = _torch_axes(layout, len(shape))
+            want = tuple(shape[a] for a in axes)
+            if tensor.shape != want:
+                of = f"parameter {name} of shape {np.shape(current)}"
+                if stacked is not None:
+                    of = f"layer {len(layers)} of the stacked {of}"
+                raise ValueError(
+                    f"state_dict[{layer_key!r}] has shape {tensor.shape}; {of} needs a torch "
+                    f"tensor of shape {want}" + _layout_hint(layer_key, layout, theirs)
+                )
+            layers.append(np.transpose(tensor, np.argsort(axes)).astype(current.dtype))
+            used.add(layer_key)
+        values[path] = layers[0] if stacked is None else np.stack(layers)
     extra = sorted(k for k in set(tensors) - used if theirs.tied.get(k) not in used)
     if extra:
         raise ValueError(f"state_dict has tensors with no matching parameter: {extra}")
@@ -115,7 +136,10 @@ def params_to_torch(
     ``like``: the torch ``nn.Module`` it is for. Then each kernel takes its layer's
     layout (transformers' Conv1D ``[in, out]``, nn.Linear ``[out, in]``), the keys are
     exactly ``like.state_dict()``'s (a tied tensor gets its twin's value), and
-    ``like.load_state_dict({k: torch.from_numpy(v) ...})`` takes it. ``layouts`` names
+    ``like.load_state_dict({k: torch.from_numpy(v) ...})`` takes it; a leaf with a
+    leading layer axis becomes the numbered layers of ``like``'s ``nn.ModuleList``
+    (``blocks.fc.kernel`` ``[L, in, out]``: ``blocks.0.fc.weight`` ...), which need
+    ``like`` (a module or its state_dict) to be known. ``layouts`` names
     the layout of the kernels ``like`` does not tell (by torch key, or one for all);
     without ``like``, every kernel is written ``"out_in"`` (nn.Linear's, nn.Conv's)
     unless ``layouts`` says otherwise.
@@ -126,19 +150,24 @@ def params_to_torch(
 
     Raises:
       KeyError: ``like`` has a tensor ``params`` has no value for.
-      ValueError: a value whose shape is not ``like``'s tensor's, or a parameter
-        ``like`` has no tensor for.
+      ValueError: a value whose shape is not ``like``'s tensor's, a parameter ``like``
+        has no tensor for, or a module list of another length than a stacked leaf's.
     """
     flat = _flat_params(params)
     theirs = _read(like) if like is not None else _Torch({}, {}, {}, {})
     _check_layouts(layouts, {_torch_key(p): None for p in flat} | theirs.tensors)
     out = {}
     for path, value in flat.items():
-        key = _torch_key(path)
-        layout = None
-        if path[-1] == "kernel":
-            layout = theirs.layouts.get(key) or _named(layouts, key) or "out_in"
-        out[key] = np.transpose(np.asarray(value), _torch_axes(layout, np.ndim(value)))
+        key, value = _torch_key(path), np.asarray(value)
+        stacked = None
+        if key not in theirs.tensors:
+            stacked = _layer_keys(key, theirs.tensors, ".".join(map(str, path)), value.shape)
+        layers = [(key, value)] if stacked is None else zip(stacked, value, strict=True)
+        for layer_key, layer in layers:
+            layout = None
+            if path[-1] == "kernel":
+                layout = theirs.layouts.get(layer_key) or _named(layouts, layer_key) or "out_in"
+            out[layer_key] = np.transpose(layer, _torch_axes(layout, layer.ndim))
     if like is None:
         return out
     extra = sorted(set(out) - set(theirs.tensors))
@@ -222,6 +251,51 @@ def _torch_axes(layout: Layout | None, ndim: int) -> tuple[int, ...]:
         return tuple(range(ndim))
     spatial = tuple(range(ndim - 2))
     return (ndim - 1, ndim - 2, *spatial) if layout == "out_in" else (ndim - 2, ndim - 1, *spatial)
+
+
+# ---- stacks of layers -----------------------------------------------------------------------
+
+
+def _layer_keys(
+    key: str, tensors: Mapping[str, Any], name: str, shape: tuple[int, ...]
+) -> list[str] | None:
+    """The torch keys of a stacked leaf's layers, in order: ``blocks.0.fc.weight``,
+    ``blocks.1.fc.weight``, ... for ``blocks.fc.weight`` (an ``nn.ModuleList`` of
+    identical modules, stacked along the leaf's leading axis, as ``nnx.vmap`` and Linen's
+    ``nn.scan`` make them). None: ``tensors`` numbers no layers for ``key``.
+
+    Raises:
+      ValueError: the torch layers are not numbered 0 to L - 1 for the leaf's L layers, or
+        their tensors do not have one axis less than the leaf.
+    """
+    parts = key.split(".")
+    for cut in range(1, len(parts)):
+        pattern = re.compile(
+            re.escape(".".join(parts[:cut])) + r"\.(\d+)\." + re.escape(".".join(parts[cut:]))
+        )
+        found = {int(m[1]): k for k in tensors if (m := pattern.fullmatch(k))}
+        if not found:
+            continue
+        stack = shape[0] if shape else 0
+        pattern_name = f"{'.'.join(parts[:cut])}.<i>.{'.'.join(parts[cut:])}"
+        if sorted(found) != list(range(stack)):
+            odd = sorted(set(found) ^ set(range(stack)))[0]
+            which = found.get(odd, pattern_name.replace("<i>", str(odd)))
+            problem = f"has no {which!r}" if odd not in found else f"{which!r} has no layer to fill"
+            raise ValueError(
+                f"the torch state_dict {problem}: the stacked parameter {name} of shape "
+                f"{shape} holds {stack} layers along its leading axis, the torch module list "
+                f"numbers {pattern_name} for layers {sorted(found)}"
+            )
+        for i, k in sorted(found.items()):
+            if len(np.shape(tensors[k])) != len(shape) - 1:
+                raise ValueError(
+                    f"state_dict[{k!r}] has shape {tuple(np.shape(tensors[k]))}: layer {i} "
+                    f"of the stacked parameter {name} of shape {shape} needs one axis less "
+                    "than it (its leading axis is the layers')"
+                )
+        return [found[i] for i in range(stack)]
+    return None
 
 
 # ---- the torch side ----------------------------------------------------------------------

@@ -57,7 +57,7 @@ ATOL = {dtype: tol.atol for dtype, tol in tolerances("torch_trajectory").items()
 class ParityConfig:
     """One comparison; the batch identity is ``num_devices * accum_steps * micro_batch_size``."""
 
-    model: str = "mlp"  # linear, mlp, cnn, transformer, cnn_bn, embed_branch
+    model: str = "mlp"  # linear, mlp, cnn, transformer, cnn_bn, embed_branch, stack
     optimizer: str | OptimizerSpec = "adamw"  # a key of OPTIMIZERS, or a spec
     num_devices: int = 2  # jaxdp devices == torch DDP ranks
     accum_steps: int = 2
@@ -204,7 +204,11 @@ def _run_jaxdp(
     )
     # torch_ref's models are nn.Linear and nn.Conv layers: [out, in, *k].
     state = step.init(torch_to_params(initial, model, layouts="out_in"))
-    return train_steps(config, step, state, data, permutation, params_to_torch)
+    # Written back under torch's keys: a stack of layers (stack's blocks) as its
+    # nn.ModuleList's blocks.0, blocks.1, ...
+    return train_steps(
+        config, step, state, data, permutation, lambda m: params_to_torch(m, initial)
+    )
 
 
 def with_groups(
