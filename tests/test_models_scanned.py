@@ -59,13 +59,8 @@ def test_the_scan_over_three_blocks_is_the_python_loop_over_them():
         kernel = model.blocks.attn.query.kernel[...]
         assert kernel.shape == (3, 16, 16)  # one leading layer axis, blocks that differ
         assert not np.allclose(kernel[0], kernel[1])
-        grads = nnx.jit(nnx.grad(loss))(model, x)
-        want = nnx.jit(nnx.grad(lambda m, x: loss(lambda x: unrolled(m, x), x)))(model, x)
-        jax.tree.map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15),
-            nnx.to_pure_dict(grads),
-            nnx.to_pure_dict(want),
-        )
+        # The layers in order, each its own (the gradients through the scan: the test above).
+        np.testing.assert_allclose(model(x), unrolled(model, x), rtol=1e-13, atol=1e-15)
 
 
 def test_bad_layer_counts_and_block_names_are_refused():
@@ -79,7 +74,7 @@ def test_bad_layer_counts_and_block_names_are_refused():
 def test_a_compute_dtype_casts_each_block_inside_the_loop():
     """bfloat16 compute over float32 parameters: the scan takes the stacked float32
     leaves and casts inside its body (at stage 3 after a layer's gather; a cast before
-    the loop would gather the whole stack), and the gradients stay float32."""
+    the loop would gather the whole stack); the logits come out in bfloat16."""
     model = ScannedTransformer(n_layers=2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     x = tokens()
     graphdef, params = nnx.split(model)
@@ -88,5 +83,3 @@ def test_a_compute_dtype_casts_each_block_inside_the_loop():
     stacked = [v.aval for v in scan.invars if v.aval.ndim and v.aval.shape[0] == 2]
     assert stacked and {a.dtype for a in stacked} == {jnp.dtype(jnp.float32)}, stacked
     assert jaxpr.out_avals[0].dtype == jnp.bfloat16
-    grads = nnx.jit(nnx.grad(lambda m, x: loss(m, x).astype(jnp.float32)))(model, x)
-    assert {a.dtype for a in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
