@@ -119,7 +119,7 @@ def run_cli(*argv, cwd=None):
         (["--help"], 0, "usage: jaxdp [-h] [--version] COMMAND"),
         (["--version"], 0, f"jaxdp {jaxdp.__version__} (jax "),
         (["launch", "--help"], 0, "usage: jaxdp launch [-h] --nprocs N"),
-        (["train", "--help"], 0, "usage: jaxdp train [-h] [--model {mlp,cnn}]"),
+        (["train", "--help"], 0, "usage: jaxdp train [-h] [--model {mlp,cnn,gpt}]"),
         (["launch", "--nprocs", "2"], 2, "give the command to run after --"),
         (["launch", "--nprocs", "0", "--", "train"], 2, "nprocs=0 must be a positive integer"),
         (["launch", "--nprocs", "2", "--", "missing.py"], 2, "script 'missing.py' does not"),
