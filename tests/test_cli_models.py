@@ -243,3 +243,17 @@ def test_a_full_disk_is_named_once_and_only_the_entries_kept_are_counted(tmp_pat
     entries = sorted(p.name.removesuffix("-cache") for p in cache.glob("*-cache"))
     assert len(entries) == 1
     assert sorted(p.name.removesuffix("-atime") for p in cache.glob("*-atime")) == entries
+
+
+def test_at_stage_3_the_state_jaxdp_train_checks_against_memory_is_all_split():
+    """The least a device holds (jaxdp train's refusal of a model too large, before it is
+    built): at stage 3 weights and gradients are split too; the layer it gathers while a
+    micro-batch runs is a temporary, not counted."""
+    from jaxdp.cli._fits import state_bytes
+
+    need, parts = state_bytes(TrainConfig(zero_stage=3), 1000, 4)
+    assert need == 1000 * (4 + 4 + 8 + 4) / 4
+    assert parts == (
+        "weights 4/4 + gradients 4/4 + AdamW's 2 moments 8/4 + the accumulator 4/4 bytes per "
+        "parameter"
+    )
