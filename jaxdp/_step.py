@@ -70,7 +70,8 @@ class TrainStep:
         body = fused_call if options.path == "fused" else multisteps_call
         self._jitted = jax.jit(functools.partial(body, options), donate_argnums=donate)
         self._weights: dict[bytes, jax.Array] = {}
-        self._rows = NamedSharding(options.mesh, P(options.axis_name))  # the batch's
+        # The batch's rows: over every device, in the data mesh's order (also under HSDP).
+        self._rows = NamedSharding(options.device_mesh, P(options.batch_axes))
         self._ones = np.ones((options.accum_steps,) if options.path == "fused" else (), np.float32)
         self._devices = set(options.mesh.devices.flat)
         self._seen_sharding: Any = None  # the last state sharding found on the mesh's devices
@@ -162,11 +163,13 @@ class TrainStep:
         like = jax.eval_shape(fresh, trainable)
         specs = state_specs(o, state._replace(opt_state=like[0], window=like[1]))
         shardings = jax.tree.map(
-            lambda s: NamedSharding(o.mesh, s), (specs.opt_state, specs.window)
+            lambda s: NamedSharding(o.device_mesh, s), (specs.opt_state, specs.window)
         )
         opt_state, window = jax.jit(fresh, out_shardings=shardings)(trainable)
         if o.zero_stage == 3:  # the trainable leaves split at rest: each device its block
-            split = jax.tree.map(lambda s: NamedSharding(o.mesh, s), specs.params, is_leaf=is_spec)
+            split = jax.tree.map(
+                lambda s: NamedSharding(o.device_mesh, s), specs.params, is_leaf=is_spec
+            )
             state = state._replace(params=jax.device_put(params, split))
         return state._replace(opt_state=opt_state, window=window)
 
