@@ -5,9 +5,11 @@ Every call, on either path and at every ZeRO stage, runs four stages in this ord
 
 1. accumulate (:func:`accumulate`, per device): each micro-batch's gradient, loss and
    weight added into a :class:`Window`'s sums, in the accumulator dtype (at ZeRO stage 3
-   the forward first gathers the split parameters, :mod:`jaxdp._layers`);
+   the forward first gathers the split parameters, :mod:`jaxdp._layers`; with
+   ``regather="window"`` they are gathered once, before the fused path's loop);
 2. reduce (:func:`reduce`, per device): the window's sums made global, the step's only
-   gradient collective (one psum; at ZeRO stages a reduce-scatter and a small psum);
+   gradient collective (one psum; at ZeRO stages a reduce-scatter and a small psum;
+   under HSDP first one all-reduce of the blocks across the replica groups);
 3. update (:func:`update`): the user's ``optimizer.update`` on the mean gradients, or
    the skip of a non-finite update, on the logical arrays;
 4. end (:func:`end`): the new state laid out as the step keeps it, and the metrics.
@@ -330,8 +332,11 @@ def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None
     axes, n, dtype = plan.mesh.axis_names, plan.mesh.devices.size, window.loss_sum.dtype
     grads = window.grads if scattered else plan.reduce_scatter(window.grads, wire)
     squares_here = plan.split
-    if plan.replica_axis is not None:
-        grads = plan.all_reduce_replicas(grads, wire)
+    if plan.replica_axis is not None and plan.split:
+        r, blocks = plan.mesh.shape[plan.replica_axis], plan.blocks(grads)
+        summed = jax.lax.psum([compress(x, wire, r) for x in blocks], plan.replica_axis)
+        blocks = [decompress(x, b.dtype, wire, r) for x, b in zip(summed, blocks, strict=True)]
+        grads = plan.with_blocks(grads, blocks)
         squares_here = jax.lax.axis_index(plan.replica_axis) == 0
     whole = plan.whole(grads)
     dtypes = [x.dtype for x in whole]

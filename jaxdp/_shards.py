@@ -131,6 +131,14 @@ class ShardPlan:
             [next(it) if d is None else x for x, d in zip(leaves, self.dims, strict=True)]
         )
 
+    def with_blocks(self, tree: Any, blocks: list[Any]) -> Any:
+        """``tree`` with its split leaves replaced by ``blocks`` (as :meth:`blocks` lists them)."""
+        it = iter(blocks)
+        leaves = self._split_leaves(tree)
+        return self.treedef.unflatten(
+            [x if d is None else next(it) for x, d in zip(leaves, self.dims, strict=True)]
+        )
+
     def blocks(self, tree: Any) -> list[Any]:
         """The split leaves, in order (inside the map: this device's blocks)."""
         leaves = self._split_leaves(tree)
@@ -154,21 +162,6 @@ class ShardPlan:
         for i, part in zip(which, jnp.split(summed, bounds), strict=True):
             leaves[i] = self._block(part, i)
         return self.treedef.unflatten(leaves)
-
-    def all_reduce_replicas(self, tree: Any, wire: Any = None) -> Any:
-        """HSDP: ONE all-reduce of every split leaf's block across the replica groups
-        (each device adds the blocks of its position in every shard group). Whole
-        leaves come back as they were."""
-        blocks = self.blocks(tree)
-        if not blocks:
-            return tree
-        r = self.mesh.shape[self.replica_axis]
-        summed = jax.lax.psum([compress(x, wire, r) for x in blocks], self.replica_axis)
-        it = iter(decompress(x, b.dtype, wire, r) for x, b in zip(summed, blocks, strict=True))
-        leaves = self._split_leaves(tree)
-        return self.treedef.unflatten(
-            [x if d is None else next(it) for x, d in zip(leaves, self.dims, strict=True)]
-        )
 
     def _block(self, flat: jax.Array, i: int) -> jax.Array:
         """A split leaf's block from its packed row (the inverse of moving its split
