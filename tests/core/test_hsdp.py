@@ -13,6 +13,7 @@ from models import train
 from test_stage3 import LAYERS, assert_same_training, batches, loss, optimizer, stacked_params
 
 import jaxdp
+from jaxdp._options import StepOptions
 
 SHARD_GROUPS = {frozenset({0, 1}), frozenset({2, 3})}  # 2 x 2: devices r * 2 + s
 REPLICA_GROUPS = {frozenset({0, 2}), frozenset({1, 3})}
@@ -179,3 +180,30 @@ def test_bad_input_is_refused_naming_it():
     for dtype in ("bfloat17", "int8"):
         with pytest.raises(ValueError, match=rf"gather_dtype='{dtype}' must be None .* floating"):
             jaxdp.Parallel(zero_stage=3, gather_dtype=dtype)
+
+
+class OnProcess:
+    """A device as another process would see it: the mesh check reads ``process_index``
+    (a real multi-process mesh needs processes: tests/test_distributed.py)."""
+
+    def __init__(self, device, process_index):
+        self.id, self.platform, self.process_index = device.id, device.platform, process_index
+
+
+def test_a_shard_group_spanning_two_processes_is_refused():
+    devices = [OnProcess(d, p) for d, p in zip(jax.devices()[:4], [0, 1, 0, 1], strict=True)]
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    with pytest.raises(ValueError, match=r"shard group's devices must belong to one process"):
+        jaxdp.make_train_step(
+            loss, optimizer(), mesh=mesh, parallel=jaxdp.Parallel(zero_stage=3, shards=2)
+        )
+    # Groups {0, 1} and {2, 3} each on one process: accepted.
+    devices = [OnProcess(d, p) for d, p in zip(jax.devices()[:4], [0, 0, 1, 1], strict=True)]
+    options = StepOptions(
+        loss_fn=loss,
+        optimizer=optimizer(),
+        mesh=jax.sharding.Mesh(np.array(devices), ("data",)),
+        parallel=jaxdp.Parallel(zero_stage=3, shards=2),
+    )
+    assert options.device_mesh.axis_names == ("replica", "data")
+    assert options.device_mesh.devices.shape == (2, 2)
