@@ -357,7 +357,9 @@ def make_train_step(
         raises ``ValueError``).
       parallel: :class:`Parallel`: the ZeRO stage, the gradients' dtype on the
         wire and the mapping strategy (default: stage 0, the accumulator dtype,
-        ``shard_map``).
+        ``shard_map``); at stage 3 also HSDP's shard groups (``shards``), when
+        the parameters are gathered (``regather``) and in which dtype
+        (``gather_dtype``).
       skips: :class:`Skips`: non-finite updates skipped (default) and the limit
         of them in a row, unused parameters left alone.
       **deprecated: the spellings of jaxdp 0.2 (``strategy``, ``zero_stage``,
@@ -370,7 +372,9 @@ def make_train_step(
     reduce-scatter, then one all-gather of the parameters; stage 3: the
     parameters gathered for each micro-batch's forward, a layer at a time inside
     :func:`jaxdp.scan_layers`, and the gradients reduce-scattered in its
-    backward, nothing gathered after the update).
+    backward, nothing gathered after the update; under HSDP these stay within a
+    shard group, and one all-reduce across the replica groups follows the last
+    micro-batch).
 
     Randomness: each micro-batch re-keys every ``nnx.Rngs`` stream of the
     module as ``fold_in(fold_in(fold_in(stream_key, step), device),
