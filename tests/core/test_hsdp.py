@@ -32,14 +32,17 @@ def make(num_devices=4, accum_steps=3, path="fused", loss_fn=loss, **parallel):
 
 
 @functools.cache  # the reference of several tests, trained once
-def stage_0(path="fused", loss_fn=loss):
-    return train(make(path=path, loss_fn=loss_fn, zero_stage=0), stacked_params(), batches())
+def stage_0(loss_fn=loss):
+    return train(make(loss_fn=loss_fn, zero_stage=0), stacked_params(), batches())
 
 
 @pytest.mark.parametrize("path", ["fused", "multisteps"])
 def test_hsdp_2x2_trains_as_stage_0(path):
-    hsdp = train(make(path=path, shards=2), stacked_params(), batches())
-    assert_same_training(hsdp, stage_0(path))
+    # Against fused stage 0 on both paths (the paths' equality is test_equivalence.py's):
+    # one reference compiled, the multisteps calls that end a window compared.
+    state, history = train(make(path=path, shards=2), stacked_params(), batches())
+    emitted = [m for m in history if m.get("emitted", True)]
+    assert_same_training((state, emitted), stage_0())
 
 
 def collectives_with_groups(compiled):
