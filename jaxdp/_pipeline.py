@@ -331,19 +331,21 @@ def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None
     """
     axes, n, dtype = plan.mesh.axis_names, plan.mesh.devices.size, window.loss_sum.dtype
     grads = window.grads if scattered else plan.reduce_scatter(window.grads, wire)
-    squares_here = plan.split
-    if plan.replica_axis is not None and plan.split:
+    grouped = plan.replica_axis is not None and plan.split
+    if grouped:
         r, blocks = plan.mesh.shape[plan.replica_axis], plan.blocks(grads)
         summed = jax.lax.psum([compress(x, wire, r) for x in blocks], plan.replica_axis)
         blocks = [decompress(x, b.dtype, wire, r) for x, b in zip(summed, blocks, strict=True)]
         grads = plan.with_blocks(grads, blocks)
-        squares_here = jax.lax.axis_index(plan.replica_axis) == 0
     whole = plan.whole(grads)
     dtypes = [x.dtype for x in whole]
     payload = [[compress(x, wire, n) for x in whole], window.loss_sum, window.weight]
     payload += [device0(window.batch_stats, axes, dtype), window.aux]
     if plan.split:
-        payload.append(jnp.where(squares_here, _squares(plan.blocks(grads), dtype), 0))
+        squares = _squares(plan.blocks(grads), dtype)
+        if grouped:  # every replica group holds them now: counted once
+            squares = jnp.where(jax.lax.axis_index(plan.replica_axis) == 0, squares, 0)
+        payload.append(squares)
     summed = jax.lax.psum(tuple(payload), axes)
     whole = [decompress(x, d, wire, n) for x, d in zip(summed[0], dtypes, strict=True)]
     squares = _squares(whole, dtype)
