@@ -147,12 +147,8 @@ class Parallel:
                 f"gather_dtype={self.gather_dtype!r} must be None (the parameters' own "
                 "dtype) or a floating dtype such as 'bfloat16'"
             )
-        given = [
-            f"{name}={getattr(self, name)!r}"
-            for name, default in (("shards", None), ("regather", "micro_batch"))
-            + (("gather_dtype", None),)
-            if getattr(self, name) != default
-        ]
+        defaults = {"shards": None, "regather": "micro_batch", "gather_dtype": None}
+        given = [f"{k}={getattr(self, k)!r}" for k, v in defaults.items() if getattr(self, k) != v]
         if given and self.zero_stage != 3:
             raise ValueError(
                 f"{', '.join(given)} needs zero_stage=3 (the parameters split at rest), got "
