@@ -37,12 +37,14 @@ Carry = TypeVar("Carry")
 
 @dataclasses.dataclass(frozen=True)
 class Gather:
-    """How the split leaves travel: the mesh axis, its size, the reduce-scatter's wire
-    dtype (None: the gradients' own)."""
+    """How the split leaves travel: the shard axis, its size (a shard group's), the
+    reduce-scatter's wire dtype (None: the gradients' own) and the gather's (None: the
+    parameters' own; ``Parallel.gather_dtype``)."""
 
     axis_name: str
     num_devices: int
     wire: Any = None
+    dtype: Any = None
 
 
 @dataclasses.dataclass
@@ -244,12 +246,15 @@ def _whole_shape(shape: tuple[int, ...], dim: int | None, n: int) -> tuple[int, 
 
 def gather(leaves: list[Any], dims: list[int | None], how: Gather) -> list[Any]:
     """``leaves`` with each split one (``dims[i]`` not None: this device's block along
-    that dimension) gathered whole: one all-gather per dtype; its gradient is this
-    device's block of the global sum (one reduce-scatter per dtype)."""
+    that dimension) gathered whole: one all-gather per dtype (in ``how.dtype`` when
+    set: the whole leaf in that dtype); its gradient is this device's block of the
+    global sum in the block's dtype (one reduce-scatter per dtype)."""
     which = [i for i, d in enumerate(dims) if d is not None]
     if not which:
         return list(leaves)
-    whole = _gathered(tuple(dims[i] for i in which), how, tuple(leaves[i] for i in which))
+    blocks = tuple(leaves[i] for i in which)
+    layout = (tuple(dims[i] for i in which), tuple(str(x.dtype) for x in blocks))
+    whole = _gathered(layout, how, blocks)
     out = list(leaves)
     for i, x in zip(which, whole, strict=True):
         out[i] = x
@@ -257,16 +262,26 @@ def gather(leaves: list[Any], dims: list[int | None], how: Gather) -> list[Any]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _gathered(dims: tuple[int, ...], how: Gather, blocks: tuple[Any, ...]) -> tuple[Any, ...]:
-    return _all_gather(dims, how, blocks)
+def _gathered(layout: tuple[Any, Any], how: Gather, blocks: tuple[Any, ...]) -> tuple[Any, ...]:
+    return _all_gather(layout[0], how, _cast(blocks, how.dtype))
 
 
-def _gathered_forward(dims, how, blocks):
-    return _all_gather(dims, how, blocks), None
+def _gathered_forward(layout, how, blocks):
+    return _all_gather(layout[0], how, _cast(blocks, how.dtype)), None
 
 
-def _gathered_backward(dims, how, _, cotangents):
-    return (_reduce_scatter(dims, how, cotangents),)
+def _gathered_backward(layout, how, _, cotangents):
+    # The gradients go back in the blocks' dtypes (the gather dtype is the forward's).
+    dims, dtypes = layout
+    return (_reduce_scatter(dims, how, _cast(cotangents, dtypes)),)
+
+
+def _cast(xs: tuple[Any, ...], dtype: Any) -> tuple[Any, ...]:
+    """``xs`` in ``dtype`` (one, or one per leaf; None: as they are)."""
+    if dtype is None:
+        return xs
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,) * len(xs)
+    return tuple(x.astype(t) for x, t in zip(xs, dtypes, strict=True))
 
 
 _gathered.defvjp(_gathered_forward, _gathered_backward)

@@ -121,7 +121,7 @@ def place_batch(batch: Any, sharding: NamedSharding) -> Any:
     return place(batch, sharding)
 
 
-def mark_varying(tree: Any, axis_name: str = DATA_AXIS) -> Any:
+def mark_varying(tree: Any, axis_name: str | tuple[str, ...] = DATA_AXIS) -> Any:
     """Marks replicated values as per-device inside ``shard_map(check_vma=True)``.
 
     Differentiating w.r.t. such values gives each device its LOCAL gradient;

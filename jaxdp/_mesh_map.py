@@ -15,21 +15,21 @@ from ._options import StepOptions
 
 def to_varying(o: StepOptions) -> Callable[[Any], Any]:
     """Marks replicated values per-device (shard_map); pmap does not track replication.
-    Values already per-device (a block of a leaf split at ZeRO stage 3) stay as they are."""
+    Values already per-device (a block of a leaf split at ZeRO stage 3) stay as they are;
+    under HSDP a block varies over the shard axis and is marked over the replica axis."""
     if o.parallel.strategy == "shard_map":
-        return functools.partial(_to_varying, axis_name=o.axis_name)
+        axes = o.batch_axes
+        return functools.partial(_to_varying, axes=axes if isinstance(axes, tuple) else (axes,))
     return _identity
 
 
-def _to_varying(tree: Any, axis_name: str) -> Any:
+def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
-    if all(axis_name not in jax.typeof(x).mat.varying for x in leaves):
-        return mark_varying(tree, axis_name)  # the stages 0 to 2: one pcast of the tree
+    missing = [tuple(a for a in axes if a not in jax.typeof(x).mat.varying) for x in leaves]
+    if all(m == axes for m in missing):
+        return mark_varying(tree, axes)  # stages 0 to 2: one pcast of the tree
     return treedef.unflatten(
-        [
-            x if axis_name in jax.typeof(x).mat.varying else mark_varying(x, axis_name)
-            for x in leaves
-        ]
+        [mark_varying(x, m) if m else x for x, m in zip(leaves, missing, strict=True)]
     )
 
 
@@ -39,7 +39,7 @@ def mesh_map(o: StepOptions, fn: Callable[..., Any], in_specs: Any, out_specs: A
     device's rows, replicated ones whole)."""
     if o.parallel.strategy == "shard_map":
         return jax.shard_map(
-            fn, mesh=o.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True
+            fn, mesh=o.device_mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True
         )
     n = o.num_devices
 

@@ -33,6 +33,15 @@ AccumulationPath = Literal["fused", "multisteps"]
 Strategy = Literal["shard_map", "pmap"]
 """How the per-device step is mapped over the mesh: ``jax.shard_map`` or the legacy ``jax.pmap``."""
 
+Regather = Literal["micro_batch", "window"]
+"""When stage 3 gathers the split parameters: ``"micro_batch"`` for each micro-batch's
+forward (least memory), ``"window"`` once per optimizer step, kept through its
+micro-batches (stage 2's peak, 1/K of the gathers)."""
+
+REPLICA_AXIS = "replica"
+"""The name of the replica axis of the two-axis (replicas x shards) mesh that
+``Parallel(zero_stage=3, shards=S)`` makes from the data mesh's devices (HSDP)."""
+
 ZeroStage = Literal[0, 1, 2, 3]
 """0: replicated optimizer state; 1: optimizer state split over the data axis; 2: the
 gradient accumulator too; 3: the parameters too, gathered for the forward
@@ -58,12 +67,46 @@ class Parallel:
     Any optax optimizer computes what it computes at stage 0.
     ``comm_dtype``: ``"bfloat16"`` sends the gradient sums in bfloat16 (torch's
     ``bf16_compress_hook``). ``strategy``: ``"shard_map"`` or the legacy
-    ``"pmap"`` (stage 0 only). ``comm_dtype`` applies to every reduce-scatter.
+    ``"pmap"`` (stage 0 only). ``comm_dtype`` applies to every reduce-scatter and to
+    HSDP's all-reduce across replicas.
+
+    Stage 3 only (refused at stages 0 to 2, which split nothing at rest):
+
+    ``shards``: HSDP (torch's ``fully_shard`` on a 2-D ``(replicate, shard)`` device
+    mesh, MaxText's ``data`` x ``fsdp`` axes). None (default): every device of the
+    mesh is one shard group (FSDP). ``S`` (at least 2, dividing ``num_devices``): the
+    step runs on the ``(num_devices // S, S)`` mesh of the same devices, in the same
+    order (axes ``"replica"`` and the data mesh's axis). The batch is split over
+    every device as on the one-axis mesh; parameters, the gradient accumulator and
+    the optimizer state are split over the S devices of a shard group, and every
+    replica group holds the same copy. Gradients are reduce-scattered within the
+    shard group per micro-batch and all-reduced across the replica groups ONCE per
+    optimizer step, after the last micro-batch (DDP's ``no_sync`` on the others).
+    ``shards=num_devices`` is plain stage 3. In a multi-process run each shard group's
+    devices must belong to one process.
+
+    ``regather``: ``"micro_batch"`` (default) gathers the parameters for every
+    micro-batch's forward (and again in its backward, inside
+    :func:`jaxdp.scan_layers`): the least memory, K times the gathers.
+    ``"window"`` gathers every split parameter ONCE per optimizer step, before the
+    micro-batch loop, and keeps it whole through the window (stage 2's peak, 1/K of
+    the gathers; the gradients reduce-scattered per micro-batch as at stage 2).
+    Fused path only: on ``"multisteps"`` a window spans calls, and keeping the
+    gathered parameters between calls would hold them whole in the state.
+
+    ``gather_dtype``: the dtype the parameters travel and compute in (torch FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=...)``): ``"bfloat16"`` gathers float32 master
+    weights in bfloat16, and the forward and backward compute on those rounded
+    weights; the optimizer updates the master weights, and the gradients are
+    reduce-scattered in the parameters' dtype (or ``comm_dtype``). None: their own.
     """
 
     zero_stage: ZeroStage = 0
     comm_dtype: Any = None
     strategy: Strategy = "shard_map"
+    shards: int | None = None
+    regather: Regather = "micro_batch"
+    gather_dtype: Any = None
 
     def __post_init__(self) -> None:
         if not is_integer(self.zero_stage) or self.zero_stage not in (0, 1, 2, 3):
@@ -76,11 +119,41 @@ class Parallel:
                 f"comm_dtype={self.comm_dtype!r} must be None (gradients travel in the "
                 "accumulator dtype) or 'bfloat16'"
             )
+        self._check_stage_3_fields()
         if self.zero_stage and self.strategy == "pmap":
             raise ValueError(
                 f"zero_stage={self.zero_stage} needs strategy='shard_map' (the legacy pmap "
                 "strategy keeps every leaf replicated); use strategy='shard_map' or "
                 "zero_stage=0"
+            )
+
+    def _check_stage_3_fields(self) -> None:
+        shards = self.shards
+        if shards is not None and (not is_integer(shards) or shards < 2):
+            raise ValueError(
+                f"shards={shards!r} must be None (one shard group of every device) or an "
+                "integer of at least 2 (devices per shard group); shards=1 would keep a "
+                "whole copy on every device: that is zero_stage=0 (DDP)"
+            )
+        if shards is not None:
+            object.__setattr__(self, "shards", int(shards))
+        if self.regather not in ("micro_batch", "window"):
+            raise ValueError(f"regather={self.regather!r} must be 'micro_batch' or 'window'")
+        dtype = None if self.gather_dtype is None else _dtype_or_none(self.gather_dtype)
+        if self.gather_dtype is not None and (
+            dtype is None or not jnp.issubdtype(dtype, jnp.floating)
+        ):
+            raise ValueError(
+                f"gather_dtype={self.gather_dtype!r} must be None (the parameters' own "
+                "dtype) or a floating dtype such as 'bfloat16'"
+            )
+        defaults = {"shards": None, "regather": "micro_batch", "gather_dtype": None}
+        given = [f"{k}={getattr(self, k)!r}" for k, v in defaults.items() if getattr(self, k) != v]
+        if given and self.zero_stage != 3:
+            raise ValueError(
+                f"{', '.join(given)} needs zero_stage=3 (the parameters split at rest), got "
+                f"zero_stage={self.zero_stage}: stages 0 to 2 keep every parameter whole "
+                "on every device and gather nothing"
             )
 
 
@@ -164,6 +237,38 @@ class StepOptions:
                 )
         if len(self.mesh.axis_names) != 1:
             raise ValueError(f"mesh must have one (data) axis, got axes {self.mesh.axis_names}")
+        self._check_hsdp()
+
+    def _check_hsdp(self) -> None:
+        n, shards, axis = self.num_devices, self.parallel.shards, self.axis_name
+        if self.parallel.regather == "window" and self.path == "multisteps":
+            raise ValueError(
+                "regather='window' needs path='fused': on 'multisteps' each call is one "
+                "micro-batch, and keeping the gathered parameters through a window of calls "
+                "would hold them whole in the state; use path='fused' or "
+                "regather='micro_batch'"
+            )
+        if shards is None:
+            return
+        if n % shards:
+            raise ValueError(
+                f"shards={shards} must divide num_devices={n} (the mesh's devices form "
+                f"num_devices // shards replica groups of shards devices each)"
+            )
+        if axis == REPLICA_AXIS:
+            raise ValueError(
+                f"shards={shards} names the new replica axis {REPLICA_AXIS!r}: give the "
+                f"data mesh another axis name than {axis!r}"
+            )
+        for group in self.device_mesh.devices:
+            processes = sorted({d.process_index for d in group})
+            if len(processes) > 1:
+                raise ValueError(
+                    f"shards={shards}: every shard group's devices must belong to one "
+                    f"process (its gathers and reduce-scatters stay on one host), but mesh "
+                    f"devices {[d.id for d in group]} belong to processes {processes}; use "
+                    f"shards dividing the devices per process"
+                )
 
     @property
     def zero_stage(self) -> int:
@@ -180,7 +285,34 @@ class StepOptions:
 
     @property
     def axis_name(self) -> str:
+        """The data mesh's axis; the shard axis of the device mesh."""
         return self.mesh.axis_names[0]
+
+    @property
+    def shards(self) -> int:
+        """Devices per shard group: ``Parallel.shards``, else all of them."""
+        return self.parallel.shards or self.num_devices
+
+    @property
+    def regathers_per_window(self) -> bool:
+        """Stage 3 gathers the parameters once per window (``regather="window"``)."""
+        return self.zero_stage == 3 and self.parallel.regather == "window"
+
+    @functools.cached_property
+    def device_mesh(self) -> Mesh:
+        """The mesh the step runs on: the data mesh, or under HSDP the ``(replicas,
+        shards)`` mesh of its devices in the same order (device ``r * shards + s``)."""
+        if self.shards == self.num_devices:
+            return self.mesh
+        grid = self.mesh.devices.reshape(self.num_devices // self.shards, self.shards)
+        return Mesh(grid, (REPLICA_AXIS, self.axis_name))
+
+    @property
+    def batch_axes(self) -> str | tuple[str, ...]:
+        """The device mesh's axes the batch is split over (all of them), for specs and
+        for the collectives over every device."""
+        names = self.device_mesh.axis_names
+        return names[0] if len(names) == 1 else tuple(names)
 
     @functools.cached_property
     def process_count(self) -> int:
@@ -208,7 +340,7 @@ class StepOptions:
 
     def plan(self, trainable: Any) -> ShardPlan:
         """Where the trainable leaves lie: split at ZeRO stages, whole at stage 0."""
-        return ShardPlan(trainable, self.mesh, self.zero_stage)
+        return ShardPlan(trainable, self.device_mesh, self.zero_stage)
 
 
 _PLAIN_SPELLING = contextvars.ContextVar("jaxdp_plain_spelling", default=False)

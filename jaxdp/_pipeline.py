@@ -5,9 +5,11 @@ Every call, on either path and at every ZeRO stage, runs four stages in this ord
 
 1. accumulate (:func:`accumulate`, per device): each micro-batch's gradient, loss and
    weight added into a :class:`Window`'s sums, in the accumulator dtype (at ZeRO stage 3
-   the forward first gathers the split parameters, :mod:`jaxdp._layers`);
+   the forward first gathers the split parameters, :mod:`jaxdp._layers`; with
+   ``regather="window"`` they are gathered once, before the fused path's loop);
 2. reduce (:func:`reduce`, per device): the window's sums made global, the step's only
-   gradient collective (one psum; at ZeRO stages a reduce-scatter and a small psum);
+   gradient collective (one psum; at ZeRO stages a reduce-scatter and a small psum;
+   under HSDP first one all-reduce of the blocks across the replica groups);
 3. update (:func:`update`): the user's ``optimizer.update`` on the mean gradients, or
    the skip of a non-finite update, on the logical arrays;
 4. end (:func:`end`): the new state laid out as the step keeps it, and the metrics.
@@ -40,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from ._forward import check_aux, loss_parts, micro_forward
 from ._frozen import combine, split_trainable, trainable_mask
 from ._guards import check_state_layout
-from ._layers import Gather, gathered_loss
+from ._layers import Gather, gather, gathered_loss
 from ._mesh_map import is_spec, mesh_map, to_varying
 from ._model_kinds import linen_batch_norms
 from ._model_state import configure, device0, from_wire, split_state
@@ -142,11 +144,13 @@ def _fused(
 
     def per_device(params, model_state, step, batch, weights):
         micro = jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
+        if o.regathers_per_window:  # stage 3: whole for the window, gathered once here
+            params = gather_window(parts, params, o)
         forward = _forward(o, parts, params, model_state, step, state.graphdef)
         window = accumulate(o, parts, forward, params, model_state, micro, weights)
         return reduce(parts.plan, window, scattered=o.zero_stage >= 2, wire=o.comm)
 
-    in_specs = (_param_specs(o, parts, state.params), P(), P(), P(o.axis_name), P())
+    in_specs = (_param_specs(o, parts, state.params), P(), P(), P(o.batch_axes), P())
     mapped = mesh_map(o, per_device, in_specs, _reduced_specs(parts))
     reduced = mapped(state.params, state.model_state, state.step, batch, micro_weights)
     return update(o, parts, state, reduced)
@@ -185,7 +189,7 @@ def multisteps_call(
         )
         return window._replace(batch_stats=jax.tree.map(lambda x: x[None], window.batch_stats))
 
-    in_specs = (_param_specs(o, parts, state.params), P(), P(), specs, P(o.axis_name), P())
+    in_specs = (_param_specs(o, parts, state.params), P(), P(), specs, P(o.batch_axes), P())
     mapped = mesh_map(o, per_device, in_specs, specs)
     window = mapped(state.params, state.model_state, state.step, state.window, batch, micro_weight)
     ends = window.position == o.accum_steps
@@ -319,16 +323,30 @@ def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None
     whole, the loss, weight and aux sums, device 0's batch statistics and the split
     blocks' sum of squares (for the global gradient norm). ``wire`` (bfloat16) sends
     the gradients narrow, as torch's ``bf16_compress_hook`` does.
+
+    HSDP (a replica axis): the blocks hold their shard group's sums, so first ONE
+    all-reduce of the blocks across the replica groups (the window's only one: DDP's
+    ``no_sync`` until here), then the small psum over every device, which counts the
+    blocks' squares once (replica group 0's).
     """
-    axis, n, dtype = plan.axis_name, plan.num_devices, window.loss_sum.dtype
+    axes, n, dtype = plan.mesh.axis_names, plan.mesh.devices.size, window.loss_sum.dtype
     grads = window.grads if scattered else plan.reduce_scatter(window.grads, wire)
+    grouped = plan.replica_axis is not None and plan.split
+    if grouped:
+        r, blocks = plan.mesh.shape[plan.replica_axis], plan.blocks(grads)
+        summed = jax.lax.psum([compress(x, wire, r) for x in blocks], plan.replica_axis)
+        blocks = [decompress(x, b.dtype, wire, r) for x, b in zip(summed, blocks, strict=True)]
+        grads = plan.with_blocks(grads, blocks)
     whole = plan.whole(grads)
     dtypes = [x.dtype for x in whole]
     payload = [[compress(x, wire, n) for x in whole], window.loss_sum, window.weight]
-    payload += [device0(window.batch_stats, axis, dtype), window.aux]
+    payload += [device0(window.batch_stats, axes, dtype), window.aux]
     if plan.split:
-        payload.append(_squares(plan.blocks(grads), dtype))
-    summed = jax.lax.psum(tuple(payload), axis)
+        squares = _squares(plan.blocks(grads), dtype)
+        if grouped:  # every replica group holds them now: counted once
+            squares = jnp.where(jax.lax.axis_index(plan.replica_axis) == 0, squares, 0)
+        payload.append(squares)
+    summed = jax.lax.psum(tuple(payload), axes)
     whole = [decompress(x, d, wire, n) for x, d in zip(summed[0], dtypes, strict=True)]
     squares = _squares(whole, dtype)
     if plan.split:
@@ -346,11 +364,11 @@ def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None
 def _reduce_window(o: StepOptions, parts: _Parts, window: Window) -> Reduced:
     """:func:`reduce` on this device's block of the multisteps window (its leading
     axis of 1 dropped; a split leaf at stages 2 and 3 is a block of its own shape)."""
-    scattered = o.zero_stage >= 2
+    scattered, grouped = o.zero_stage >= 2, parts.plan.replica_axis is not None
     leaves = parts.plan.treedef.flatten_up_to(window.grads)
     grads = parts.plan.treedef.unflatten(
         [
-            x if scattered and d is not None else x[0]
+            x if scattered and d is not None and not grouped else x[0]
             for x, d in zip(leaves, parts.plan.dims, strict=True)
         ]
     )
@@ -458,7 +476,7 @@ def end(
         skips=skips,
     )
     shardings = jax.tree.map(
-        lambda s: NamedSharding(o.mesh, s), state_specs(o, new), is_leaf=is_spec
+        lambda s: NamedSharding(o.device_mesh, s), state_specs(o, new), is_leaf=is_spec
     )
     new = jax.lax.with_sharding_constraint(new, shardings)
     metrics = result.report._asdict()
@@ -555,9 +573,11 @@ def empty_window(
     if o.zero_stage >= 2:
         plan = o.plan(trainable)
         leaves = plan.treedef.flatten_up_to(trainable)
+        # HSDP: each replica group's own sum of a split leaf until the window ends.
+        groups = () if plan.replica_axis is None else (o.num_devices // o.shards,)
         grads = plan.treedef.unflatten(
             [
-                rows(x) if d is None else jnp.zeros(x.shape, dtype)
+                rows(x) if d is None else jnp.zeros((*groups, *x.shape), dtype)
                 for x, d in zip(leaves, plan.dims, strict=True)
             ]
         )
@@ -592,8 +612,8 @@ def aux_like(o: StepOptions, state: TrainState, batch: Any) -> Any:
         aux = forward(trainable, batch, split_state(model_state)[0], 0, jnp.ones([]))[-1]
         return jax.tree.map(lambda x: jnp.asarray(x)[None], aux)
 
-    in_specs = (_param_specs(o, parts, state.params), P(), P(), P(o.axis_name))
-    mapped = mesh_map(o, per_device, in_specs, P(o.axis_name))
+    in_specs = (_param_specs(o, parts, state.params), P(), P(), P(o.batch_axes))
+    mapped = mesh_map(o, per_device, in_specs, P(o.batch_axes))
     shapes = jax.eval_shape(mapped, state.params, state.model_state, state.step, batch)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shapes)
 
@@ -601,9 +621,9 @@ def aux_like(o: StepOptions, state: TrainState, batch: Any) -> Any:
 def _window_specs(o: StepOptions, parts: _Parts, window: Any) -> Window:
     """Per-device leaves split by their leading axis; at stages 2 and 3 the split
     gradient leaves by their plan."""
-    rows = P(o.axis_name)
+    rows = P(o.batch_axes)
     if o.zero_stage >= 2:
-        grads = parts.plan.specs(whole=rows)
+        grads = parts.plan.window_specs(rows)
     else:
         grads = jax.tree.map(lambda _: rows, window.grads)
     return Window(
@@ -628,28 +648,39 @@ def _forward(o: StepOptions, parts: _Parts, params, model_state, step, graphdef)
         o.loss_fn,
         o.loss_reduction,
         graphdef,
-        configure=functools.partial(configure, mode=o.batch_stats, axis_name=o.axis_name),
-        context=functools.partial(linen_batch_norms, o.batch_stats, o.axis_name),
+        configure=functools.partial(configure, mode=o.batch_stats, axis_name=o.batch_axes),
+        context=functools.partial(linen_batch_norms, o.batch_stats, o.batch_axes),
         with_rng=o.rng_seed is not None,
         has_aux=o.has_aux,
     )
-    if o.zero_stage == 3:  # the parameters arrive split: gathered for the loss
-        how = Gather(o.axis_name, o.num_devices, o.comm)
-        parts_of_loss = gathered_loss(parts_of_loss, parts.dims, how, o.warn_once)
+    if o.zero_stage == 3 and not o.regathers_per_window:  # gathered for the loss
+        parts_of_loss = gathered_loss(parts_of_loss, parts.dims, _gather_how(o), o.warn_once)
     return micro_forward(
         parts_of_loss,
         params,
         parts.mask,
         model_state,
         step,
-        axis_name=o.axis_name,
+        axis_name=o.batch_axes,
         rng_seed=o.rng_seed,
     )
 
 
+def _gather_how(o: StepOptions) -> Gather:
+    return Gather(o.axis_name, o.shards, o.comm, o.parallel.gather_dtype)
+
+
+def gather_window(parts: _Parts, params: Any, o: StepOptions) -> Any:
+    """Stage 3, ``regather="window"``: every split parameter gathered whole (one
+    all-gather per dtype) before the micro-batch loop and kept through it."""
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef.unflatten(gather(leaves, parts.dims, _gather_how(o)))
+
+
 def _scatter(o: StepOptions, plan: ShardPlan) -> Callable[[Any], Any]:
-    """ZeRO stage 2: each micro-batch's gradients into this device's block of their sum."""
-    if o.zero_stage == 2:
+    """ZeRO stage 2 (and stage 3 gathered per window): each micro-batch's gradients
+    into this device's block of their sum."""
+    if o.zero_stage == 2 or o.regathers_per_window:
         return functools.partial(plan.reduce_scatter, wire=o.comm)
     return _identity
 

@@ -72,13 +72,17 @@ class ShardPlan:
     ZeRO stages 1 to 3, whole at stage 0.
 
     Built from the trainable tree (frozen leaves are ``optax.MaskedNode()``: no
-    leaves); shapes are read, never values.
+    leaves); shapes are read, never values. On a two-axis (replicas x shards) mesh
+    (HSDP, stage 3) the leaves are split over the shard axis, the last, and every
+    replica group holds the same copy; ``num_devices`` is then a shard group's size.
     """
 
     def __init__(self, trainable: Any, mesh: Mesh, stage: int):
         leaves, self.treedef = jax.tree.flatten(trainable)
-        self.mesh, self.axis_name = mesh, mesh.axis_names[0]
-        self.num_devices, self.stage = mesh.devices.size, stage
+        self.mesh, self.axis_name = mesh, mesh.axis_names[-1]
+        self.num_devices, self.stage = mesh.shape[self.axis_name], stage
+        # HSDP: the replica axis, over which the blocks are all-reduced once per step.
+        self.replica_axis = mesh.axis_names[0] if len(mesh.axis_names) == 2 else None
         self.shapes = [tuple(x.shape) for x in leaves]
         self.dims = [split_dim(s, self.num_devices, stage) if stage else None for s in self.shapes]
         self.split = any(d is not None for d in self.dims)
@@ -89,6 +93,19 @@ class ShardPlan:
         whole = P() if whole is None else whole
         return self.treedef.unflatten(
             [whole if d is None else spec(d, self.axis_name) for d in self.dims]
+        )
+
+    def window_specs(self, rows: P) -> Any:
+        """The multisteps window's gradient sums at stages 2 and 3: a whole leaf's
+        ``rows`` (per device), a split leaf's global sum by the plan; under HSDP each
+        replica group's own sum, on a leading axis over the replica axis."""
+        if self.replica_axis is None:
+            return self.specs(whole=rows)
+        return self.treedef.unflatten(
+            [
+                rows if d is None else P(self.replica_axis, *(None,) * d, self.axis_name)
+                for d in self.dims
+            ]
         )
 
     def state_specs(self, opt_state: Any) -> Any:
@@ -112,6 +129,14 @@ class ShardPlan:
         leaves = self._split_leaves(tree)
         return self.treedef.unflatten(
             [next(it) if d is None else x for x, d in zip(leaves, self.dims, strict=True)]
+        )
+
+    def with_blocks(self, tree: Any, blocks: list[Any]) -> Any:
+        """``tree`` with its split leaves replaced by ``blocks`` (as :meth:`blocks` lists them)."""
+        it = iter(blocks)
+        leaves = self._split_leaves(tree)
+        return self.treedef.unflatten(
+            [x if d is None else next(it) for x, d in zip(leaves, self.dims, strict=True)]
         )
 
     def blocks(self, tree: Any) -> list[Any]:

@@ -70,7 +70,8 @@ class TrainStep:
         body = fused_call if options.path == "fused" else multisteps_call
         self._jitted = jax.jit(functools.partial(body, options), donate_argnums=donate)
         self._weights: dict[bytes, jax.Array] = {}
-        self._rows = NamedSharding(options.mesh, P(options.axis_name))  # the batch's
+        # The batch's rows: over every device, in the data mesh's order (also under HSDP).
+        self._rows = NamedSharding(options.device_mesh, P(options.batch_axes))
         self._ones = np.ones((options.accum_steps,) if options.path == "fused" else (), np.float32)
         self._devices = set(options.mesh.devices.flat)
         self._seen_sharding: Any = None  # the last state sharding found on the mesh's devices
@@ -162,11 +163,13 @@ class TrainStep:
         like = jax.eval_shape(fresh, trainable)
         specs = state_specs(o, state._replace(opt_state=like[0], window=like[1]))
         shardings = jax.tree.map(
-            lambda s: NamedSharding(o.mesh, s), (specs.opt_state, specs.window)
+            lambda s: NamedSharding(o.device_mesh, s), (specs.opt_state, specs.window)
         )
         opt_state, window = jax.jit(fresh, out_shardings=shardings)(trainable)
         if o.zero_stage == 3:  # the trainable leaves split at rest: each device its block
-            split = jax.tree.map(lambda s: NamedSharding(o.mesh, s), specs.params, is_leaf=is_spec)
+            split = jax.tree.map(
+                lambda s: NamedSharding(o.device_mesh, s), specs.params, is_leaf=is_spec
+            )
             state = state._replace(params=jax.device_put(params, split))
         return state._replace(opt_state=opt_state, window=window)
 
@@ -354,7 +357,9 @@ def make_train_step(
         raises ``ValueError``).
       parallel: :class:`Parallel`: the ZeRO stage, the gradients' dtype on the
         wire and the mapping strategy (default: stage 0, the accumulator dtype,
-        ``shard_map``).
+        ``shard_map``); at stage 3 also HSDP's shard groups (``shards``), when
+        the parameters are gathered (``regather``) and in which dtype
+        (``gather_dtype``).
       skips: :class:`Skips`: non-finite updates skipped (default) and the limit
         of them in a row, unused parameters left alone.
       **deprecated: the spellings of jaxdp 0.2 (``strategy``, ``zero_stage``,
@@ -367,7 +372,9 @@ def make_train_step(
     reduce-scatter, then one all-gather of the parameters; stage 3: the
     parameters gathered for each micro-batch's forward, a layer at a time inside
     :func:`jaxdp.scan_layers`, and the gradients reduce-scattered in its
-    backward, nothing gathered after the update).
+    backward, nothing gathered after the update; under HSDP these stay within a
+    shard group, and one all-reduce across the replica groups follows the last
+    micro-batch).
 
     Randomness: each micro-batch re-keys every ``nnx.Rngs`` stream of the
     module as ``fold_in(fold_in(fold_in(stream_key, step), device),

@@ -5,8 +5,8 @@ leaves (``torch_to_params`` / ``params_to_torch``).
 
 The torch runs are test_torch_ref_fsdp.py's (its ``torch_jobs``, imported, so the test
 run's shared batch makes them once for both files): FSDP2 on 2 and 4 gloo ranks and
-their DDP twins, float64, AdamW with decay and a clip that acts, 3 steps. HSDP (2 x 2)
-waits for HSDP in jaxdp's core.
+their DDP twins, and HSDP on a 2 x 2 mesh, float64, AdamW with decay and a clip that
+acts, 3 steps.
 """
 
 from __future__ import annotations
@@ -91,6 +91,30 @@ def test_stack_trains_as_torch_fsdp2(runs, num_devices, accum_steps, path, stage
         theirs = Trajectory(runs[key].states, list(runs[key].losses))
         report = compare(config, ours, theirs, rtol=PARITY_RTOL)
         assert report.passed, f"{key}\n" + format_parity(report)
+
+
+# HSDP, 2 replicas x 2 shards (torch: a (replicate, shard) device mesh; jaxdp:
+# Parallel(zero_stage=3, shards=2)), at K = 1 and 3, the paths alternating.
+HSDP = [(4, 1, "fused"), (4, 3, "multisteps")]
+
+
+@pytest.mark.parametrize(
+    ("num_devices", "accum_steps", "path"),
+    HSDP,
+    ids=[f"hsdp-n{n}-k{k}-{path}-stage3" for n, k, path in HSDP],
+)
+def test_stack_trains_as_torch_hsdp(runs, num_devices, accum_steps, path):
+    config = parity_config(num_devices, accum_steps, path)
+    hsdp = ("hsdp", num_devices, accum_steps)
+    torch_run, data, initial = torch_jobs()[hsdp]
+    assert torch_config(config, fsdp=True, shards=2) == torch_run
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r"Parallel\(zero_stage=3\)")
+        parallel = jaxdp.Parallel(zero_stage=3, shards=2)
+        ours = run_jaxdp(config, data, initial, parallel=parallel)
+    theirs = Trajectory(runs[hsdp].states, list(runs[hsdp].losses))
+    report = compare(config, ours, theirs, rtol=PARITY_RTOL)
+    assert report.passed, f"{hsdp}\n" + format_parity(report)
 
 
 # ---- nn.ModuleList <-> stacked leaves --------------------------------------------------

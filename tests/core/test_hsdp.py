@@ -1,0 +1,212 @@
+"""HSDP (``Parallel(zero_stage=3, shards=S)``: replicas x shards) and stage 3's gather
+choices (``regather``, ``gather_dtype``): the updates of stage 0, the collectives over
+the right device groups (read from the compiled program) and the layout at rest."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from models import train
+from test_stage3 import LAYERS, assert_same_training, batches, loss, optimizer, stacked_params
+
+import jaxdp
+from jaxdp._options import StepOptions
+
+SHARD_GROUPS = {frozenset({0, 1}), frozenset({2, 3})}  # 2 x 2: devices r * 2 + s
+REPLICA_GROUPS = {frozenset({0, 2}), frozenset({1, 3})}
+
+
+def make(num_devices=4, accum_steps=3, path="fused", loss_fn=loss, **parallel):
+    parallel.setdefault("zero_stage", 3)
+    return jaxdp.make_train_step(
+        loss_fn,
+        optimizer(),
+        mesh=jaxdp.data_mesh(num_devices),
+        accum_steps=accum_steps,
+        path=path,
+        parallel=jaxdp.Parallel(**parallel),
+    )
+
+
+@functools.cache  # the reference of several tests, trained once
+def stage_0(loss_fn=loss):
+    return train(make(loss_fn=loss_fn, zero_stage=0), stacked_params(), batches())
+
+
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+def test_hsdp_2x2_trains_as_stage_0(path):
+    # Against fused stage 0 on both paths (the paths' equality is test_equivalence.py's):
+    # one reference compiled, the multisteps calls that end a window compared.
+    state, history = train(make(path=path, shards=2), stacked_params(), batches())
+    emitted = [m for m in history if m.get("emitted", True)]
+    assert_same_training((state, emitted), stage_0())
+
+
+def collectives_with_groups(compiled):
+    """jaxdp.testing.collectives of ``compiled``, each with its device groups as the
+    HLO lists them (``replica_groups={{0,1},{2,3}}``; None in another form)."""
+    hlo = compiled.as_text()
+    out = []
+    for c in jaxdp.testing.collectives(hlo):
+        line = next(x for x in hlo.splitlines() if re.search(rf"%{re.escape(c.name)} = ", x))
+        listed = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
+        groups = None
+        if listed:
+            inner = re.findall(r"\{([\d,]+)\}", listed.group(1))
+            groups = {frozenset(map(int, g.split(","))) for g in inner}
+        out.append((c, groups))
+    return out
+
+
+def loops(c):
+    return [int(w.rsplit("x", 1)[1]) for w in c.context if w.startswith("while")]
+
+
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+def test_reduce_scatters_stay_in_shard_groups_and_replicas_all_reduce_once(path):
+    """2 x 2, K=3: every gather and reduce-scatter runs within a shard group, inside the
+    micro-batch loop (fused) or in every call (multisteps); the blocks' all-reduce
+    across the replica groups runs once per step, after the loop (multisteps: only in
+    the branch that ends the window) and carries one device's blocks."""
+    step = make(path=path, shards=2)
+    batch = batches()[0]
+    if path == "multisteps":
+        batch = jax.tree.map(lambda x: x[:8], batch)  # one call: one micro-batch per device
+    found = collectives_with_groups(step.compile(step.init(stacked_params()), batch))
+    report = jaxdp.testing.format_report([c for c, _ in found])
+    moving = [(c, g) for c, g in found if c.kind != "all-reduce"]
+    assert {c.kind for c, _ in moving} == {"all-gather", "reduce-scatter"}, report
+    assert all(g == SHARD_GROUPS for _, g in moving), report
+    if path == "fused":
+        assert all(loops(c)[:1] == [3] for c, _ in moving), report
+    across = [c for c, g in found if g == REPLICA_GROUPS]
+    assert [c.kind for c in across] == ["all-reduce"], report
+    (c,) = across
+    split = {k: v for k, v in stacked_params().items() if k != "head"}  # the head: whole
+    assert c.bytes == 8 * sum(x.size // 2 for x in jax.tree.leaves(split)), report
+    assert not loops(c), report
+    if path == "fused":
+        assert c.executions == (1, 1), report
+    else:  # inside the window's end only: a call that does not end it all-reduces nothing
+        assert c.executions == (0, 1) and c.context[0].startswith("conditional"), report
+        jaxdp.testing.assert_collectives(
+            step.compile(step.init(stacked_params()), batch),
+            all_reduce=0,
+            reduce_scatter=1 + LAYERS,
+            all_gather=1 + 2 * LAYERS,
+            branch="skipped",
+        )
+
+
+def test_each_device_holds_its_shard_groups_block_and_replicas_hold_equal_copies():
+    step = make(accum_steps=2, shards=2)
+    state = step(step.init(stacked_params()), batches()[0])[0]
+    w, mu = state.params["blocks"]["w"], state.opt_state[1][0].mu["blocks"]["w"]
+    for leaf in (w, mu):
+        by_device = {s.device.id: np.asarray(s.data) for s in leaf.addressable_shards}
+        assert {x.shape for x in by_device.values()} == {(LAYERS, 8, 4)}  # 1/S = 1/2
+        mesh_ids = [d.id for d in step.mesh.devices.flat]
+        first, second = ([by_device[mesh_ids[r * 2 + s]] for s in range(2)] for r in range(2))
+        for a, b in zip(first, second, strict=True):  # replica group 0 == group 1, bitwise
+            np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(*first)  # and the two blocks of a group differ
+    assert state.params["head"]["w"].sharding.is_fully_replicated
+    # The multisteps window: each replica group's own sums, split over its shard group.
+    window = make(path="multisteps", shards=2).init(stacked_params()).window
+    grads = window.grads["blocks"]["w"]
+    assert grads.shape == (2, LAYERS, 8, 8)
+    assert {s.data.shape for s in grads.addressable_shards} == {(1, LAYERS, 8, 4)}
+
+
+def test_regather_window_gathers_once_before_the_micro_batch_loop():
+    """The same numbers as the default; the all-gathers outside the loop over K=3
+    micro-batches (one per dtype: one), the reduce-scatters inside it, one per
+    micro-batch, as at stage 2."""
+    window = train(make(regather="window"), stacked_params(), batches())
+    assert_same_training(window, stage_0())
+    step = make(regather="window")
+    found = jaxdp.testing.collectives(step.compile(step.init(stacked_params()), batches()[0]))
+    report = jaxdp.testing.format_report(found)
+    gathers = [c for c in found if c.kind == "all-gather"]
+    scatters = [c for c in found if c.kind == "reduce-scatter"]
+    assert [(loops(c), c.executions) for c in gathers] == [([], (1, 1))], report
+    assert [(loops(c), c.executions) for c in scatters] == [([3], (3, 3))], report
+
+
+def rounded_loss(params, batch):
+    """``loss`` on the split leaves rounded to bfloat16 (the head is kept whole: no
+    gather, no rounding), differentiated through the rounding."""
+
+    def rounded(path, x):
+        if "head" in jax.tree_util.keystr(path):
+            return x
+        return x.astype(jnp.bfloat16).astype(x.dtype)
+
+    return loss(jax.tree_util.tree_map_with_path(rounded, params), batch)
+
+
+def test_gather_dtype_bfloat16_gathers_in_bfloat16_and_computes_on_the_rounded_weights():
+    """The gathers carry bfloat16 and the gradients' reduce-scatters float64; the run is
+    stage 0 on weights rounded to bfloat16 with each device's gradient rounded to
+    bfloat16 (the transpose of the rounding), to float64 rounding: the bound is the
+    float64 one, the semantics named exactly."""
+    step = make(shards=2, gather_dtype="bfloat16")
+    hlo = step.lower(step.init(stacked_params()), batches()[0]).compiler_ir("hlo").as_hlo_text()
+    found = jaxdp.testing.collectives(hlo)
+    gathers = [c.shapes[0] for c in found if c.kind == "all-gather"]
+    scatters = [c.shapes[0] for c in found if c.kind == "reduce-scatter"]
+    assert gathers and all(s.startswith("bf16[") for s in gathers), gathers
+    assert scatters and all(s.startswith("f64[") for s in scatters), scatters
+    bf16 = train(step, stacked_params(), batches())
+    assert_same_training(bf16, stage_0(loss_fn=rounded_loss))
+    # The master weights stay float64.
+    assert {x.dtype for x in jax.tree.leaves(bf16[0].params)} == {np.dtype("float64")}
+
+
+def test_bad_input_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"shards=3 must divide num_devices=4"):
+        make(shards=3)
+    with pytest.raises(ValueError, match=r"shards=1 must be None .* zero_stage=0 \(DDP\)"):
+        jaxdp.Parallel(zero_stage=3, shards=1)
+    for stage in (0, 1, 2):
+        with pytest.raises(ValueError, match=rf"shards=2 needs zero_stage=3 .* zero_stage={stage}"):
+            jaxdp.Parallel(zero_stage=stage, shards=2)
+    with pytest.raises(ValueError, match=r"regather='window' needs zero_stage=3"):
+        jaxdp.Parallel(zero_stage=2, regather="window")
+    with pytest.raises(ValueError, match=r"regather='layer' must be 'micro_batch' or 'window'"):
+        jaxdp.Parallel(zero_stage=3, regather="layer")
+    with pytest.raises(ValueError, match=r"regather='window' needs path='fused'"):
+        make(path="multisteps", regather="window")
+    for dtype in ("bfloat17", "int8"):
+        with pytest.raises(ValueError, match=rf"gather_dtype='{dtype}' must be None .* floating"):
+            jaxdp.Parallel(zero_stage=3, gather_dtype=dtype)
+
+
+class OnProcess:
+    """A device as another process would see it: the mesh check reads ``process_index``
+    (a real multi-process mesh needs processes: tests/test_distributed.py)."""
+
+    def __init__(self, device, process_index):
+        self.id, self.platform, self.process_index = device.id, device.platform, process_index
+
+
+def test_a_shard_group_spanning_two_processes_is_refused():
+    devices = [OnProcess(d, p) for d, p in zip(jax.devices()[:4], [0, 1, 0, 1], strict=True)]
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    with pytest.raises(ValueError, match=r"shard group's devices must belong to one process"):
+        jaxdp.make_train_step(
+            loss, optimizer(), mesh=mesh, parallel=jaxdp.Parallel(zero_stage=3, shards=2)
+        )
+    # Groups {0, 1} and {2, 3} each on one process: accepted.
+    devices = [OnProcess(d, p) for d, p in zip(jax.devices()[:4], [0, 0, 1, 1], strict=True)]
+    options = StepOptions(
+        loss_fn=loss,
+        optimizer=optimizer(),
+        mesh=jax.sharding.Mesh(np.array(devices), ("data",)),
+        parallel=jaxdp.Parallel(zero_stage=3, shards=2),
+    )
+    assert options.device_mesh.axis_names == ("replica", "data")
+    assert options.device_mesh.devices.shape == (2, 2)
