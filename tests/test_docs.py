@@ -566,7 +566,10 @@ def docstring(module: str, name: str) -> str | None:
     path = ROOT / (module.replace(".", "/") + ".py")
     if not path.exists():
         path = path.with_suffix("") / "__init__.py"
-    body = ast.parse(path.read_text()).body
+    body = []
+    for node in ast.parse(path.read_text()).body:
+        # A lazy package (jaxdp/__init__.py) names its imports under `if TYPE_CHECKING:`.
+        body += node.body if isinstance(node, ast.If) else [node]
     for i, node in enumerate(body):
         if isinstance(node, ast.ImportFrom) and any(a.name == name for a in node.names):
             package = module if path.name == "__init__.py" else module.rpartition(".")[0]
