@@ -127,7 +127,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="L",
         help="at --zero-stage 3: identical layers of the stack jaxdp.scan_layers loops over "
-        "(one is gathered at a time; default: unknown, not counted)",
+        "(one is gathered at a time); without it the gathered layer is not counted "
+        "(default: none)",
     )
     p.add_argument(
         "--root-params",
