@@ -20,7 +20,7 @@ import pytest
 import jaxdp
 from jaxdp.cli import main
 from jaxdp.cli._metrics import MetricsLog, plot_training
-from jaxdp.cli._train import TrainConfig, train
+from jaxdp.cli._train import TrainConfig, make_step, train
 
 
 # These two run the command in a worker of jaxdp's pytest plugin started with the devices
@@ -234,6 +234,17 @@ def test_shard_groups_spanning_processes_are_one_line_before_training(monkeypatc
         "the devices per process\n"
     )
     assert "held-out accuracy" not in out
+
+
+def test_shards_of_every_device_is_plain_stage_3():
+    """--shards N (one group of all N devices) is --zero-stage 3's own layout: the step
+    runs on the one-axis data mesh, as without the flag (also across processes, where
+    groups smaller than N must stay within one)."""
+    step, _ = make_step(TrainConfig(zero_stage=3, shards=4, num_devices=4))
+    assert step.options.parallel.shards is None
+    assert step.options.device_mesh.axis_names == ("data",)
+    step, _ = make_step(TrainConfig(zero_stage=3, shards=2, num_devices=4))
+    assert step.options.device_mesh.devices.shape == (2, 2)
 
 
 @pytest.mark.parametrize(
