@@ -20,7 +20,7 @@ import pytest
 import jaxdp
 from jaxdp.cli import main
 from jaxdp.cli._metrics import MetricsLog, plot_training
-from jaxdp.cli._train import TrainConfig, train
+from jaxdp.cli._train import TrainConfig, make_step, train
 
 
 # These two run the command in a worker of jaxdp's pytest plugin started with the devices
@@ -152,6 +152,35 @@ TRAIN = ["train", "--cpu-devices", "8"]
             "zero_stage=3 needs strategy='shard_map' (the legacy pmap strategy keeps every "
             "leaf replicated); use strategy='shard_map' or zero_stage=0",
         ),
+        # HSDP (issue 32): --shards with stage 3 only, at least 2, dividing the devices;
+        # all but the last before JAX starts, the last the library's own check.
+        *(
+            (
+                flags,
+                f"shards=2 needs zero_stage=3 (--shards needs --zero-stage 3: HSDP splits the "
+                f"parameters over each shard group), got zero_stage={stage}: stages 0 to 2 "
+                "keep every parameter whole on every device",
+            )
+            for stage, flags in (
+                (0, ["--shards", "2"]),
+                (2, ["--zero-stage", "2", "--shards", "2"]),
+            )
+        ),
+        (
+            ["--zero-stage", "3", "--shards", "1"],
+            "shards=1 must be an integer of at least 2 (devices per shard group); one device "
+            "per group keeps a whole copy on every device: that is zero_stage=0 (DDP)",
+        ),
+        (
+            ["--zero-stage", "3", "--shards", "3", "--num-devices", "4"],
+            "shards=3 must divide num_devices=4 (the devices form num_devices // shards "
+            "replica groups of shards devices each)",
+        ),
+        (
+            ["--zero-stage", "3", "--shards", "3"],
+            "shards=3 must divide num_devices=8 (the mesh's devices form num_devices // "
+            "shards replica groups of shards devices each)",
+        ),
         (
             ["--num-devices", "99"],
             "num_devices=99 exceeds the 8 cpu device(s) there are (--cpu-devices sets how many "
@@ -171,6 +200,51 @@ def test_usage_errors_exit_2_with_one_line_before_training(flags, message, capsy
     out, err = capsys.readouterr()
     assert err == f"jaxdp train: error: {message}\n"
     assert "held-out accuracy" not in out  # nothing trained
+
+
+class OnProcess:
+    """A device as process ``process_index`` of a multi-process run would see it (the
+    library's shard-group check reads ``process_index``)."""
+
+    def __init__(self, device, process_index):
+        self.id, self.platform, self.process_index = device.id, device.platform, process_index
+
+
+def test_shard_groups_spanning_processes_are_one_line_before_training(monkeypatch, capsys):
+    """Issue 32: with several processes each HSDP shard group must be one process's
+    devices; the library refuses a mesh where it is not, and jaxdp train says so in one
+    line, exit 2, before any step (a real two-process refusal costs a launch: the mesh
+    is the two processes' devices, interleaved)."""
+    import jax
+
+    from jaxdp.cli import _train
+
+    devices = [OnProcess(d, p) for d, p in zip(jax.devices()[:4], [0, 1, 0, 1], strict=True)]
+    monkeypatch.setattr(
+        _train, "data_mesh", lambda n: jax.sharding.Mesh(np.array(devices), ("data",))
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main([*TRAIN, "--zero-stage", "3", "--shards", "2", "--num-devices", "4"])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert err == (
+        "jaxdp train: error: shards=2: every shard group's devices must belong to one "
+        "process (its gathers and reduce-scatters stay on one host), but mesh devices "
+        f"{[devices[0].id, devices[1].id]} belong to processes [0, 1]; use shards dividing "
+        "the devices per process\n"
+    )
+    assert "held-out accuracy" not in out
+
+
+def test_shards_of_every_device_is_plain_stage_3():
+    """--shards N (one group of all N devices) is --zero-stage 3's own layout: the step
+    runs on the one-axis data mesh, as without the flag (also across processes, where
+    groups smaller than N must stay within one)."""
+    step, _ = make_step(TrainConfig(zero_stage=3, shards=4, num_devices=4))
+    assert step.options.parallel.shards is None
+    assert step.options.device_mesh.axis_names == ("data",)
+    step, _ = make_step(TrainConfig(zero_stage=3, shards=2, num_devices=4))
+    assert step.options.device_mesh.devices.shape == (2, 2)
 
 
 @pytest.mark.parametrize(
@@ -345,6 +419,11 @@ def test_resume_refuses_a_flag_the_checkpoint_cannot_continue_with(tmp_path, cap
             r"resumed run keeps it \(the accumulation path decides the optimizer state's layout\)",
         ),
         (["--lr", "0.1"], r"--learning-rate=0.1 differs from the checkpoint's learning_rate=0.003"),
+        (
+            ["--shards", "2"],
+            r"--shards=2 differs from the checkpoint's shards=None \(.*/2\); a resumed run "
+            r"keeps it \(the shard groups decide how the parameters and optimizer state are",
+        ),
     ]:
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_:

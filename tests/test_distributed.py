@@ -820,16 +820,20 @@ LAUNCH_2X2 = [*LAUNCH, "--nprocs", "2", "--devices-per-process", "2", "--timeout
 # orbax's "save" barrier); "term", a SIGTERM to the launcher after that update (a
 # scheduler's preemption), the rank going on once the launcher has forwarded it, so
 # that the run stops at that call; "stop", a SIGSTOP of itself after that update, its
-# pid and the time (time.monotonic) written to $STOPS first.
+# pid and the time (time.monotonic) written to $STOPS first. Rank 0 of a restart first
+# copies the metrics the starts before it left ($RECORDS) to $RECORDS.<restart count>.
 RANK = """
-import json, os, signal, sys, time
+import json, os, shutil, signal, sys, time
 from orbax.checkpoint._src.multihost import multihost
 from jaxdp.checkpoint._checkpoints import Checkpoints
 from jaxdp.cli import _train, main
 
 with open(os.environ["COORDINATORS"], "a") as f:
     f.write(os.environ["JAXDP_COORDINATOR_ADDRESS"] + "\\n")
-kill = json.loads(os.environ["KILLS"]).get(os.environ["JAXDP_RESTART_COUNT"])
+restart = os.environ["JAXDP_RESTART_COUNT"]
+if os.environ["JAXDP_PROCESS_ID"] == "0" and os.path.exists(os.environ["RECORDS"]):
+    shutil.copy(os.environ["RECORDS"], os.environ["RECORDS"] + "." + restart)
+kill = json.loads(os.environ["KILLS"]).get(restart)
 if kill and int(os.environ["JAXDP_PROCESS_ID"]) == kill[0]:
     _, at, where = kill
     if where in ("step", "term", "stop"):
@@ -872,15 +876,15 @@ sys.exit(main(["train", *sys.argv[1:]]))
 """
 
 
-def launched(tmp_path, name, launch_flags=(), *, resume=False, kills=None):
-    """A ``jaxdp launch`` of TRAIN_FLAGS (ranks: RANK) writing to ``tmp_path / name``
+def launched(tmp_path, name, launch_flags=(), *, resume=False, kills=None, train=TRAIN_FLAGS):
+    """A ``jaxdp launch`` of ``train`` (ranks: RANK) writing to ``tmp_path / name``
     (checkpoints), ``name.jsonl`` (metrics) and ``name.summary.json``; a Popen. Its
     ``mark`` is in the environment of the launcher and every rank (:func:`left_behind`),
     its ranks' coordinator addresses go to ``name.coordinators``
     (:func:`assert_ports_free`), and a rank's "stop" ($KILLS) to ``name.stopped``."""
     rank = tmp_path / "rank.py"
     rank.write_text(RANK)
-    flags = [*TRAIN_FLAGS, "--checkpoint-dir", str(tmp_path / name)]
+    flags = [*train, "--checkpoint-dir", str(tmp_path / name)]
     flags += ["--summary-out", str(tmp_path / f"{name}.summary.json")]
     flags += ["--metrics-out", str(tmp_path / f"{name}.jsonl")] + ["--resume"] * resume
     # tmp_path is this test's own, also among pytest-xdist's workers running at once.
@@ -888,6 +892,7 @@ def launched(tmp_path, name, launch_flags=(), *, resume=False, kills=None):
     env = {**os.environ, "JAXDP_TEST_MARK": mark, "KILLS": json.dumps(kills or {})}
     env["COORDINATORS"] = str(tmp_path / f"{name}.coordinators")
     env["STOPS"] = str(tmp_path / f"{name}.stopped")
+    env["RECORDS"] = str(tmp_path / f"{name}.jsonl")
     launcher = subprocess.Popen(
         [*LAUNCH_2X2, *launch_flags, "--", str(rank), *flags],
         stdout=subprocess.PIPE,
@@ -1105,6 +1110,49 @@ def test_three_kills_a_sigterm_and_a_stopped_rank_end_bitwise_as_an_uninterrupte
     assert newest_leaves(tmp_path / "run") == uninterrupted.leaves
     assert left_behind(again.mark) == []
     assert len(assert_ports_free(tmp_path, "run")) == 2 * 4 + 2 * 2  # and 2 starts
+
+
+# HSDP (issue 32): the scanned GPT at stage 3, each process one shard group of its 2
+# devices; small and short, as tests/test_cli.py's stage-3 kill test.
+HSDP_FLAGS = ["--zero-stage", "3", "--shards", "2", "--hidden", "8", "--micro-batch-size", "4"]
+HSDP_FLAGS += ["--steps", "6", "--checkpoint-every", "2"]
+
+
+def test_an_hsdp_run_killed_and_restarted_ends_bitwise_as_an_uninterrupted_one(tmp_path):
+    """Issue 32, acceptance 3: ``jaxdp launch --nprocs 2 --devices-per-process 2 -- train
+    --zero-stage 3 --shards 2`` (parameters split within each process's shard group, the
+    groups' gradients all-reduced over gloo once per step). Its first start is the
+    uninterrupted run: it trains all 6 updates and a random rank is SIGKILLed while the
+    last checkpoint is being written. The launcher restarts the group (``--max-restarts
+    1``), which resumes from checkpoint 4 and redoes updates 5 and 6: every record equals
+    the uninterrupted start's, bitwise (its records copied before the restart wrote any;
+    one launch, not two: a stage-3 start costs about 20 CPU s per process)."""
+    victim = int(np.random.default_rng().integers(0, 2))
+    kills = {"0": [victim, 6, "save"]}
+    launcher = launched(tmp_path, "run", ["--max-restarts", "1"], kills=kills, train=HSDP_FLAGS)
+    out, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, (victim, err[-4000:])
+    assert re.search(
+        rf"^jaxdp launch: restart 1 of 1: rank {victim} exited with status 137 \(SIGKILL\)",
+        err,
+        re.M,
+    ), err[-4000:]
+    lines = out.splitlines()
+    hsdp = (
+        "[rank 0] zero_stage=3: parameters, gradients, gradient accumulator and optimizer "
+        "state split over each of 2 shard groups of 2 device(s), the groups' gradients "
+        "all-reduced once per step (HSDP)"
+    )
+    assert lines.count(hsdp) == 2, out[-4000:]  # the first start and the restart
+    resumed = f"[rank 0] resumed from {tmp_path / 'run' / '4'}: step 4, "
+    assert [x for x in lines if x.startswith(resumed)], out[-4000:]
+    uninterrupted = metrics(tmp_path / "run.jsonl.1")
+    assert [step for step, *_ in uninterrupted] == [1, 2, 3, 4, 5, 6]
+    assert metrics(tmp_path / "run.jsonl") == uninterrupted
+    assert newest_leaves(tmp_path / "run")[0] == 6
+    config = json.loads((tmp_path / "run" / "6" / "meta" / "metadata").read_text())
+    assert (config["extra"]["config"]["zero_stage"], config["extra"]["config"]["shards"]) == (3, 2)
+    assert left_behind(launcher.mark) == []
 
 
 def test_a_restart_refuses_another_runs_records_as_its_first_start_did(tmp_path):

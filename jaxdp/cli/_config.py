@@ -40,6 +40,9 @@ class TrainConfig:
     # 1: optimizer state sharded over the devices; 2: and the accumulator; 3: and the
     # parameters and gradients (the GPT's blocks gathered one at a time)
     zero_stage: int = 0
+    # HSDP at zero_stage 3: devices per shard group, the parameters split over each group
+    # and the groups' gradients all-reduced once per step; None: one group of every device
+    shards: int | None = None
     comm_dtype: str | None = None  # "bfloat16": gradients sent in bfloat16; None: as accumulated
     precision: Precision = "float32"  # bfloat16: bfloat16 compute, float32 parameters
     hidden: int = 128  # width of the MLP's hidden layers, or the GPT's d_model
@@ -84,6 +87,7 @@ class TrainConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        self._check_shards()
         for name in ("resume", "checkpoint_every"):
             if getattr(self, name) and self.checkpoint_dir is None:
                 raise ValueError(f"{name}={getattr(self, name)!r} needs a checkpoint_dir")
@@ -104,6 +108,30 @@ class TrainConfig:
                 )
         if self.plot is not None and not self.plot.endswith(".png"):
             raise ValueError(f"plot={self.plot!r} must name a .png file")
+
+    def _check_shards(self) -> None:
+        shards = self.shards
+        if shards is None:
+            return
+        if not _is_int(shards) or shards < 2:
+            raise ValueError(
+                f"shards={shards!r} must be an integer of at least 2 (devices per shard "
+                "group); one device per group keeps a whole copy on every device: that is "
+                "zero_stage=0 (DDP)"
+            )
+        # A resume takes zero_stage from its checkpoint (the rule is checked again then,
+        # by the library); this config of the given flags alone may not have it yet.
+        if self.zero_stage != 3 and not self.resume:
+            raise ValueError(
+                f"shards={shards} needs zero_stage=3 (--shards needs --zero-stage 3: HSDP "
+                f"splits the parameters over each shard group), got zero_stage="
+                f"{self.zero_stage}: stages 0 to 2 keep every parameter whole on every device"
+            )
+        if self.num_devices is not None and self.num_devices % shards:
+            raise ValueError(
+                f"shards={shards} must divide num_devices={self.num_devices} (the devices "
+                "form num_devices // shards replica groups of shards devices each)"
+            )
 
     @property
     def last_epoch(self) -> int | None:
@@ -141,6 +169,7 @@ RESUME_FIXED = {
     "learning_rate": "the optimizer state holds the learning rate",
     "path": "the accumulation path decides the optimizer state's layout",
     "zero_stage": "the stage decides how the optimizer state is split over the devices",
+    "shards": "the shard groups decide how the parameters and optimizer state are split",
     "seed": "the seed fixes the held-out split and every epoch's data order",
 }
 

@@ -36,7 +36,8 @@ def check_fits(
     is; ``build`` is only traced. On every process (one collective: they stop together)."""
     model = nnx.eval_shape(build)
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    need, parts = state_bytes(config, params, mesh.devices.size)
+    # HSDP splits over a shard group only; every group holds the same copy.
+    need, parts = state_bytes(config, params, config.shards or mesh.devices.size)
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     failure = None
     platform = local[0].platform if local else "cpu"
@@ -59,7 +60,8 @@ def check_fits(
 
 
 def state_bytes(config: TrainConfig, params: int, num_devices: int) -> tuple[int, str]:
-    """Bytes of one device's training state at least, and what they are made of."""
+    """Bytes of one device's training state at least, and what they are made of, with the
+    split parts split over ``num_devices`` (the shard group's, under HSDP)."""
     each = 8 if config.precision == "float64" else 4  # bfloat16 keeps float32 parameters
     moments = 2 if config.optimizer == "adamw" else 1  # SGD keeps its momentum
     # ZeRO stage 1 splits the moments over the devices, stage 2 the accumulator too,

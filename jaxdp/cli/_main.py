@@ -157,6 +157,15 @@ def _batch_options(option: Callable[..., Any], d: TrainConfig) -> None:
         f"(default: {d.zero_stage})",
     )
     option(
+        "--shards",
+        metavar="S",
+        type=int,
+        help="with --zero-stage 3: HSDP (torch's HYBRID_SHARD): the devices form groups of S, "
+        "each holding the parameters split over its S devices, and the groups' gradients "
+        "are all-reduced once per optimizer step; S divides the device count and, with "
+        "several processes, the devices of each process (default: one group of every device)",
+    )
+    option(
         "--comm-dtype",
         choices=["bfloat16"],
         help="send the gradient sums in bfloat16 (torch's bf16_compress_hook); accumulation "

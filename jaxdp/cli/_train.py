@@ -187,7 +187,12 @@ def make_step(config: TrainConfig) -> tuple[TrainStep, BatchSizes]:
         accum_steps=sizes.accum_steps,
         path=config.path,
         parallel=Parallel(
-            zero_stage=config.zero_stage, comm_dtype=config.comm_dtype, strategy=config.strategy
+            zero_stage=config.zero_stage,
+            comm_dtype=config.comm_dtype,
+            strategy=config.strategy,
+            # S = N is plain stage 3, one group of every device, as the library's default
+            # (its one-process-per-group check reads a 1-D mesh as groups: a TypeError).
+            shards=None if config.shards == sizes.num_devices else config.shards,
         ),
         skips=Skips(nonfinite=config.skip_nonfinite),
     )
@@ -261,7 +266,14 @@ def prepare(
         )
         zero = f"zero_stage={config.zero_stage}"
         if config.zero_stage:
-            zero += f": {split[config.zero_stage - 1]} split over {sizes.num_devices} device(s)"
+            over = f"{sizes.num_devices} device(s)"
+            if config.shards and config.shards < sizes.num_devices:
+                over = (
+                    f"each of {sizes.num_devices // config.shards} shard groups of "
+                    f"{config.shards} device(s), the groups' gradients all-reduced once per "
+                    "step (HSDP)"
+                )
+            zero += f": {split[config.zero_stage - 1]} split over {over}"
         say(zero + (f"; gradients sent in {config.comm_dtype}" if config.comm_dtype else ""))
     if share.process_count > 1:
         say(
