@@ -260,7 +260,9 @@ class StepOptions:
                 f"shards={shards} names the new replica axis {REPLICA_AXIS!r}: give the "
                 f"data mesh another axis name than {axis!r}"
             )
-        for group in self.device_mesh.devices:
+        if shards == n:  # one group of every device: plain stage 3, on the one-axis mesh
+            return
+        for group in self.mesh.devices.reshape(-1, shards):  # device r * shards + s
             processes = sorted({d.process_index for d in group})
             if len(processes) > 1:
                 raise ValueError(

@@ -241,7 +241,6 @@ def test_shards_of_every_device_is_plain_stage_3():
     runs on the one-axis data mesh, as without the flag (also across processes, where
     groups smaller than N must stay within one)."""
     step, _ = make_step(TrainConfig(zero_stage=3, shards=4, num_devices=4))
-    assert step.options.parallel.shards is None
     assert step.options.device_mesh.axis_names == ("data",)
     step, _ = make_step(TrainConfig(zero_stage=3, shards=2, num_devices=4))
     assert step.options.device_mesh.devices.shape == (2, 2)

@@ -190,9 +190,7 @@ def make_step(config: TrainConfig) -> tuple[TrainStep, BatchSizes]:
             zero_stage=config.zero_stage,
             comm_dtype=config.comm_dtype,
             strategy=config.strategy,
-            # S = N is plain stage 3, one group of every device, as the library's default
-            # (its one-process-per-group check reads a 1-D mesh as groups: a TypeError).
-            shards=None if config.shards == sizes.num_devices else config.shards,
+            shards=config.shards,
         ),
         skips=Skips(nonfinite=config.skip_nonfinite),
     )

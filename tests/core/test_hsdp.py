@@ -221,3 +221,13 @@ def test_a_shard_group_spanning_two_processes_is_refused():
     )
     assert options.device_mesh.axis_names == ("replica", "data")
     assert options.device_mesh.devices.shape == (2, 2)
+    # shards=N is plain stage 3: one group of every device, over processes as stage 3 is
+    # (the check read the one-axis mesh's devices as groups: a TypeError on every rank).
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    options = StepOptions(
+        loss_fn=loss,
+        optimizer=optimizer(),
+        mesh=mesh,
+        parallel=jaxdp.Parallel(zero_stage=3, shards=4),
+    )
+    assert options.device_mesh.axis_names == ("data",)
