@@ -97,13 +97,20 @@ def stacked_batches(steps):
     return [(x[i::steps], y[i::steps]) for i in range(steps)]
 
 
+@jax.jit  # one program: run eagerly, the loss's small operations cost seconds
+def one_device_update(params, opt_state, batch):
+    updates, opt_state = adamw_clip().update(
+        jax.grad(stacked_loss)(params, batch), opt_state, params
+    )
+    return optax.apply_updates(params, updates), opt_state
+
+
 def one_device_params(batches):
     """Plain optax on one device: the parameters after each whole batch."""
-    params, optimizer, out = jax.tree.map(jnp.asarray, stacked_params()), adamw_clip(), []
-    state = optimizer.init(params)
+    params, out = jax.tree.map(jnp.asarray, stacked_params()), []
+    opt_state = adamw_clip().init(params)
     for batch in batches:
-        updates, state = optimizer.update(jax.grad(stacked_loss)(params, batch), state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = one_device_update(params, opt_state, batch)
         out.append(params)
     return out
 
