@@ -200,10 +200,11 @@ def test_an_hsdp_window_saved_mid_way_resumes_in_any_layout_of_its_batch(tmp_pat
     """HSDP 2 x 2, multisteps, K=2, saved after the first micro-batch of the second
     window: its gradient sums are each replica group's (2, *shape) for a split leaf,
     each device's (4, *shape) for a whole one. Resumed as it was, the window's last
-    call is the uninterrupted one's, bit for bit; resumed at FSDP (each split leaf's
-    global sum) or at stage 0 (every leaf's per-device sums) the window's sums are
-    re-laid out (their total kept) and the step ends where one device does (RTOL
-    1e-12: a dropped replica group's sum moves the weights by 1e-3)."""
+    call is the uninterrupted one's, bit for bit. Resumed at FSDP (each split leaf's
+    global sum) and at stage 0 (every leaf's per-device sums), and FSDP's window saved
+    again and resumed at stage 0, the sums are re-laid out (their total kept) and the
+    step ends where one device does (RTOL 1e-12: a dropped replica group's or device's
+    sum moves the weights by 1e-3)."""
     batches = stacked_batches(2)
     expected = one_device_params(batches)[-1]
     step, sizes = make_split(3, 4, shards=2, path="multisteps")
@@ -221,10 +222,13 @@ def test_an_hsdp_window_saved_mid_way_resumes_in_any_layout_of_its_batch(tmp_pat
     resumed, _ = step(restored, calls[3])
     assert_same_bits(resumed, uninterrupted)
     assert_trees_close(resumed.params, expected, rtol=RTOL["float64"], atol=ATOL["float64"])
-    for layout in [(3, 4, None), (0, 4, None)]:
-        other, other_sizes = make_split(*layout, path="multisteps")
-        assert other_sizes == sizes
-        restored = checkpoints.restore(other.init(stacked_params()), sizes=sizes).state
+    fsdp, stage_0 = (make_split(*layout, path="multisteps")[0] for layout in [(3, 4), (0, 4)])
+    at_fsdp = checkpoints.restore(fsdp.init(stacked_params()), sizes=sizes).state
+    assert block_shape(at_fsdp.window.grads["blocks"]["w"]) == (2, WIDTH, WIDTH // 4)
+    again = jaxdp.checkpoint.Checkpoints(tmp_path / "fsdp")  # the global sums saved
+    again.save(at_fsdp, position=position, sizes=sizes, samples=samples)
+    for other, source in [(fsdp, checkpoints), (stage_0, checkpoints), (stage_0, again)]:
+        restored = source.restore(other.init(stacked_params()), sizes=sizes).state
         assert int(restored.window.position) == 1
         resumed, _ = other(restored, calls[3])
         assert int(resumed.step) == 2
