@@ -100,16 +100,16 @@ def check_compatible(
             f"or move {path} aside to resume from the checkpoint before it"
         )
     # Mid-window a gradient sum in another layout (another ZeRO stage, HSDP or not) keeps
-    # its total and is re-laid out as it is read (:mod:`._window`); other shapes must fit.
-    mismatches = _mismatches(
-        saved_leaves,
-        here,
-        lambda name: (
-            is_accumulator(name)
-            and not (name in here and relaid(name, saved_leaves, here[name]["shape"]))
-        ),
-        shapes=micro != 0,
-    )
+    # its total and is re-laid out as it is read (:mod:`._window`); other shapes must fit,
+    # and all of a format 2 window (jaxdp 0.2's, read by :mod:`._format2`).
+    relays = meta["format"] != 2
+
+    def must_fit(name: str) -> bool:
+        if not is_accumulator(name):
+            return False
+        return not (relays and name in here and relaid(name, saved_leaves, here[name]["shape"]))
+
+    mismatches = _mismatches(saved_leaves, here, must_fit, shapes=micro != 0)
     if mismatches:
         raise CheckpointError(
             f"checkpoint {path} was taken in the middle of an accumulation cycle (micro-batch "
