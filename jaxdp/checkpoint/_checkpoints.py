@@ -14,8 +14,9 @@ process writing its blocks) and ``meta`` (JSON: sampler position, batch
 identity, seed, the shape, dtype and placement of every leaf and a SHA-256 of
 its bytes, and a SHA-256 of the meta itself: :mod:`._meta`). A leaf is read
 into the layout of the run that restores it (another device count, another
-ZeRO stage); checkpoints of jaxdp 0.2 (format 2) are converted as they are
-read (:mod:`._format2`).
+ZeRO stage, HSDP's shard groups or none), and an open window's gradient sums
+into this run's layout of them (:mod:`._window`); checkpoints of jaxdp 0.2
+(format 2) are converted as they are read (:mod:`._format2`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ._rules import (
     named,
 )
 from ._tree import abstract, join, kind, saved_tree, split, state_from_tree, zeros
+from ._window import param_shape, read_as, relaid, relay
 from ._write_failure import no_room, quiet_writer_thread_logs
 
 
@@ -238,6 +240,8 @@ class Checkpoints:
         - another ``num_devices``/``accum_steps``/``micro_batch_size`` needs a
           checkpoint at an optimizer-step boundary, where the window's sums are
           zero and rebuilt for this run: mid-window they cannot be re-split.
+          Mid-window another ZeRO stage or ``shards`` is read: each gradient
+          sum's total is laid out as this run keeps it (equal to rounding).
 
         An unreadable checkpoint (bad files, failed checksum) is skipped with a
         :class:`CorruptCheckpointWarning`, the next older one is tried, and once
@@ -370,7 +374,16 @@ class Checkpoints:
         def saved_kind(name: str, _: Any) -> str:
             return kind(name, leaves[name]["per_device"])
 
-        parts = split(saved_tree(like), saved_kind)
+        def target(path: Any, x: Any) -> jax.ShapeDtypeStruct:
+            # A window's gradient sum saved in another layout is read as saved, then
+            # re-laid out (:mod:`._window`); every other leaf straight into this run's.
+            name = leaf_name(path)
+            if accumulators and relaid(name, leaves, x.shape):
+                return read_as(leaves[name]["shape"], x)
+            return abstract(x)
+
+        like_tree = saved_tree(like)
+        parts = split(like_tree, saved_kind)
         if not accumulators:  # not read: at an optimizer-step boundary they are zero
             parts["per_device"] = jax.tree.map(zeros, parts["per_device"])
         wanted = {
@@ -381,11 +394,22 @@ class Checkpoints:
         out = self._manager.restore(
             number,
             args=ocp.args.Composite(
-                **{item: ocp.args.StandardRestore(abstract(part)) for item, part in wanted.items()}
+                **{
+                    item: ocp.args.StandardRestore(jax.tree_util.tree_map_with_path(target, part))
+                    for item, part in wanted.items()
+                }
             ),
         )
         tree = join(*(out[item] if item in wanted else part for item, part in parts.items()))
         check_sha256(tree, leaves, lambda name: accumulators or not is_accumulator(name))
+
+        def laid_out(path: Any, x: Any, here: Any) -> Any:
+            name = leaf_name(path)
+            if x.shape == here.shape or not relaid(name, leaves, here.shape):
+                return x
+            return relay(x, here, rank=len(param_shape(name, leaves)))
+
+        tree = jax.tree_util.tree_map_with_path(laid_out, tree, like_tree)
         return state_from_tree(tree, like)
 
     def _set_aside(self, failures: list[tuple[int, Exception]], used: pathlib.Path) -> None:

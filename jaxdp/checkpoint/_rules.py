@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from .._layout import BatchSizes
 from .._position import SamplerPosition
 from .._train_state import TrainState
+from ._window import relaid
 
 
 class CheckpointError(ValueError):
@@ -98,11 +99,21 @@ def check_compatible(
             "the saved batch identity (its next checkpoint at a step boundary can then move), "
             f"or move {path} aside to resume from the checkpoint before it"
         )
-    mismatches = _mismatches(saved_leaves, here, is_accumulator, shapes=micro != 0)
+    # Mid-window a gradient sum in another layout (another ZeRO stage, HSDP or not) keeps
+    # its total and is re-laid out as it is read (:mod:`._window`); other shapes must fit,
+    # and all of a format 2 window (jaxdp 0.2's, read by :mod:`._format2`).
+    relays = meta["format"] != 2
+
+    def must_fit(name: str) -> bool:
+        if not is_accumulator(name):
+            return False
+        return not (relays and name in here and relaid(name, saved_leaves, here[name]["shape"]))
+
+    mismatches = _mismatches(saved_leaves, here, must_fit, shapes=micro != 0)
     if mismatches:
         raise CheckpointError(
             f"checkpoint {path} was taken in the middle of an accumulation cycle (micro-batch "
-            f"{micro}) with its window laid out otherwise (another ZeRO stage?): "
+            f"{micro}) with a window this run's cannot take (another aux or batch statistics?): "
             f"{'; '.join(mismatches)}. Resume with the saved options, or move {path} aside"
         )
     return saved
