@@ -814,38 +814,6 @@ def test_kill_9_mid_run_then_resume_trains_the_same_rows_as_an_uninterrupted_run
     assert saved_leaves(ckpt) == saved_leaves(tmp_path / "whole")
 
 
-def test_kill_9_of_a_stage_3_gpt_run_then_resume_continues_bitwise(tmp_path):
-    """The scanned GPT at --zero-stage 3 (parameters split, a block gathered at a time):
-    kill -9 after a random update, --resume, and every record and the final split
-    weights equal an uninterrupted run's. Small and short: 10 updates of a GPT of width 8."""
-    flags = ["--zero-stage", "3", "--num-devices", "2", "--micro-batch-size", "4"]
-    flags += ["--hidden", "8", "--checkpoint-every", "1", "--no-progress"]
-    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    out = ["--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics)]
-    killed_at = np.random.default_rng().integers(1, 4)  # after this many updates
-    child = subprocess.Popen(
-        [sys.executable, "-m", "jaxdp", "train", "--cpu-devices", "2", *flags, *out],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    while child.poll() is None and not (
-        metrics.exists() and len(metrics.read_text().splitlines()) >= killed_at
-    ):
-        time.sleep(0.01)
-    child.kill()
-    assert child.wait(timeout=60) == -signal.SIGKILL, child.stderr.read()[-2000:]
-    assert jaxdp.checkpoint.Checkpoints(ckpt).steps[-1] < 10, f"killed after {killed_at}"
-    assert main([*TRAIN, "--checkpoint-dir", str(ckpt), "--resume", "--steps", "10"]) == 0
-    whole = ["--checkpoint-dir", str(tmp_path / "whole"), "--metrics-out", str(tmp_path / "w")]
-    assert main([*TRAIN, *flags, *whole, "--steps", "10"]) == 0
-    assert records(metrics) == records(tmp_path / "w"), f"killed after {killed_at} updates"
-    assert len(records(metrics)) == 10
-    assert saved_leaves(ckpt) == saved_leaves(tmp_path / "whole")
-    config = json.loads((ckpt / "10" / "meta" / "metadata").read_text())["extra"]["config"]
-    assert (config["model"], config["zero_stage"]) == ("gpt", 3)
-
-
 def test_resume_drops_a_metrics_line_torn_by_a_kill(tmp_path):
     """A kill in the middle of a record's write leaves its line cut short; that record is
     of a step after the newest checkpoint (a step's record is written before its
