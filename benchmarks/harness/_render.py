@@ -21,8 +21,8 @@ from ._targets import targets_section
 # BENCHMARKS.md's generated sections, in order, and the results they are made from.
 SECTIONS = ("run", "targets", "overhead", "vs_torch", "comms", "ring", "memory", "zero")
 SECTIONS += ("zero3", "loader", "gpu")
-CPU_RESULTS = ("overhead", "vs_torch", "comms", "memory", "zero", "zero3")
-RESULTS = ("run", *CPU_RESULTS, "loader", "gpu")
+CPU_RESULTS = ("overhead", "vs_torch", "comms", "memory", "zero")
+RESULTS = ("run", *CPU_RESULTS, "zero3", "loader", "gpu")
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce")  # zero3's collectives, in this order
 
 
