@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
         "ones in one), writes "
         "<out>/<name>.json and PNG figures, and fills the generated tables of the "
         "markdown file (BENCHMARKS.md). The CPU measurements run by default, about "
-        "11 minutes on 2 cores; the GPU one only when named (--only gpu). Run from the "
+        "12 minutes on 2 cores; the GPU one only when named (--only gpu). Run from the "
         "repository root.",
     )
     p.add_argument(
