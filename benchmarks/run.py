@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    bin/jaxdp bench                     # the CPU measurements, about 8 minutes on 2 cores
+    bin/jaxdp bench                     # the CPU measurements, about 12 minutes on 2 cores
     python benchmarks/run.py --quick    # smoke sizes (what tests/test_bench.py runs)
     python benchmarks/run.py --only gpu # the GPT-2-small GPU figures, on a GPU machine
 

@@ -271,6 +271,58 @@ def test_loader_targets_and_section_from_a_result():
     assert "| 2 | 2 | 4 | 400 B (4.0 batches) | 6 |" in section
 
 
+def test_zero3_runs_in_the_full_run_and_when_named_never_in_quick():
+    """The suite's --quick run stays as long: stage 3's compiles are the full run's."""
+    from benchmarks.harness._runner import CPU_MEASUREMENTS, measurements
+
+    assert measurements(None, quick=True) == CPU_MEASUREMENTS
+    assert measurements(None, quick=False) == (*CPU_MEASUREMENTS, "zero3")
+    assert measurements(["zero3", "memory", "zero3"], quick=True) == ("zero3", "memory")
+
+
+def test_zero3_section_from_a_result():
+    """`bin/jaxdp bench --only zero3`'s tables (the figures here are made up)."""
+    timing = [
+        {"variant": v, "accum_steps": k, "step_seconds": s, "compared": {"ratios": rs}}
+        for v, k, s, rs in [("2", 1, 0.01, [1.0, 1.0]), ("3", 1, 0.015, [1.4, 1.6])]
+    ]
+    for r in timing:
+        r["compared"]["ratio"] = sorted(r["compared"]["ratios"])[0]
+    step = {"arguments": 2_000_000, "temporaries": 1_000_000}
+    memory = [
+        {
+            "variant": "3, window",
+            "params_bytes": 500_000,
+            "opt_state_bytes": 1_000_000,
+            "accumulator_bytes": None,
+            "step": step,
+            "collectives": {
+                "all-gather": {"runs": 1, "ring_bytes": 1.5e6},
+                "reduce-scatter": {"runs": 4, "ring_bytes": 6e6},
+            },
+        }
+    ]
+    result = {
+        "model": {"model": "gpt-scanned", "describe": "d", "params": 10, "micro_batch_size": 16},
+        "num_devices": 4,
+        "baseline": "2",
+        "memory_accum_steps": 4,
+        "workers": 4,
+        "rounds": 2,
+        "samples_per_round": 3,
+        "load_average_start": 1.0,
+        "env": {"load_average_end": [2.5]},
+        "timing": timing,
+        "memory": memory,
+    }
+    section = _render.zero3_section(result)
+    assert "| 3 | 1 | 15.00 | **1.400** (1.40-1.60) |" in section
+    row = "| 3, window | 0.50 MB | 1.00 MB | - | 2.00 MB | 1.00 MB | **3.00 MB** | 1 / 4 / 0 |"
+    assert row + " 7.50 MB |" in section
+    assert "3 timing worker process(es)" in section
+    assert "Load average (1 min): 1.0 at the start, 2.5 at the end." in section
+
+
 def test_without_matplotlib_one_line_names_it_before_anything_runs(monkeypatch, capsys, tmp_path):
     from benchmarks.harness import _runner
 

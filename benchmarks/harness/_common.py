@@ -49,7 +49,9 @@ class BenchModel:
     """A reference model at benchmark sizes, with its micro-batch size."""
 
     name: str  # the label in tables and plots
-    kind: str  # the jaxdp / torch_ref reference model: "mlp" or "transformer"
+    # the jaxdp / torch_ref reference model: "mlp" or "transformer"; or "scanned", jaxdp's
+    # ScannedTransformer (its blocks looped by jaxdp.scan_layers: the ZeRO stage-3 rows)
+    kind: str
     kwargs: dict[str, int]  # constructor sizes (empty: the reference defaults)
     micro_batch_size: int
 
@@ -57,9 +59,9 @@ class BenchModel:
         """The :mod:`jaxdp.models` reference model at these sizes (float32, seed 0)."""
         from flax import nnx
 
-        from jaxdp.models import MODELS
+        from jaxdp.models import MODELS, ScannedTransformer
 
-        cls, _ = MODELS[self.kind]
+        cls = ScannedTransformer if self.kind == "scanned" else MODELS[self.kind][0]
         return cls(**self.kwargs, rngs=nnx.Rngs(0))
 
     @property
@@ -67,20 +69,24 @@ class BenchModel:
         """``loss(module, (x, y))``: the reference model's micro-batch mean loss."""
         from jaxdp.models import MODELS
 
-        return MODELS[self.kind][1]
+        return MODELS["transformer" if self.kind == "scanned" else self.kind][1]
 
     def sizes(self) -> dict[str, int]:
         """Constructor sizes, defaults filled in."""
         if self.kind == "mlp":
             return {"in_features": 16, "hidden": 32, "num_classes": 4} | self.kwargs
-        return {"vocab_size": 32, "block_size": 8, "d_model": 16, "n_heads": 2} | self.kwargs
+        gpt = {"vocab_size": 32, "block_size": 8, "d_model": 16, "n_heads": 2}
+        if self.kind == "scanned":
+            gpt["n_layers"] = 2
+        return gpt | self.kwargs
 
     def describe(self) -> str:
         s = self.sizes()
         if self.kind == "mlp":
             return f"MLP {s['in_features']}-{s['hidden']}-{s['hidden']}-{s['num_classes']}"
+        blocks = f"{s['n_layers']}-block scanned" if self.kind == "scanned" else "1-block"
         return (
-            f"1-block GPT (vocab {s['vocab_size']}, context {s['block_size']}, "
+            f"{blocks} GPT (vocab {s['vocab_size']}, context {s['block_size']}, "
             f"width {s['d_model']}, {s['n_heads']} heads)"
         )
 

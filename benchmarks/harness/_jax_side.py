@@ -28,21 +28,21 @@ def jaxdp_stepper(
     accum_steps: int,
     zero_stage: int = 0,
     comm_dtype: str | None = None,
+    parallel: dict[str, Any] | None = None,
     memory: bool = False,
 ) -> Callable[[], float]:
     """jaxdp's fused step on a pre-placed global batch (at a ZeRO stage, with a
-    communication dtype: the ``zero`` measurement). ``memory``: the stepper's
-    ``facts`` are XLA's per-device figures (:func:`.zero.memory_facts`); the
-    step compiled for them is the one the stepper calls."""
+    communication dtype: the ``zero`` measurement; ``parallel``: more of
+    :class:`jaxdp.Parallel`'s fields, e.g. ``regather`` or ``shards``, the ``zero3``
+    one). ``memory``: the stepper's ``facts`` are XLA's per-device figures
+    (:func:`.zero.memory_facts`); the step compiled for them is the one the stepper
+    calls."""
     from jaxdp import Parallel, data_mesh, make_train_step
 
     mesh = data_mesh(num_devices)
+    fields = {"zero_stage": zero_stage, "comm_dtype": comm_dtype} | (parallel or {})
     step = make_train_step(
-        bm.loss,
-        optimizer(),
-        mesh=mesh,
-        accum_steps=accum_steps,
-        parallel=Parallel(zero_stage=zero_stage, comm_dtype=comm_dtype),
+        bm.loss, optimizer(), mesh=mesh, accum_steps=accum_steps, parallel=Parallel(**fields)
     )
     batch = _placed(bm, num_devices * accum_steps * bm.micro_batch_size, mesh)
     box = [step.init(bm.make())]
@@ -50,8 +50,7 @@ def jaxdp_stepper(
     if memory:
         from .zero import memory_facts
 
-        parallel = Parallel(zero_stage=zero_stage, comm_dtype=comm_dtype)
-        facts = memory_facts(bm, step, box[0], batch, mesh, accum_steps, parallel)
+        facts = memory_facts(bm, step, box[0], batch, mesh, accum_steps, Parallel(**fields))
 
     def run() -> float:
         box[0], metrics = step(box[0], batch)

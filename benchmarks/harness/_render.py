@@ -20,9 +20,10 @@ from ._targets import targets_section
 
 # BENCHMARKS.md's generated sections, in order, and the results they are made from.
 SECTIONS = ("run", "targets", "overhead", "vs_torch", "comms", "ring", "memory", "zero")
-SECTIONS += ("loader", "gpu")
+SECTIONS += ("zero3", "loader", "gpu")
 CPU_RESULTS = ("overhead", "vs_torch", "comms", "memory", "zero")
-RESULTS = ("run", *CPU_RESULTS, "loader", "gpu")
+RESULTS = ("run", *CPU_RESULTS, "zero3", "loader", "gpu")
+_KINDS = ("all-gather", "reduce-scatter", "all-reduce")  # zero3's collectives, in this order
 
 
 def load(out: Path) -> dict[str, dict[str, Any]]:
@@ -316,6 +317,52 @@ def zero_section(z: dict[str, Any]) -> str:
     )
 
 
+def zero3_section(z: dict[str, Any]) -> str:
+    m = z["model"]
+    timing = [
+        [r["variant"], r["accum_steps"], f"{1e3 * r['step_seconds']:.2f}", _ratio(r)]
+        for r in z["timing"]
+    ]
+    memory = []
+    for r in z["memory"]:
+        sent = r["collectives"]
+        runs = [sent.get(kind, {}).get("runs", 0) for kind in _KINDS]
+        ring = sum(c["ring_bytes"] for c in sent.values())
+        accumulator = r["accumulator_bytes"]
+        memory.append(
+            [
+                r["variant"],
+                megabytes(r["params_bytes"]),
+                megabytes(r["opt_state_bytes"]),
+                "-" if accumulator is None else megabytes(accumulator),
+                megabytes(r["step"]["arguments"]),
+                megabytes(r["step"]["temporaries"]),
+                f"**{megabytes(r['step']['arguments'] + r['step']['temporaries'])}**",
+                " / ".join(str(n) for n in runs),
+                megabytes(ring),
+            ]
+        )
+    head = ["variant", "params", "optimizer state", "float32 accumulator", "arguments"]
+    head += ["temporaries", "arguments + temporaries"]
+    head += ["all-gathers / reduce-scatters / all-reduces per step", "ring bytes per device"]
+    return (
+        f"**{m['model']}** ({m['describe']}, {m['params']:,} parameters), micro-batch "
+        f"{m['micro_batch_size']} on {z['num_devices']} emulated CPU devices. Step time "
+        f"against stage {z['baseline']}:\n\n"
+        + markdown_table(["variant", "K", "ms / step", f"/ stage {z['baseline']}"], timing)
+        + f"\n\nPer device at K={z['memory_accum_steps']}, from XLA's memory analysis of "
+        "the compiled fused step, and the collectives it runs per call (the update's "
+        "branch taken):\n\n"
+        + markdown_table(head, memory)
+        + f"\n\n{z['workers'] - 1} timing worker process(es), one per timed variant (and one "
+        f"that compiles the others first), timed in turns over {z['rounds']} rounds in "
+        f"alternating order, {z['samples_per_round']} samples a turn; ratios are medians of "
+        'per-round ratios (in parentheses their range). `-`: `regather="window"` runs on '
+        "the fused path only, whose accumulator is among the temporaries. Load average "
+        f"(1 min): {_load(z)}."
+    )
+
+
 def gpu_section(g: dict[str, Any] | None) -> str:
     if g is None or g.get("tiny"):
         return (
@@ -378,10 +425,17 @@ def sections(r: dict[str, dict[str, Any]], out: Path, markdown: Path) -> dict[st
     for name, build in builders.items():
         if name in r:
             s[name] = build(r[name]) + "\n\n" + _figure(name, out, markdown)
+    if "zero3" in r:  # tables only
+        s["zero3"] = zero3_section(r["zero3"])
     if "comms" in r:
         s["ring"] = ring_section(r["comms"])
     s.setdefault(
         "loader", "Not measured yet: it runs only when named, `bin/jaxdp bench --only loader`."
+    )
+    s.setdefault(
+        "zero3",
+        "Not measured yet: it runs in the full run, not in --quick "
+        "(`bin/jaxdp bench --only zero3`).",
     )
     return s
 

@@ -37,7 +37,8 @@ def steppers(framework: str, jobs: list[dict[str, Any]]) -> dict[str, Callable[[
 
             sizes = {"num_devices": job["num_devices"], "accum_steps": job["accum_steps"]}
             if job["kind"] == "step":
-                zero = {k: job[k] for k in ("zero_stage", "comm_dtype", "memory") if k in job}
+                fields = ("zero_stage", "comm_dtype", "parallel", "memory")
+                zero = {k: job[k] for k in fields if k in job}
                 built[job["key"]] = side.jaxdp_stepper(bm, **sizes, **zero)
             elif job["kind"] == "hand-written":
                 built[job["key"]] = side.hand_written_stepper(bm, **sizes)

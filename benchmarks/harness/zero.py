@@ -117,27 +117,39 @@ def memory_facts(
     bm: BenchModel, step: Any, state: Any, batch: Any, mesh: Any, k: int, parallel: Any
 ) -> dict[str, Any]:
     """XLA's per-device figures for a timing worker's fused ``step`` (compiled here: the
-    calls that follow reuse the program), and its state's parts."""
+    calls that follow reuse the program), its state's parts, and the collectives the
+    compiled step runs per call (an update's branch counted as taken)."""
     import jax
     import numpy as np
 
     from jaxdp import make_train_step
     from jaxdp.plan import compiled_memory
+    from jaxdp.testing import collectives
 
     from ._common import optimizer
 
-    compiled = compiled_memory(step.compile(state, batch))
-    multi = make_train_step(
-        bm.loss, optimizer(), mesh=mesh, accum_steps=k, path="multisteps", parallel=parallel
-    ).init(bm.make())
+    program = step.compile(state, batch)
+    compiled = compiled_memory(program)
+    accumulator = None  # regather="window" is fused only: no multisteps state to weigh
+    if parallel.regather != "window":
+        multi = make_train_step(
+            bm.loss, optimizer(), mesh=mesh, accum_steps=k, path="multisteps", parallel=parallel
+        ).init(bm.make())
+        # The multisteps state carries the float32 gradient sums between calls (and a
+        # few scalars); the fused step's live inside it, as temporaries.
+        accumulator = _xla_bytes(multi) - _xla_bytes(state)
+    sent: dict[str, dict[str, float]] = {}
+    for c in collectives(program):
+        kind = sent.setdefault(c.kind, {"runs": 0, "ring_bytes": 0.0})
+        kind["runs"] += c.executions[1]
+        kind["ring_bytes"] += c.executions[1] * c.ring_bytes
     return {
         "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params)),
         "params_bytes": _xla_bytes(state.params),
         "opt_state_bytes": _xla_bytes(state.opt_state),
-        # The multisteps state carries the float32 gradient sums between calls (and a
-        # few scalars); the fused step's live inside it, as temporaries.
-        "accumulator_bytes": _xla_bytes(multi) - _xla_bytes(state),
+        "accumulator_bytes": accumulator,
         "step": dataclasses.asdict(compiled) | {"total": compiled.total},
+        "collectives": sent,
     }
 
 
