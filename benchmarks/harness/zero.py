@@ -84,6 +84,22 @@ def time_variants(
     jobs = _jobs(models, num_devices, k, one_worker=one_worker or local)
     kind = LocalWorker if local else Worker
     workers = {name: kind("jaxdp", js) for name, js in jobs.items()}
+    return time_in_turns(
+        workers, jobs, rounds=rounds, samples=samples, sample_seconds=sample_seconds
+    )
+
+
+def time_in_turns(
+    workers: dict[str, Any],
+    jobs: dict[str, list[dict[str, Any]]],
+    *,
+    rounds: int,
+    samples: int,
+    sample_seconds: float,
+) -> tuple[dict[str, list[float]], dict[str, dict[str, Any]]]:
+    """Each worker's jobs timed in turns, the workers' order reversed every other round:
+    per key, one figure per round (the median of its samples in that round), and the
+    workers' facts. The workers are closed at the end."""
     facts: dict[str, dict[str, Any]] = {}
     try:
         for worker in workers.values():

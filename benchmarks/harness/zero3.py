@@ -31,6 +31,7 @@ from typing import Any
 
 from ._common import BenchModel, load_average, median, standard_args, write_result
 from ._worker import Worker
+from .zero import time_in_turns
 
 NUM_DEVICES = 4  # HSDP 2 x 2 needs 4
 ACCUM_STEPS = (1, 4)  # the timed K
@@ -93,22 +94,11 @@ def measure(
     finally:
         compiler.close()
     jobs = {v: [_job(bm, v, n, k, memory_k) for k in ks] for v in TIMED}
-    workers = {v: Worker("jaxdp", js) for v, js in jobs.items()}
-    try:
-        for worker in workers.values():
-            facts |= worker.ready()
-        per_round: dict[str, list[float]] = {j["key"]: [] for js in jobs.values() for j in js}
-        for r in range(rounds):
-            for variant in TIMED if r % 2 == 0 else TIMED[::-1]:
-                for job in jobs[variant]:
-                    answer = workers[variant].time(
-                        job["key"], samples=samples, sample_seconds=sample_seconds, pause=True
-                    )
-                    per_round[job["key"]].append(median(answer["seconds"]))
-    finally:
-        for worker in workers.values():
-            worker.close()
-    return per_round, facts
+    workers = {v: Worker("jaxdp", js) for v, js in jobs.items()}  # in TIMED's order
+    per_round, timed = time_in_turns(
+        workers, jobs, rounds=rounds, samples=samples, sample_seconds=sample_seconds
+    )
+    return per_round, facts | timed
 
 
 def timing_rows(per_round: dict[str, list[float]], ks: Sequence[int]) -> list[dict[str, Any]]:
