@@ -27,10 +27,9 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from ._shards import compress, decompress
+from ._shards import packed_all_gather, packed_reduce_scatter
 
 Carry = TypeVar("Carry")
 
@@ -287,38 +286,9 @@ def _cast(xs: tuple[Any, ...], dtype: Any) -> tuple[Any, ...]:
 _gathered.defvjp(_gathered_forward, _gathered_backward)
 
 
-def _by_dtype(xs: tuple[Any, ...]) -> list[list[int]]:
-    dtypes = sorted({str(x.dtype) for x in xs})
-    return [[i for i, x in enumerate(xs) if str(x.dtype) == t] for t in dtypes]
-
-
 def _all_gather(dims: tuple[int, ...], how: Gather, blocks: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The whole leaves from every device's blocks, packed: one all-gather per dtype."""
-    out = list(blocks)
-    for group in _by_dtype(blocks):
-        flat = [jnp.moveaxis(blocks[i], dims[i], 0).reshape(-1) for i in group]
-        rows = jax.lax.all_gather(jnp.concatenate(flat), how.axis_name)  # [n, total]
-        bounds = np.cumsum([f.size for f in flat])[:-1]
-        for i, part in zip(group, jnp.split(rows, bounds, axis=1), strict=True):
-            moved = jnp.moveaxis(blocks[i], dims[i], 0).shape
-            whole = part.reshape(how.num_devices * moved[0], *moved[1:])
-            out[i] = jnp.moveaxis(whole, 0, dims[i])
-    return tuple(out)
+    return tuple(packed_all_gather(blocks, dims, how.axis_name, how.num_devices))
 
 
 def _reduce_scatter(dims: tuple[int, ...], how: Gather, wholes: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Each device's block of the sum of every device's ``wholes``, packed: one
-    reduce-scatter per dtype (the wire dtype as ``ShardPlan.reduce_scatter``'s)."""
-    n, out = how.num_devices, list(wholes)
-    for group in _by_dtype(wholes):
-        dtype = wholes[group[0]].dtype
-        rows = [jnp.moveaxis(wholes[i], dims[i], 0).reshape(n, -1) for i in group]
-        buffer = compress(jnp.concatenate(rows, axis=1), how.wire, n)
-        summed = jax.lax.psum_scatter(buffer, how.axis_name, scatter_dimension=0, tiled=False)
-        summed = decompress(summed, dtype, how.wire, n)
-        bounds = np.cumsum([r.shape[1] for r in rows])[:-1]
-        for i, part in zip(group, jnp.split(summed, bounds), strict=True):
-            moved = jnp.moveaxis(wholes[i], dims[i], 0).shape
-            block = part.reshape(moved[0] // n, *moved[1:])
-            out[i] = jnp.moveaxis(block, 0, dims[i])
-    return tuple(out)
+    return tuple(packed_reduce_scatter(wholes, dims, how.axis_name, how.num_devices, how.wire))

@@ -67,6 +67,45 @@ def decompress(x: jax.Array, dtype: Any, wire: Any, num_devices: int) -> jax.Arr
     return x.astype(dtype) * jnp.asarray(num_devices, dtype)
 
 
+def _by_dtype(xs: Any) -> list[list[int]]:
+    dtypes = sorted({str(x.dtype) for x in xs})
+    return [[i for i, x in enumerate(xs) if str(x.dtype) == t] for t in dtypes]
+
+
+def packed_all_gather(blocks: Any, dims: Any, axis_name: Any, num_devices: int) -> list[Any]:
+    """The whole leaves from every device's ``blocks`` (each split along ``dims[i]``),
+    packed: one all-gather per dtype."""
+    out = list(blocks)
+    for group in _by_dtype(blocks):
+        flat = [jnp.moveaxis(blocks[i], dims[i], 0).reshape(-1) for i in group]
+        rows = jax.lax.all_gather(jnp.concatenate(flat), axis_name)  # [n, total]
+        bounds = np.cumsum([f.size for f in flat])[:-1]
+        for i, part in zip(group, jnp.split(rows, bounds, axis=1), strict=True):
+            moved = jnp.moveaxis(blocks[i], dims[i], 0).shape
+            whole = part.reshape(num_devices * moved[0], *moved[1:])
+            out[i] = jnp.moveaxis(whole, 0, dims[i])
+    return out
+
+
+def packed_reduce_scatter(
+    wholes: Any, dims: Any, axis_name: Any, num_devices: int, wire: Any = None
+) -> list[Any]:
+    """Each device's block (along ``dims[i]``) of the sum of every device's ``wholes``,
+    packed: one reduce-scatter per dtype, in ``wire`` if given (:func:`compress`)."""
+    n, out = num_devices, list(wholes)
+    for group in _by_dtype(wholes):
+        dtype = wholes[group[0]].dtype
+        rows = [jnp.moveaxis(wholes[i], dims[i], 0).reshape(n, -1) for i in group]
+        buffer = compress(jnp.concatenate(rows, axis=1), wire, n)
+        summed = jax.lax.psum_scatter(buffer, axis_name, scatter_dimension=0, tiled=False)
+        summed = decompress(summed, dtype, wire, n)
+        bounds = np.cumsum([r.shape[1] for r in rows])[:-1]
+        for i, part in zip(group, jnp.split(summed, bounds), strict=True):
+            moved = jnp.moveaxis(wholes[i], dims[i], 0).shape
+            out[i] = jnp.moveaxis(part.reshape(moved[0] // n, *moved[1:]), 0, dims[i])
+    return out
+
+
 class ShardPlan:
     """Where the trainable leaves lie on a mesh: split along :func:`split_dim` at
     ZeRO stages 1 to 3, whole at stage 0.
@@ -151,24 +190,18 @@ class ShardPlan:
         gets its block of the global sum. Whole leaves come back as they were."""
         if not self.split:
             return tree
-        n, leaves = self.num_devices, self._split_leaves(tree)
+        leaves = self._split_leaves(tree)
         which = [i for i, d in enumerate(self.dims) if d is not None]
-        dtype = leaves[which[0]].dtype
-        rows = [jnp.moveaxis(leaves[i], self.dims[i], 0).reshape(n, -1) for i in which]
-        buffer = compress(jnp.concatenate(rows, axis=1), wire, n)
-        summed = jax.lax.psum_scatter(buffer, self.axis_name, scatter_dimension=0, tiled=False)
-        summed = decompress(summed, dtype, wire, n)
-        bounds = np.cumsum([r.shape[1] for r in rows])[:-1]
-        for i, part in zip(which, jnp.split(summed, bounds), strict=True):
-            leaves[i] = self._block(part, i)
+        blocks = packed_reduce_scatter(
+            [leaves[i] for i in which],
+            [self.dims[i] for i in which],
+            self.axis_name,
+            self.num_devices,
+            wire,
+        )
+        for i, block in zip(which, blocks, strict=True):
+            leaves[i] = block
         return self.treedef.unflatten(leaves)
-
-    def _block(self, flat: jax.Array, i: int) -> jax.Array:
-        """A split leaf's block from its packed row (the inverse of moving its split
-        dimension first and flattening)."""
-        shape, dim = list(self.shapes[i]), self.dims[i]
-        moved = [shape[dim] // self.num_devices, *shape[:dim], *shape[dim + 1 :]]
-        return jnp.moveaxis(flat.reshape(moved), 0, dim)
 
     # ---- on the logical arrays, outside the map ----------------------------------------
 
@@ -212,13 +245,12 @@ class ShardPlan:
     def _gather_blocks(self, leaves: list[Any]) -> list[Any]:
         out = list(leaves)
         which = [i for i, d in enumerate(self.dims) if d is not None]
-        for dtype in sorted({str(leaves[i].dtype) for i in which}):
-            group = [i for i in which if str(leaves[i].dtype) == dtype]
-            flat = [jnp.moveaxis(leaves[i], self.dims[i], 0).reshape(-1) for i in group]
-            rows = jax.lax.all_gather(jnp.concatenate(flat), self.axis_name)  # [n, total]
-            bounds = np.cumsum([f.size for f in flat])[:-1]
-            for i, part in zip(group, jnp.split(rows, bounds, axis=1), strict=True):
-                shape, dim = list(self.shapes[i]), self.dims[i]
-                moved = [shape[dim], *shape[:dim], *shape[dim + 1 :]]
-                out[i] = jnp.moveaxis(part.reshape(moved), 0, dim)
+        wholes = packed_all_gather(
+            [leaves[i] for i in which],
+            [self.dims[i] for i in which],
+            self.axis_name,
+            self.num_devices,
+        )
+        for i, whole in zip(which, wholes, strict=True):
+            out[i] = whole
         return out
