@@ -75,8 +75,9 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
     Outside a step, and at ZeRO stages 0 to 2, a plain ``jax.lax.scan``. Inside a
     ``Parallel(zero_stage=3)`` step, every split leaf of a layer is gathered in ONE
     collective inside the loop body, under ``jax.checkpoint`` with
-    ``nothing_saveable``: the backward gathers each layer again instead of keeping
-    the gathered weights, so the step's peak holds one layer's weights at a time; each
+    ``nothing_saveable`` (on any device count, also where nothing is split): the
+    backward gathers each layer again instead of keeping the gathered weights or
+    activations, so the step's peak holds one layer at a time; each
     layer's gradient is reduce-scattered inside the loop (docs/semantics.md, "ZeRO stage 3").
 
     Raises:
@@ -104,8 +105,12 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
             layer = nnx.merge(graphdef, layer)
         return fn(layer, carry), None
 
-    if any(d is not None for d in dims):
+    if scope is not None and scope.gather is not None:
         # Nothing saved: the backward gathers the layer again (the peak holds one layer).
+        # At every stage-3 step, also where no leaf is split (one device, leaves kept
+        # whole): the step's temporaries keep one shape, the closed form of
+        # docs/scaling-out.md; without it a 1-device GPT-2 step held 5.6x the temporaries
+        # (BENCHMARKS.md, "The layer loop's price on a GPU").
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     return jax.lax.scan(body, carry, leaves)[0]
 

@@ -17,6 +17,14 @@ the collectives inside and outside their bodies); the scanned step's optimized H
 written beside the results. On one device the gathers move nothing (XLA may drop them):
 this measures the loop and the remat, not the wire.
 
+The same model through jaxdp's own step (``jaxdp.make_train_step``, fused, K=1), two more
+ways: ``jaxdp_stage3`` (``Parallel(zero_stage=3)``, the blocks looped over by
+:func:`jaxdp.scan_layers`: what stage 3 runs, its gather ``custom_vjp`` and remat) and
+``jaxdp_stage0`` (stage 0, the blocks in a Python loop, no remat), and
+``jaxdp_stage0_scanned`` (stage 0 through :func:`jaxdp.scan_layers`: a plain
+``lax.scan``, no remat). Stage 3's optimized HLO is written as
+``scan_layers_jaxdp_stage3.hlo.txt``.
+
     python benchmarks/studies/scan_layers.py --out DIR            # both variants
     python benchmarks/studies/scan_layers.py --out DIR --tiny     # toy sizes, any machine
 """
@@ -37,6 +45,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the checkout, for benchmarks.harness.gpu's configs
 
 from benchmarks.harness.gpu import GPT2_SMALL, TINY, GPTConfig  # noqa: E402
+
+# Each in a process of its own; the ratios' (numerator, denominator).
+VARIANTS = ("unrolled", "scanned", "jaxdp_stage0", "jaxdp_stage0_scanned", "jaxdp_stage3")
+RATIOS = {
+    "scanned_over_unrolled": ("scanned", "unrolled"),
+    "jaxdp_stage3_over_stage0": ("jaxdp_stage3", "jaxdp_stage0"),
+    "jaxdp_stage3_over_scanned": ("jaxdp_stage3", "scanned"),
+    "jaxdp_stage0_scanned_over_stage0": ("jaxdp_stage0_scanned", "jaxdp_stage0"),
+}
 
 
 def init(cfg: GPTConfig, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -162,6 +179,36 @@ def make_step(cfg: GPTConfig, variant: str, mesh: Any) -> Any:
     return build
 
 
+def make_jaxdp_step(cfg: GPTConfig, variant: str, mesh: Any) -> Any:
+    """jaxdp's fused step (K=1) for the same model: stage 3 with :func:`jaxdp.scan_layers`,
+    or stage 0 with the blocks unrolled; params ``{"root": ..., "layers": ...}``."""
+    import jax.numpy as jnp
+    import optax
+
+    import jaxdp
+
+    def loss(params: Any, batch: Any) -> Any:
+        tokens, targets = batch
+        root, layers = params["root"], params["layers"]
+        x = (root["wte"][tokens] + root["wpe"][: tokens.shape[1]]).astype(jnp.bfloat16)
+        if variant in ("jaxdp_stage3", "jaxdp_stage0_scanned"):
+            x = jaxdp.scan_layers(lambda layer, x: block(layer, x, cfg.n_head), layers, x)
+        else:
+            for i in range(cfg.n_layer):
+                x = block({k: a[i] for k, a in layers.items()}, x, cfg.n_head)
+        x = _layer_norm(x, root["lnf_scale"], root["lnf_bias"])
+        logits = (x @ root["wte"].astype(jnp.bfloat16).T).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    stage = 3 if variant == "jaxdp_stage3" else 0
+    return jaxdp.make_train_step(
+        loss,
+        optax.adamw(3e-4, weight_decay=0.1),
+        mesh=mesh,
+        parallel=jaxdp.Parallel(zero_stage=stage),
+    )
+
+
 def _program(text: str) -> dict[str, Any]:
     """While loops and collectives in an optimized HLO module, inside and outside loop bodies."""
     computations = re.split(r"\n(?=\S[^\n]*\{\n)", text)
@@ -189,18 +236,36 @@ def run_variant(
     from jaxdp import data_mesh
 
     mesh = data_mesh(1)
-    build = make_step(cfg, variant, mesh)
-    params = init(cfg)
-    step, opt_state = build(params)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, size=(rows, cfg.block_size + 1)).astype(np.int32)
-    x, y = jax.device_put(tokens[:, :-1]), jax.device_put(tokens[:, 1:])
     started = time.perf_counter()
-    compiled = step.lower(params, opt_state, x, y).compile()
+    if variant.startswith("jaxdp"):
+        train_step = make_jaxdp_step(cfg, variant, mesh)
+        root, layers = init(cfg)
+        state = train_step.init({"root": root, "layers": layers})
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        compiled = train_step.compile(state, batch)
+        box: list[Any] = [state]
+
+        def once() -> Any:
+            box[0], metrics = train_step(box[0], batch)
+            return metrics["loss"]
+
+    else:
+        step, opt_state = make_step(cfg, variant, mesh)(init(cfg))
+        x, y = jax.device_put(tokens[:, :-1]), jax.device_put(tokens[:, 1:])
+        params = init(cfg)
+        compiled = step.lower(params, opt_state, x, y).compile()
+        box = [params, opt_state]
+
+        def once() -> Any:
+            box[0], box[1], value = compiled(box[0], box[1], x, y)
+            return value
+
     compile_s = time.perf_counter() - started
     text = compiled.as_text()
-    if variant == "scanned":
-        (out / "scan_layers_scanned.hlo.txt").write_text(text)
+    if variant in ("scanned", "jaxdp_stage3"):
+        (out / f"scan_layers_{variant}.hlo.txt").write_text(text)
     m = compiled.memory_analysis()
     analysis = {
         k: int(getattr(m, k))
@@ -212,12 +277,6 @@ def run_variant(
         )
         if m is not None and hasattr(m, k)
     }
-    box = [params, opt_state]
-
-    def once() -> Any:
-        box[0], box[1], value = compiled(box[0], box[1], x, y)
-        return value
-
     for _ in range(3):
         jax.block_until_ready(once())
     samples = []
@@ -246,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tiny", action="store_true", help="toy sizes on any device: a check only")
-    p.add_argument("--variant", choices=["scanned", "unrolled"], help="one, in this process")
+    p.add_argument("--variant", choices=VARIANTS, help="one, in this process")
     p.add_argument("--rows", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--timeout-s", type=float, default=None)
     args = p.parse_args(argv)
@@ -262,21 +321,22 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     results = {}
-    for variant in ("unrolled", "scanned"):  # each in a fresh process: its own allocator peak
+    for variant in VARIANTS:  # each in a fresh process: its own allocator peak
         argv = [sys.executable, __file__, "--out", str(args.out), "--variant", variant]
         argv += ["--rows", str(args.rows)] + ["--tiny"] * args.tiny
         subprocess.run(argv, check=True, timeout=args.timeout_s)
         path = args.out / f"scan_layers_{variant}.json"
         results[variant] = json.loads(path.read_text())
         path.unlink()
-    s, u = results["scanned"], results["unrolled"]
-    results["scanned_over_unrolled"] = {
-        "step_time": s["step_seconds"] / u["step_seconds"],
-        "temp_bytes": s["memory_analysis"].get("temp_size_in_bytes", 0)
-        / max(u["memory_analysis"].get("temp_size_in_bytes", 1), 1),
-    }
+    for name, (over, under) in RATIOS.items():
+        s, u = results[over], results[under]
+        results[name] = {
+            "step_time": s["step_seconds"] / u["step_seconds"],
+            "temp_bytes": s["memory_analysis"].get("temp_size_in_bytes", 0)
+            / max(u["memory_analysis"].get("temp_size_in_bytes", 1), 1),
+        }
     (args.out / "scan_layers.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(json.dumps(results["scanned_over_unrolled"]))
+    print(json.dumps({name: results[name] for name in RATIOS}))
     return 0
 
 
