@@ -99,3 +99,66 @@ def test_step_counts_must_agree():
     short = Trajectory([{"w": np.ones(1)}], [0.0])
     with pytest.raises(ValueError, match="jaxdp made 2 optimizer steps, torch_ref 1"):
         compare(config, run, short)
+
+
+@pytest.mark.parametrize(
+    ("flags", "parallel", "torch_side", "header"),
+    [
+        (["--zero-stage", "3"], (3, None), (False, True, None), "zero_stage=3 vs torch_ref FSDP2"),
+        (
+            ["--zero-stage", "3", "--shards", "2"],
+            (3, 2),
+            (False, True, 2),
+            "zero_stage=3, shards=2 vs torch_ref HSDP (2 x 2)",
+        ),
+        (
+            ["--zero-stage", "2"],
+            (2, None),
+            (True, False, None),
+            "zero_stage=2 vs torch_ref DDP + ZeroRedundancyOptimizer",
+        ),
+    ],
+)
+def test_zero_stage_and_shards_choose_both_sides(
+    flags, parallel, torch_side, header, monkeypatch, capsys
+):
+    """``--zero-stage``/``--shards`` set jaxdp's Parallel and torch_ref's counterpart from
+    one ParityConfig (stage 3: FSDP2; with shards: HSDP; 1 and 2: ZeroRedundancyOptimizer),
+    and the report's first line names both. The trajectories' equality on every cell of
+    the grid is parity_tests/test_parity_fsdp.py's and test_parity_zero.py's; here the
+    command's wiring, without training."""
+    from jaxdp.parity._runner import torch_config, with_groups
+
+    seen = []
+
+    def recorded(config):
+        seen.append(config)
+        n = config.steps
+        empty = Trajectory([{"w": np.zeros(1)}] * n, [0.0] * n)
+        return compare(config, empty, empty, rtol=1e-10)
+
+    monkeypatch.setattr("jaxdp.parity.run_parity", recorded)
+    monkeypatch.setattr("jaxdp._mesh.emulate_cpu_devices", lambda num_devices: None)
+    argv = ["parity", "--model", "stack", "--num-devices", "4", "--steps", "1", *flags]
+    assert main(argv) == 0
+    (config,) = seen
+    step_parallel = with_groups(
+        {}, strategy=config.strategy, zero_stage=config.zero_stage, shards=config.shards
+    )["parallel"]
+    assert (step_parallel.zero_stage, step_parallel.shards) == parallel
+    ours = torch_config(config)
+    assert (ours.zero, ours.fsdp, ours.shards) == torch_side
+    assert f"jaxdp fused/shard_map {header};" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_zero_stage_flags_are_checked_before_either_side_trains(monkeypatch, capsys):
+    monkeypatch.setattr("jaxdp.parity.run_parity", lambda config: pytest.fail("it trained"))
+    monkeypatch.setattr("jaxdp._mesh.emulate_cpu_devices", lambda num_devices: None)
+    for flags, said in [
+        (["--zero-stage", "2", "--shards", "2"], "shards=2 needs zero_stage=3"),
+        (["--zero-stage", "3", "--shards", "3"], "shards=3 must divide num_devices=4"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["parity", "--model", "stack", "--num-devices", "4", *flags])
+        assert exit_.value.code == 2
+        assert f"jaxdp parity: error: {said}" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from ..models import MODELS
 from ..parity import OPTIMIZERS, RTOL, ParityConfig
 
 # Flags that only a reference model (--model) or only a user's models take.
-REFERENCE_ONLY = ("num_samples", "sync_batchnorm")
+REFERENCE_ONLY = ("num_samples", "sync_batchnorm", "zero_stage", "shards")
 PORT_ONLY = ("loss", "mapping", "jax_optimizer", "locate")
 
 
@@ -117,6 +117,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="cnn_bn: SyncBatchNorm in torch_ref, batch_stats='sync' in jaxdp (default: DDP's "
         "per-rank statistics with broadcast_buffers=True, batch_stats='local')",
+    )
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        default=None,
+        help="--model: jaxdp's Parallel(zero_stage=...) against torch's counterpart: 1 and 2 "
+        "ZeroRedundancyOptimizer on DDP, 3 FSDP2 (fully_shard per block, then the root) "
+        "(default: 0, DDP)",
+    )
+    p.add_argument(
+        "--shards",
+        type=int,
+        metavar="S",
+        default=None,
+        help="--model with --zero-stage 3: HSDP, parameters split over groups of S devices, "
+        "num-devices / S replica groups (torch: a (replicate, shard) device mesh) (default: "
+        "every device, FSDP)",
     )
     p.add_argument(
         "--plot",
@@ -222,10 +240,16 @@ def _run_parity_command(args: argparse.Namespace) -> int:
 
 def _compare_reference(args: argparse.Namespace) -> Any:
     from ..parity import run_parity
+    from ..parity._runner import check_config
 
     fields = {f.name for f in dataclasses.fields(ParityConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    return run_parity(ParityConfig(**{"model": "mlp", **given}))
+    config = ParityConfig(**{"model": "mlp", **given})
+    try:
+        check_config(config)  # before either side trains
+    except ValueError as e:
+        _error(str(e))
+    return run_parity(config)
 
 
 def _compare_ports(args: argparse.Namespace) -> Any:

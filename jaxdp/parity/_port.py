@@ -94,7 +94,12 @@ class Port:
             frozen = self.weights.frozen
             core_name = self.weights.framework.core_name
             kwargs["trainable"] = lambda path, value: core_name(".".join(path)) not in frozen
-        return with_groups({**kwargs, **self.step_options}, strategy=self.config.strategy)
+        return with_groups(
+            {**kwargs, **self.step_options},
+            strategy=self.config.strategy,
+            zero_stage=self.config.zero_stage,
+            shards=self.config.shards,
+        )
 
 
 def prepare(

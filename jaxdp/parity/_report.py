@@ -13,13 +13,30 @@ MAX_GROUPS = 8
 PLOT_FLOOR = 1e-18
 
 
+def _stage(c: Any) -> str:
+    if c.zero_stage == 0:
+        return ""
+    groups = f", shards={c.shards}" if c.shards not in (None, c.num_devices) else ""
+    return f" zero_stage={c.zero_stage}{groups}"
+
+
+def _torch_side(c: Any) -> str:
+    """The torch counterpart ParityConfig.zero_stage and shards choose (torch_config)."""
+    if c.zero_stage == 3:
+        if c.shards not in (None, c.num_devices):
+            return f"HSDP ({c.num_devices // c.shards} x {c.shards})"
+        return "FSDP2"
+    ddp = "DDP" if c.num_devices > 1 else "GA"
+    return f"{ddp} + ZeroRedundancyOptimizer" if c.zero_stage else ddp
+
+
 def format_parity(report: ParityReport) -> str:
     """A readable table: per step the worst parameter, then every parameter at its worst,
     then every step per parameter group, and the divergence locator's finding if it ran."""
     c = report.config
     lines = [
         f"parity: {c.model}, {_optimizer_name(c.optimizer)}, {c.dtype}, jaxdp "
-        f"{c.path}/{c.strategy} vs torch_ref {'DDP' if c.num_devices > 1 else 'GA'}; "
+        f"{c.path}/{c.strategy}{_stage(c)} vs torch_ref {_torch_side(c)}; "
         f"batch {sizes_of(c).describe()}",
         f"tolerance: |jaxdp - torch| <= {report.atol:g} + {report.rtol:g} * |torch|",
         "",

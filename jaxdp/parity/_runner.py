@@ -72,6 +72,10 @@ class ParityConfig:
     seed: int = 0  # weights and data; the sampler uses seed + epoch
     sync_batchnorm: bool = False  # cnn_bn: SyncBatchNorm / batch_stats="sync" (else DDP's)
     torch_device: Literal["cpu", "cuda"] = "cpu"  # cuda: nccl, one GPU per rank, TF32 off
+    # jaxdp's Parallel(zero_stage=..., shards=...) against its torch counterpart: stages 1
+    # and 2 ZeroRedundancyOptimizer on DDP, stage 3 FSDP2 (shards < num_devices: HSDP).
+    zero_stage: int = 0
+    shards: int | None = None
 
 
 @dataclasses.dataclass
@@ -127,6 +131,10 @@ def torch_config(config: ParityConfig, **overrides: Any) -> Any:
         sync_batchnorm=config.sync_batchnorm,
         find_unused_parameters=config.model in UNUSED_BRANCH,
     )
+    if config.zero_stage in (1, 2):
+        fields["zero"] = True
+    elif config.zero_stage == 3:
+        fields.update(fsdp=True, shards=config.shards)
     return torch_ref.TrainConfig(**{**fields, **overrides})
 
 
@@ -200,7 +208,13 @@ def _run_jaxdp(
         batch_stats=batch_stats,
         trainable=TRAINABLE.get(config.model),
         # torch's optimizers skip the parameters DDP leaves without a gradient.
-        **with_groups(options, strategy=config.strategy, unused=config.model in UNUSED_BRANCH),
+        **with_groups(
+            options,
+            strategy=config.strategy,
+            unused=config.model in UNUSED_BRANCH,
+            zero_stage=config.zero_stage,
+            shards=config.shards,
+        ),
     )
     # torch_ref's models are nn.Linear and nn.Conv layers: [out, in, *k].
     state = step.init(torch_to_params(initial, model, layouts="out_in"))
@@ -212,14 +226,20 @@ def _run_jaxdp(
 
 
 def with_groups(
-    options: dict[str, Any], *, strategy: Strategy, unused: bool | None = None
+    options: dict[str, Any],
+    *,
+    strategy: Strategy,
+    unused: bool | None = None,
+    zero_stage: int = 0,
+    shards: int | None = None,
 ) -> dict[str, Any]:
     """:func:`jaxdp.make_train_step`'s keywords: ``options`` with the option groups the
-    comparison implies where they give none, ``Parallel(strategy=strategy)`` and (if
-    ``unused`` is set) ``Skips(unused=unused)``. A group given is taken whole."""
+    comparison implies where they give none, ``Parallel(strategy=strategy,
+    zero_stage=zero_stage, shards=shards)`` and (if ``unused`` is set)
+    ``Skips(unused=unused)``. A group given is taken whole."""
     out = dict(options)
     if out.get("parallel") is None:
-        out["parallel"] = Parallel(strategy=strategy)
+        out["parallel"] = Parallel(strategy=strategy, zero_stage=zero_stage, shards=shards)
     if unused is not None and out.get("skips") is None:
         out["skips"] = Skips(unused=unused)
     return out
@@ -352,6 +372,18 @@ def check_config(config: ParityConfig) -> None:
     if config.sync_batchnorm and config.model != "cnn_bn":
         raise ValueError(
             f"sync_batchnorm=True needs a model with BatchNorm (cnn_bn), got {config.model!r}"
+        )
+    if config.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={config.zero_stage!r} must be 0, 1, 2 or 3")
+    if config.shards is not None and config.zero_stage != 3:
+        raise ValueError(
+            f"shards={config.shards} needs zero_stage=3 (HSDP: parameters split within "
+            f"groups of shards devices), got zero_stage={config.zero_stage}"
+        )
+    if config.shards is not None and (config.shards < 1 or config.num_devices % config.shards):
+        raise ValueError(
+            f"shards={config.shards} must divide num_devices={config.num_devices} "
+            "(num_devices // shards replica groups of shards devices)"
         )
     if config.dtype == "float64" and not jax.config.jax_enable_x64:
         raise ValueError("dtype='float64' needs jax_enable_x64 (set it before creating arrays)")
