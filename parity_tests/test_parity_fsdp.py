@@ -1,12 +1,13 @@
 """Issue 32, item 7 (the JAX side): jaxdp on ``stack`` (its 3 blocks ONE ``nnx.vmap``
-module, run by ``jaxdp.scan_layers``) against torch_ref's FSDP2 runs, after every
-optimizer step, at ZeRO stage 0 and 3; and torch's ``nn.ModuleList`` <-> the stacked
-leaves (``torch_to_params`` / ``params_to_torch``).
+module, run by ``jaxdp.scan_layers``) against torch_ref's FSDP2 and HSDP runs, after every
+optimizer step: ZeRO stage 3 on the whole grid ({FSDP 1 x 2, FSDP 1 x 4, HSDP 2 x 2} x K in
+{1, 3} x {fused, multisteps}, 12 cells) and stage 0 on one cell; and torch's
+``nn.ModuleList`` <-> the stacked leaves (``torch_to_params`` / ``params_to_torch``).
 
 The torch runs are test_torch_ref_fsdp.py's (its ``torch_jobs``, imported, so the test
-run's shared batch makes them once for both files): FSDP2 on 2 and 4 gloo ranks and
-their DDP twins, and HSDP on a 2 x 2 mesh, float64, AdamW with decay and a clip that
-acts, 3 steps.
+run's shared batch makes them once for both files): FSDP2 on 2 and 4 gloo ranks and HSDP
+on a 2 x 2 mesh, each at K = 1 and 3, and their DDP twins, float64, AdamW with decay and a
+clip that acts, 3 steps.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from test_torch_ref_fsdp import MICRO_BATCH_SIZE, MODEL, NUM_SAMPLES, OPTIMIZER, STEPS
+from test_torch_ref_fsdp import (
+    MICRO_BATCH_SIZE,
+    MODEL,
+    NUM_SAMPLES,
+    OPTIMIZER,
+    SHARDED,
+    STEPS,
+)
 from test_torch_ref_fsdp import torch_jobs as torch_jobs  # the batch's runs, shared
 
 import jaxdp
@@ -41,17 +49,19 @@ from jaxdp.parity import (
 # The issue's bound. Both sides compute in float64; they differ in how sums are grouped
 # (FSDP2's reduce-scatter per block and the clip's norm from shards, DDP's buckets, XLA's
 # reductions and jaxdp's gathers per layer) and in AdamW's reassociated formulas: a few
-# float64 roundings per step, compounding over 3 steps. Observed: at most 2.7e-14 of a
-# tensor's largest element (N = 2, K = 1, both stages), 3e-16 relative on the losses.
+# float64 roundings per step, compounding over 3 steps. Observed over the 13 cells: at most
+# 2.7e-14 of a tensor's largest element (FSDP N = 2, K = 1: both stages and paths; the other
+# layouts and K 9.5e-16 to 2.5e-15), 3e-16 relative on the losses.
 PARITY_RTOL = 1e-10
 
-# (num_devices, accum_steps, path): stage 3 on FSDP 1 x 2 at K = 1 and 3 and FSDP 1 x 4 at
-# K = 3, the paths alternating (HSDP below: 2 x 2 at K = 1 fused and K = 3 multisteps), so
-# every N, K and path meets stage 3; stage 0 on one cell, against FSDP2 and DDP: the port
+# The grid, every cell at stage 3 against torch's run of its layout and K (one torch run
+# serves both paths): FSDP 1 x N for N in {2, 4} and HSDP 2 x 2 (below), each at K in {1, 3}
+# on the fused and the multisteps path. Stage 0 on one cell, against FSDP2 and DDP: the port
 # and the ModuleList conversion, apart from stage 3.
-STAGE_0 = [(2, 1, "fused")]
-STAGE_3 = [(2, 1, "multisteps"), (2, 3, "fused"), (4, 3, "multisteps")]
-CELLS = [(*cell, 0) for cell in STAGE_0] + [(*cell, 3) for cell in STAGE_3]
+PATHS = ["fused", "multisteps"]
+FSDP = [(n, k, path) for n in (2, 4) for k in (1, 3) for path in PATHS]
+HSDP = [(4, k, path) for k in (1, 3) for path in PATHS]
+CELLS = [(2, 1, "fused", 0)] + [(*cell, 3) for cell in FSDP]
 
 
 def parity_config(num_devices: int, accum_steps: int, path: str) -> ParityConfig:
@@ -95,17 +105,14 @@ def test_stack_trains_as_torch_fsdp2(runs, num_devices, accum_steps, path, stage
         assert report.passed, f"{key}\n" + format_parity(report)
 
 
-# HSDP, 2 replicas x 2 shards (torch: a (replicate, shard) device mesh; jaxdp:
-# Parallel(zero_stage=3, shards=2)), at K = 1 and 3, the paths alternating.
-HSDP = [(4, 1, "fused"), (4, 3, "multisteps")]
-
-
 @pytest.mark.parametrize(
     ("num_devices", "accum_steps", "path"),
     HSDP,
     ids=[f"hsdp-n{n}-k{k}-{path}-stage3" for n, k, path in HSDP],
 )
 def test_stack_trains_as_torch_hsdp(runs, num_devices, accum_steps, path):
+    # 2 replicas x 2 shards: torch's (replicate, shard) device mesh, jaxdp's
+    # Parallel(zero_stage=3, shards=2).
     config = parity_config(num_devices, accum_steps, path)
     hsdp = ("hsdp", num_devices, accum_steps)
     torch_run, data, initial = torch_jobs()[hsdp]
@@ -117,6 +124,15 @@ def test_stack_trains_as_torch_hsdp(runs, num_devices, accum_steps, path):
     theirs = Trajectory(runs[hsdp].states, list(runs[hsdp].losses))
     report = compare(config, ours, theirs, rtol=PARITY_RTOL)
     assert report.passed, f"{hsdp}\n" + format_parity(report)
+
+
+def test_the_grid_is_every_torch_run_on_both_paths():
+    # Stage 3 meets every sharded torch run (layout, N, K) on the fused and the multisteps
+    # path, and the torch file makes no run that no cell reads.
+    grid = [("fsdp", n, k, path) for n, k, path, stage in CELLS if stage == 3]
+    grid += [("hsdp", n, k, path) for n, k, path in HSDP]
+    assert sorted(grid) == sorted((*key, path) for key in SHARDED for path in PATHS)
+    assert len(set(grid)) == 12
 
 
 # ---- nn.ModuleList <-> stacked leaves --------------------------------------------------
