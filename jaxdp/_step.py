@@ -126,7 +126,9 @@ class TrainStep:
         if o.batch_stats is not None and graphdef is None:
             raise ValueError("batch_stats needs an NNX module with BatchNorm, got a pytree")
         mask = check_params(params, o.trainable)
-        replicated = NamedSharding(o.mesh, P())
+        # On the mesh the step runs on (HSDP's two axes), as its outputs come back:
+        # placed on the data mesh, the second call would compile the step again.
+        replicated = NamedSharding(o.device_mesh, P())
         params = place(params, replicated, copy=o.donate)
         model_state = place(model_state, replicated, copy=o.donate)
         check_replicas(params, o.mesh, name="params")

@@ -31,7 +31,6 @@ from test_torch_ref_fsdp import (
 )
 from test_torch_ref_fsdp import torch_jobs as torch_jobs  # the batch's runs, shared
 
-import jaxdp
 import torch_ref as tr
 from jaxdp.models import build_model
 from jaxdp.parity import (
@@ -64,9 +63,15 @@ HSDP = [(4, k, path) for k in (1, 3) for path in PATHS]
 CELLS = [(2, 1, "fused", 0)] + [(*cell, 3) for cell in FSDP]
 
 
-def parity_config(num_devices: int, accum_steps: int, path: str) -> ParityConfig:
+def parity_config(
+    num_devices: int, accum_steps: int, path: str, stage: int = 3, shards: int | None = None
+) -> ParityConfig:
+    """The cell as `jaxdp parity --model stack --zero-stage STAGE [--shards S]` runs it:
+    ParityConfig's zero_stage and shards choose both jaxdp's Parallel and torch's run."""
     return ParityConfig(
         model=MODEL,
+        zero_stage=stage,
+        shards=shards,
         optimizer=OptimizerSpec(**dataclasses.asdict(OPTIMIZER)),
         num_devices=num_devices,
         accum_steps=accum_steps,
@@ -89,15 +94,16 @@ def runs(torch_batch):
     ids=[f"fsdp-n{n}-k{k}-{path}-stage{stage}" for n, k, path, stage in CELLS],
 )
 def test_stack_trains_as_torch_fsdp2(runs, num_devices, accum_steps, path, stage):
-    config = parity_config(num_devices, accum_steps, path)
+    config = parity_config(num_devices, accum_steps, path, stage)
     fsdp = ("fsdp", num_devices, accum_steps)
     torch_run, data, initial = torch_jobs()[fsdp]
-    # The torch run trains what this config describes (model, data, order, optimizer).
-    assert torch_config(config, fsdp=True) == torch_run
+    # The torch run trains what this config describes (model, data, order, optimizer; at
+    # stage 3 FSDP2 by the config itself), and jaxdp the stage it names.
+    assert torch_config(config, **({} if stage == 3 else {"fsdp": True})) == torch_run
     with warnings.catch_warnings():
         # At stage 3 the blocks reach scan_layers split, to be gathered a layer at a time.
         warnings.filterwarnings("error", message=r"Parallel\(zero_stage=3\)")
-        ours = run_jaxdp(config, data, initial, parallel=jaxdp.Parallel(zero_stage=stage))
+        ours = run_jaxdp(config, data, initial)
     # Stage 0 is DDP's arithmetic: against torch's DDP twin too.
     for key in [fsdp, ("ddp", num_devices, accum_steps)][: 2 if stage == 0 else 1]:
         theirs = Trajectory(runs[key].states, list(runs[key].losses))
@@ -113,14 +119,13 @@ def test_stack_trains_as_torch_fsdp2(runs, num_devices, accum_steps, path, stage
 def test_stack_trains_as_torch_hsdp(runs, num_devices, accum_steps, path):
     # 2 replicas x 2 shards: torch's (replicate, shard) device mesh, jaxdp's
     # Parallel(zero_stage=3, shards=2).
-    config = parity_config(num_devices, accum_steps, path)
+    config = parity_config(num_devices, accum_steps, path, shards=2)
     hsdp = ("hsdp", num_devices, accum_steps)
     torch_run, data, initial = torch_jobs()[hsdp]
-    assert torch_config(config, fsdp=True, shards=2) == torch_run
+    assert torch_config(config) == torch_run
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=r"Parallel\(zero_stage=3\)")
-        parallel = jaxdp.Parallel(zero_stage=3, shards=2)
-        ours = run_jaxdp(config, data, initial, parallel=parallel)
+        ours = run_jaxdp(config, data, initial)
     theirs = Trajectory(runs[hsdp].states, list(runs[hsdp].losses))
     report = compare(config, ours, theirs, rtol=PARITY_RTOL)
     assert report.passed, f"{hsdp}\n" + format_parity(report)
