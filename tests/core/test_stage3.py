@@ -297,7 +297,7 @@ def test_resident_bytes_are_a_quarter_and_the_peak_holds_one_layer():
     (a layer's gradient block, 131,584, and its carry); 6 layers unscanned hold
     6,452,272 bytes of temporaries (every gathered layer of 526,336 and its gradient)."""
     width, rows = 256, 4  # per device: a layer's weights 514 KiB, the carry 8 KiB
-    stage_0, stage_3 = shared_memory(0, 4, 2, width, 16), shared_memory(3, 4, 2, width, 16)
+    stage_0, stage_3 = (shared_memory(stage, 4, 2, width, 4 * rows) for stage in (0, 3))
     params = stacked_params(layers=2, width=width)
     whole = 8 * (params["head"]["w"].size + params["head"]["b"].size)
     batch = 8 * rows * (IN + OUT)
@@ -305,12 +305,12 @@ def test_resident_bytes_are_a_quarter_and_the_peak_holds_one_layer():
     # whole on every device, the step counters (64 bytes at most) and the batch rows.
     assert stage_3.arguments <= (stage_0.arguments - batch) / 4 + 3 * whole + 64 + batch
     layer, carry = 8 * (width * width + width), 8 * rows * width
-    growth = (shared_memory(3, 4, 6, width, 16).temporaries - stage_3.temporaries) / 4
+    growth = (shared_memory(3, 4, 6, width, 4 * rows).temporaries - stage_3.temporaries) / 4
     # Per added layer: its gradient block (the accumulator's quarter) and its saved
     # carry, never its gathered weights: the loop holds one layer at a time.
     assert growth <= layer / 4 + 4 * carry < layer / 2
     with pytest.warns(UserWarning, match="peak memory is not reduced"):
-        unscanned = memory(3, 4, 6, width, 16, unscanned_loss).temporaries
+        unscanned = memory(3, 4, 6, width, 4 * rows, unscanned_loss).temporaries
     assert unscanned >= 6 * layer  # without scan_layers: every layer's weights at once
 
 
