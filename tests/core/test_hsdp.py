@@ -10,10 +10,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from models import train
-from test_stage3 import LAYERS, assert_same_training, batches, loss, optimizer, stacked_params
+from test_stage3 import (
+    LAYERS,
+    assert_same_training,
+    batches,
+    loss,
+    optimizer,
+    reference,
+    stacked_params,
+    trained,
+)
 
 import jaxdp
 from jaxdp._options import StepOptions
+
+# test_stage3.py's cached reference runs and these: one worker runs them all.
+pytestmark = pytest.mark.xdist_group("stage3")
 
 SHARD_GROUPS = {frozenset({0, 1}), frozenset({2, 3})}  # 2 x 2: devices r * 2 + s
 REPLICA_GROUPS = {frozenset({0, 2}), frozenset({1, 3})}
@@ -31,18 +43,17 @@ def make(num_devices=4, accum_steps=3, path="fused", loss_fn=loss, **parallel):
     )
 
 
-@functools.cache  # the reference of several tests, trained once
-def stage_0(loss_fn=loss):
-    return train(make(loss_fn=loss_fn, zero_stage=0), stacked_params(), batches())
+@functools.cache  # the 2 x 2 step and its run (K=3), for the tests that read them
+def hsdp(path):
+    step = make(path=path, shards=2)
+    return step, train(step, stacked_params(), batches())
 
 
 @pytest.mark.parametrize("path", ["fused", "multisteps"])
 def test_hsdp_2x2_trains_as_stage_0(path):
-    # Against fused stage 0 on both paths (the paths' equality is test_equivalence.py's):
+    # Against stage 0's big batch on both paths (the paths' equality is test_equivalence.py's):
     # one reference compiled, the multisteps calls that end a window compared.
-    state, history = train(make(path=path, shards=2), stacked_params(), batches())
-    emitted = [m for m in history if m.get("emitted", True)]
-    assert_same_training((state, emitted), stage_0())
+    assert_same_training(hsdp(path)[1], reference())
 
 
 def collectives_with_groups(compiled):
@@ -82,11 +93,12 @@ def test_reduce_scatters_stay_in_shard_groups_and_replicas_all_reduce_once(path)
     micro-batch loop (fused) or in every call (multisteps); the blocks' all-reduce
     across the replica groups runs once per step, after the loop (multisteps: only in
     the branch that ends the window) and carries one device's blocks."""
-    step = make(path=path, shards=2)
+    step, (state, _) = hsdp(path)
     batch = batches()[0]
     if path == "multisteps":
         batch = jax.tree.map(lambda x: x[:8], batch)  # one call: one micro-batch per device
-    found = collectives_with_groups(step.compile(step.init(stacked_params()), batch))
+    compiled = step.compile(state, batch)  # the program the run ran
+    found = collectives_with_groups(compiled)
     report = jaxdp.testing.format_report([c for c, _ in found])
     moving = [(c, g) for c, g in found if c.kind != "all-reduce"]
     assert {c.kind for c, _ in moving} == {"all-gather", "reduce-scatter"}, report
@@ -104,7 +116,7 @@ def test_reduce_scatters_stay_in_shard_groups_and_replicas_all_reduce_once(path)
     else:  # inside the window's end only: a call that does not end it all-reduces nothing
         assert c.executions == (0, 1) and c.context[0].startswith("conditional"), report
         jaxdp.testing.assert_collectives(
-            step.compile(step.init(stacked_params()), batch),
+            compiled,
             all_reduce=0,
             reduce_scatter=1 + LAYERS,
             all_gather=1 + 2 * LAYERS,
@@ -113,8 +125,7 @@ def test_reduce_scatters_stay_in_shard_groups_and_replicas_all_reduce_once(path)
 
 
 def test_each_device_holds_its_shard_groups_block_and_replicas_hold_equal_copies():
-    step = make(accum_steps=2, shards=2)
-    state = step(step.init(stacked_params()), batches()[0])[0]
+    step, (state, _) = hsdp("fused")  # after 3 steps: every step keeps the layout
     w, mu = state.params["blocks"]["w"], state.opt_state[1][0].mu["blocks"]["w"]
     for leaf in (w, mu):
         by_device = {s.device.id: np.asarray(s.data) for s in leaf.addressable_shards}
@@ -126,7 +137,7 @@ def test_each_device_holds_its_shard_groups_block_and_replicas_hold_equal_copies
         assert not np.array_equal(*first)  # and the two blocks of a group differ
     assert state.params["head"]["w"].sharding.is_fully_replicated
     # The multisteps window: each replica group's own sums, split over its shard group.
-    window = make(path="multisteps", shards=2).init(stacked_params()).window
+    window = hsdp("multisteps")[1][0].window  # emptied after the run's last window, not resized
     grads = window.grads["blocks"]["w"]
     assert grads.shape == (2, LAYERS, 8, 8)
     assert {s.data.shape for s in grads.addressable_shards} == {(1, LAYERS, 8, 4)}
@@ -136,10 +147,10 @@ def test_regather_window_gathers_once_before_the_micro_batch_loop():
     """The same numbers as the default; the all-gathers outside the loop over K=3
     micro-batches (one per dtype: one), the reduce-scatters inside it, one per
     micro-batch, as at stage 2."""
-    window = train(make(regather="window"), stacked_params(), batches())
-    assert_same_training(window, stage_0())
     step = make(regather="window")
-    found = jaxdp.testing.collectives(step.compile(step.init(stacked_params()), batches()[0]))
+    window = train(step, stacked_params(), batches())
+    assert_same_training(window, reference())
+    found = jaxdp.testing.collectives(step.compile(window[0], batches()[0]))
     report = jaxdp.testing.format_report(found)
     gathers = [c for c in found if c.kind == "all-gather"]
     scatters = [c for c in found if c.kind == "reduce-scatter"]
@@ -172,7 +183,8 @@ def test_gather_dtype_bfloat16_gathers_in_bfloat16_and_computes_on_the_rounded_w
     assert gathers and all(s.startswith("bf16[") for s in gathers), gathers
     assert scatters and all(s.startswith("f64[") for s in scatters), scatters
     bf16 = train(step, stacked_params(), batches())
-    assert_same_training(bf16, stage_0(loss_fn=rounded_loss))
+    # Stage 0 on the same layout: each device's gradient of each micro-batch is rounded.
+    assert_same_training(bf16, trained(0, 4, 3, loss_fn=rounded_loss))
     # The master weights stay float64.
     assert {x.dtype for x in jax.tree.leaves(bf16[0].params)} == {np.dtype("float64")}
 

@@ -2,6 +2,7 @@
 stage 0, the split layout at rest, one gather per layer inside the layer loop (read from
 the compiled program) and the memory XLA plans for the step."""
 
+import functools
 import warnings
 
 import jax
@@ -14,6 +15,9 @@ from helpers import ATOL, RTOL, assert_trees_close
 from models import train
 
 import jaxdp
+
+# The modules' cached steps and runs (below, and test_hsdp.py's): one worker runs them all.
+pytestmark = pytest.mark.xdist_group("stage3")
 
 IN, WIDTH, OUT, LAYERS = 6, 8, 3, 3
 GLOBAL_BATCH, STEPS = 24, 3  # 24 rows divide by every num_devices * accum_steps below
@@ -96,28 +100,43 @@ def make(stage, num_devices, accum_steps, path="fused", loss_fn=loss):
     )
 
 
-def assert_same_training(stage_3, stage_0):
-    (state, history), (expected, expected_history) = stage_3, stage_0
+# One step per layout, its program compiled once for the tests that read it (a test of a
+# warning given while tracing builds its own step: a shared one is traced only once).
+shared_step = functools.cache(make)
+
+
+@functools.cache  # a layout's run, trained once for the tests that read it
+def trained(stage, num_devices, accum_steps, path="fused", loss_fn=loss, model=stacked_params):
+    return train(shared_step(stage, num_devices, accum_steps, path, loss_fn), model(), batches())
+
+
+def reference(loss_fn=loss, model=stacked_params):
+    """Stage 0 on one device, one micro-batch: the big batch, which every stage, layout and
+    path trains as (N devices x K micro-batches at stage 0 == 1 x 1: test_equivalence.py)."""
+    return trained(0, 1, 1, loss_fn=loss_fn, model=model)
+
+
+def assert_same_training(run, expected_run):
+    (state, history), (expected, expected_history) = run, expected_run
     assert int(state.step) == int(expected.step) == STEPS
     assert_trees_close(state.params, expected.params, rtol=RTOL["float64"], atol=ATOL["float64"])
     assert_trees_close(
         state.opt_state, expected.opt_state, rtol=RTOL["float64"], atol=ATOL["float64"]
     )
-    losses = [[m["loss"] for m in h] for h in (history, expected_history)]
+    # The calls that end a window: every fused call, the multisteps path's K-th.
+    losses = [[m["loss"] for m in h if m.get("emitted", True)] for h in (history, expected_history)]
     np.testing.assert_allclose(losses[0], losses[1], rtol=RTOL["float64"])
 
 
-# Each value of num_devices {2, 4}, accum_steps {1, 3} and path in as few cells as cover them.
+# Each value of num_devices {2, 4} and path, and accumulation (K > 1) or none (K = 1) on
+# the multisteps path, whose window a step may or may not end, in as few cells as cover
+# them; (4, 2, fused) is the layout the tests below read.
 @pytest.mark.parametrize(
     ("num_devices", "accum_steps", "path"),
-    [(2, 3, "fused"), (4, 1, "multisteps"), (4, 3, "multisteps")],
+    [(4, 2, "fused"), (2, 3, "multisteps"), (4, 1, "multisteps")],
 )
 def test_stage_3_trains_as_stage_0(num_devices, accum_steps, path):
-    runs = [
-        train(make(stage, num_devices, accum_steps, path), stacked_params(), batches())
-        for stage in (3, 0)
-    ]
-    assert_same_training(*runs)
+    assert_same_training(trained(3, num_devices, accum_steps, path), reference())
 
 
 class Block(nnx.Module):
@@ -154,14 +173,21 @@ def nnx_loss(model, batch):
     return jnp.mean((model(x) - y) ** 2)
 
 
+def nnx_net():
+    """A Net, its parameters drawn with numpy: nnx's initializers run eagerly, each random
+    op compiled on first use (about 3 CPU s of the test); the modules are nnx's own."""
+    model = nnx.eval_shape(lambda: Net(nnx.Rngs(0)))
+    rng = np.random.default_rng(3)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: rng.normal(size=x.shape, scale=0.3), params))
+    return model
+
+
 def test_an_nnx_vmap_stack_at_stage_3_trains_as_stage_0():
-    runs = []
-    for stage in (3, 0):
-        step = make(stage, 4, 2, loss_fn=nnx_loss)
-        runs.append(train(step, Net(nnx.Rngs(0)), batches()))
-    (kernel,) = jax.tree.leaves(runs[0][0].params["blocks"]["linear"]["kernel"])
+    stage_3 = trained(3, 4, 2, loss_fn=nnx_loss, model=nnx_net)
+    (kernel,) = jax.tree.leaves(stage_3[0].params["blocks"]["linear"]["kernel"])
     assert kernel.addressable_shards[0].data.shape == (LAYERS, WIDTH, WIDTH // 4)
-    assert_same_training(*runs)
+    assert_same_training(stage_3, reference(nnx_loss, model=nnx_net))
 
 
 # Per device on 4 devices: the split leaves' blocks (never along the blocks' layer axis),
@@ -179,9 +205,9 @@ def per_device_shapes(tree):
 
 
 def test_parameters_gradients_and_moments_rest_split():
-    step = make(3, 4, 2)
-    state = step.init(stacked_params())
-    for when in ("after init", "after a step"):
+    step = shared_step(3, 4, 2)
+    trained_state = trained(3, 4, 2)[0]
+    for when, state in (("after init", step.init(stacked_params())), ("trained", trained_state)):
         adam = state.opt_state[1][0]
         for tree in (state.params, adam.mu, adam.nu):
             assert per_device_shapes(tree) == BLOCKS_ON_4, when
@@ -189,12 +215,12 @@ def test_parameters_gradients_and_moments_rest_split():
             None, None, "data"
         )
         assert state.params["head"]["w"].sharding.is_fully_replicated
-        state = step(state, batches()[0])[0]
     # The model comes back whole: global arrays of the parameters' shapes.
-    model = step.model(state)
+    model = step.model(trained_state)
     assert jax.tree.map(np.shape, model) == jax.tree.map(np.shape, stacked_params())
-    # The multisteps window holds the gradient blocks, as at stage 2.
-    window = make(3, 4, 2, path="multisteps").init(stacked_params()).window
+    # The multisteps window holds the gradient blocks, as at stage 2 (its shapes do not
+    # depend on K; a trained state's window is emptied, not resized).
+    window = trained(3, 4, 1, "multisteps")[0].window
     expected = {**BLOCKS_ON_4, "head": {"w": (1, WIDTH, OUT), "b": (1, OUT)}}
     assert per_device_shapes(window.grads) == expected
 
@@ -210,8 +236,9 @@ def test_one_gather_per_layer_inside_the_loop_and_none_after_the_update():
     reduce-scatter per layer; the leaves outside the stack gathered once per micro-batch
     (and their gradients reduce-scattered once); nothing gathered after the update."""
     k = 2
-    step = make(3, 4, k)
-    found = jaxdp.testing.collectives(step.compile(step.init(stacked_params()), batches()[0]))
+    step = shared_step(3, 4, k)
+    compiled = step.compile(step.init(stacked_params()), batches()[0])
+    found = jaxdp.testing.collectives(compiled)
     in_layers = [c for c in found if len(loops(c)) == 2]
     assert all(loops(c) == [k, LAYERS] for c in in_layers), jaxdp.testing.format_report(found)
     gathers = [c for c in in_layers if c.kind == "all-gather"]
@@ -225,7 +252,7 @@ def test_one_gather_per_layer_inside_the_loop_and_none_after_the_update():
     outside = [c for c in found if not loops(c)]
     assert not [c for c in outside if c.kind != "all-reduce"], jaxdp.testing.format_report(found)
     jaxdp.testing.assert_collectives(
-        step.compile(step.init(stacked_params()), batches()[0]),
+        compiled,
         all_gather=k * (2 * LAYERS + 1),
         reduce_scatter=k * (LAYERS + 1),
         all_reduce=None,
@@ -252,12 +279,16 @@ def test_comm_dtype_sends_the_gradients_reduce_scatters_in_bfloat16():
     assert gathers and all(s.startswith("f64[") for s in gathers), gathers
 
 
-def wide_memory(stage, layers, loss_fn=loss, width=256):
-    """XLA's memory analysis of a step on 4 devices of a stack of wide layers."""
-    step = make(stage, 4, 1, loss_fn=loss_fn)
-    params = stacked_params(layers=layers, width=width)
-    x, y = data(rows=16)
-    return jaxdp.plan.compiled_memory(step.compile(step.init(params), (x, y)))
+def memory(stage, num_devices, layers, width, rows, loss_fn=loss):
+    """XLA's memory analysis of a step (K = 1) of a stack of ``layers`` of ``width``."""
+    step = make(stage, num_devices, 1, loss_fn=loss_fn)
+    compiled = step.compile(step.init(stacked_params(layers=layers, width=width)), data(rows=rows))
+    return jaxdp.plan.compiled_memory(compiled)
+
+
+# The programs the resident-bytes test and the closed form's cells share, compiled once
+# (the unscanned one is not: its warning is given while tracing).
+shared_memory = functools.cache(memory)
 
 
 def test_resident_bytes_are_a_quarter_and_the_peak_holds_one_layer():
@@ -266,7 +297,7 @@ def test_resident_bytes_are_a_quarter_and_the_peak_holds_one_layer():
     (a layer's gradient block, 131,584, and its carry); 6 layers unscanned hold
     6,452,272 bytes of temporaries (every gathered layer of 526,336 and its gradient)."""
     width, rows = 256, 4  # per device: a layer's weights 514 KiB, the carry 8 KiB
-    stage_0, stage_3 = wide_memory(0, 2), wide_memory(3, 2)
+    stage_0, stage_3 = (shared_memory(stage, 4, 2, width, 4 * rows) for stage in (0, 3))
     params = stacked_params(layers=2, width=width)
     whole = 8 * (params["head"]["w"].size + params["head"]["b"].size)
     batch = 8 * rows * (IN + OUT)
@@ -274,12 +305,12 @@ def test_resident_bytes_are_a_quarter_and_the_peak_holds_one_layer():
     # whole on every device, the step counters (64 bytes at most) and the batch rows.
     assert stage_3.arguments <= (stage_0.arguments - batch) / 4 + 3 * whole + 64 + batch
     layer, carry = 8 * (width * width + width), 8 * rows * width
-    growth = (wide_memory(3, 6).temporaries - stage_3.temporaries) / 4  # per layer
+    growth = (shared_memory(3, 4, 6, width, 4 * rows).temporaries - stage_3.temporaries) / 4
     # Per added layer: its gradient block (the accumulator's quarter) and its saved
     # carry, never its gathered weights: the loop holds one layer at a time.
     assert growth <= layer / 4 + 4 * carry < layer / 2
     with pytest.warns(UserWarning, match="peak memory is not reduced"):
-        unscanned = wide_memory(3, 6, unscanned_loss).temporaries
+        unscanned = memory(3, 4, 6, width, 4 * rows, unscanned_loss).temporaries
     assert unscanned >= 6 * layer  # without scan_layers: every layer's weights at once
 
 
@@ -304,10 +335,7 @@ ROOT_ACTIVATIONS = 6
 def test_temporaries_are_within_a_quarter_of_the_closed_form(num_devices, layers, width, rows):
     """Measured (jax 0.10.2, XLA:CPU): 0.87x to 1.02x the closed form. Before every
     stage-3 loop was rematerialized, one device held 2.0x: every layer's activations."""
-    step = make(3, num_devices, 1)
-    params = stacked_params(layers=layers, width=width)
-    compiled = step.compile(step.init(params), data(rows=rows))
-    measured = jaxdp.plan.compiled_memory(compiled).temporaries
+    measured = shared_memory(3, num_devices, layers, width, rows).temporaries
     layer, carry = 8 * (width * width + width), 8 * rows // num_devices * width
     form = 2 * layer + layers * (carry + layer / num_devices) + ROOT_ACTIVATIONS * carry
     assert form / 1.25 <= measured <= 1.25 * form, (measured, form, measured / form)
@@ -320,9 +348,8 @@ def test_a_model_without_scan_layers_trains_and_is_warned_once():
     said = [w for w in caught if "jaxdp.scan_layers" in str(w.message)]
     assert len(said) == 1 and said[0].category is UserWarning
     assert "peak memory is not reduced" in str(said[0].message)
-    assert_same_training(
-        stage_3, train(make(0, 2, 2, loss_fn=unscanned_loss), stacked_params(), batches())
-    )
+    # Against the scanned model's stage 0: the loop written out computes the same.
+    assert_same_training(stage_3, reference())
 
 
 def regularized_loss(params, batch):
@@ -352,12 +379,11 @@ def test_a_stacked_leaf_not_only_in_the_loop_is_gathered_whole(loss_fn, warned):
     training is stage 0's (a block in the regularizer's sum would change it)."""
     with pytest.warns(UserWarning, match=warned):
         stage_3 = train(make(3, 4, 2, loss_fn=loss_fn), stacked_params(), batches())
-    stage_0 = train(make(0, 4, 2, loss_fn=loss_fn), stacked_params(), batches())
-    assert_same_training(stage_3, stage_0)
+    assert_same_training(stage_3, reference(loss_fn))
 
 
 def test_a_non_finite_update_is_skipped_at_stage_3():
-    step = make(3, 4, 1)
+    step = shared_step(3, 4, 2)
     state = step.init(stacked_params())
     x, y = batches()[0]
     new, metrics = step(state, (x, np.full_like(y, np.nan)))
