@@ -21,6 +21,11 @@ COMMAND_LINE = {
 }  # as the wheel spells it
 DATA = {"grain"}  # jaxdp.data's extra
 
+# One xdist worker for the module: the wheel fixture is per worker, and two workers
+# building at once collided in the checkout's build/ directory ("File exists:
+# build/bdist.linux-x86_64/wheel/jaxdp-0.3.0.dist-info" in a whole run).
+pytestmark = pytest.mark.xdist_group("wheel")
+
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
