@@ -267,17 +267,22 @@ def gather(leaves: list[Any], dims: list[int | None], how: Gather) -> list[Any]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _gathered(layout: tuple[Any, Any], how: Gather, blocks: tuple[Any, ...]) -> tuple[Any, ...]:
-    return _all_gather(layout[0], how, _cast(blocks, how.dtype))
+    return _gathered_forward(layout, how, blocks)[0]
 
 
 def _gathered_forward(layout, how, blocks):
-    return _all_gather(layout[0], how, _cast(blocks, how.dtype)), None
+    dims = layout[0]
+    wholes = packed_all_gather(_cast(blocks, how.dtype), dims, how.axis_name, how.num_devices)
+    return tuple(wholes), None
 
 
 def _gathered_backward(layout, how, _, cotangents):
     # The gradients go back in the blocks' dtypes (the gather dtype is the forward's).
     dims, dtypes = layout
-    return (_reduce_scatter(dims, how, _cast(cotangents, dtypes)),)
+    blocks = packed_reduce_scatter(
+        _cast(cotangents, dtypes), dims, how.axis_name, how.num_devices, how.wire
+    )
+    return (tuple(blocks),)
 
 
 def _cast(xs: tuple[Any, ...], dtype: Any) -> tuple[Any, ...]:
@@ -289,11 +294,3 @@ def _cast(xs: tuple[Any, ...], dtype: Any) -> tuple[Any, ...]:
 
 
 _gathered.defvjp(_gathered_forward, _gathered_backward)
-
-
-def _all_gather(dims: tuple[int, ...], how: Gather, blocks: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(packed_all_gather(blocks, dims, how.axis_name, how.num_devices))
-
-
-def _reduce_scatter(dims: tuple[int, ...], how: Gather, wholes: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(packed_reduce_scatter(wholes, dims, how.axis_name, how.num_devices, how.wire))
