@@ -120,11 +120,26 @@ def block(p: dict[str, Any], x: Any, n_head: int) -> Any:
     return x + jax.nn.gelu(h @ p["fc_w"] + p["fc_b"], approximate=True) @ p["fcp_w"] + p["fcp_b"]
 
 
+def embed(root: dict[str, Any], tokens: Any) -> Any:
+    import jax.numpy as jnp
+
+    return (root["wte"][tokens] + root["wpe"][: tokens.shape[1]]).astype(jnp.bfloat16)
+
+
+def head_loss(root: dict[str, Any], x: Any, targets: Any) -> Any:
+    """The final norm, the tied head and the mean cross-entropy."""
+    import jax.numpy as jnp
+    import optax
+
+    x = _layer_norm(x, root["lnf_scale"], root["lnf_bias"])
+    logits = (x @ root["wte"].astype(jnp.bfloat16).T).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
 def make_step(cfg: GPTConfig, variant: str, mesh: Any) -> Any:
     """One AdamW step inside ``shard_map``; layer leaves at rest split along their last
     dimension (never the layer axis), gathered per layer (scanned) or all at once (unrolled)."""
     import jax
-    import jax.numpy as jnp
     import optax
     from jax.sharding import PartitionSpec as P
 
@@ -139,7 +154,7 @@ def make_step(cfg: GPTConfig, variant: str, mesh: Any) -> Any:
     def loss(params: Any, tokens: Any, targets: Any) -> Any:
         root, layers = params
         root = gather(root, -1)  # the root group: gathered once, kept through the backward
-        x = (root["wte"][tokens] + root["wpe"][: tokens.shape[1]]).astype(jnp.bfloat16)
+        x = embed(root, tokens)
         if variant == "scanned":
 
             @partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
@@ -151,9 +166,7 @@ def make_step(cfg: GPTConfig, variant: str, mesh: Any) -> Any:
             full = gather(layers, -1)
             for i in range(cfg.n_layer):
                 x = block(jax.tree.map(lambda a, i=i: a[i], full), x, cfg.n_head)
-        x = _layer_norm(x, root["lnf_scale"], root["lnf_bias"])
-        logits = (x @ root["wte"].astype(jnp.bfloat16).T).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return head_loss(root, x, targets)
 
     def device_step(params: Any, opt_state: Any, tokens: Any, targets: Any) -> Any:
         value, grads = jax.value_and_grad(loss)(params, tokens, targets)
@@ -182,7 +195,6 @@ def make_step(cfg: GPTConfig, variant: str, mesh: Any) -> Any:
 def make_jaxdp_step(cfg: GPTConfig, variant: str, mesh: Any) -> Any:
     """jaxdp's fused step (K=1) for the same model: stage 3 with :func:`jaxdp.scan_layers`,
     or stage 0 with the blocks unrolled; params ``{"root": ..., "layers": ...}``."""
-    import jax.numpy as jnp
     import optax
 
     import jaxdp
@@ -190,15 +202,13 @@ def make_jaxdp_step(cfg: GPTConfig, variant: str, mesh: Any) -> Any:
     def loss(params: Any, batch: Any) -> Any:
         tokens, targets = batch
         root, layers = params["root"], params["layers"]
-        x = (root["wte"][tokens] + root["wpe"][: tokens.shape[1]]).astype(jnp.bfloat16)
+        x = embed(root, tokens)
         if variant in ("jaxdp_stage3", "jaxdp_stage0_scanned"):
             x = jaxdp.scan_layers(lambda layer, x: block(layer, x, cfg.n_head), layers, x)
         else:
             for i in range(cfg.n_layer):
                 x = block({k: a[i] for k, a in layers.items()}, x, cfg.n_head)
-        x = _layer_norm(x, root["lnf_scale"], root["lnf_bias"])
-        logits = (x @ root["wte"].astype(jnp.bfloat16).T).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return head_loss(root, x, targets)
 
     stage = 3 if variant == "jaxdp_stage3" else 0
     return jaxdp.make_train_step(
@@ -252,9 +262,9 @@ def run_variant(
             return metrics["loss"]
 
     else:
-        step, opt_state = make_step(cfg, variant, mesh)(init(cfg))
-        x, y = jax.device_put(tokens[:, :-1]), jax.device_put(tokens[:, 1:])
         params = init(cfg)
+        step, opt_state = make_step(cfg, variant, mesh)(params)
+        x, y = jax.device_put(tokens[:, :-1]), jax.device_put(tokens[:, 1:])
         compiled = step.lower(params, opt_state, x, y).compile()
         box = [params, opt_state]
 
