@@ -115,7 +115,8 @@ def pytest_addoption(parser):
         default=None,
         metavar="N",
         help="run at most N parameter cells of each parametrized test, spread evenly over "
-        "its grid (bin/test-newest-jax; the main run takes every cell)",
+        "its grid; 1: its first or last, in turn (bin/test-newest-jax: 1, bin/test "
+        "--quick: 2; the main run takes every cell)",
     )
 
 
@@ -139,22 +140,30 @@ SLOW = (
 def pytest_collection_modifyitems(config, items):
     """Marks the SLOW files' tests ``slow``; and ``--cells-per-test N``: of each test
     function's cells, N spread evenly in collection order (first and last included), so
-    the sample still meets every value of the grid's first parameters."""
+    the sample still meets every value of the grid's first parameters; N = 1: the first
+    and the last cell in turn from one parametrized function to the next, so the sample
+    still meets both ends of the grids (fused and multisteps, shard_map and pmap)."""
     for item in items:
         if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
     n = config.getoption("--cells-per-test")
     if not n:
         return
-    if n < 2:
-        raise pytest.UsageError(f"--cells-per-test must be at least 2, got {n}")
+    if n < 1:
+        raise pytest.UsageError(f"--cells-per-test must be at least 1, got {n}")
     cells: dict[tuple[str, str], list] = {}
     for item in items:
         cells.setdefault((item.nodeid.split("::")[0], item.originalname), []).append(item)
     keep = set()
+    grids = 0  # parametrized functions sampled so far
     for group in cells.values():
-        step = (len(group) - 1) / (n - 1)
-        picked = {round(i * step) for i in range(n)} if len(group) > n else range(len(group))
+        if len(group) <= n:
+            picked = range(len(group))
+        elif n == 1:
+            picked, grids = [0 if grids % 2 == 0 else len(group) - 1], grids + 1
+        else:
+            step = (len(group) - 1) / (n - 1)
+            picked = {round(i * step) for i in range(n)}
         keep.update(id(group[i]) for i in picked)
     dropped = [item for item in items if id(item) not in keep]
     if dropped:
