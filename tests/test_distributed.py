@@ -1115,20 +1115,20 @@ def test_three_kills_a_sigterm_and_a_stopped_rank_end_bitwise_as_an_uninterrupte
 # HSDP (issue 32): the scanned GPT at stage 3, each process one shard group of its 2
 # devices; small (width 8) and short (6 updates).
 HSDP_FLAGS = ["--zero-stage", "3", "--shards", "2", "--hidden", "8", "--micro-batch-size", "4"]
-HSDP_FLAGS += ["--steps", "6", "--checkpoint-every", "2"]
+HSDP_FLAGS += ["--steps", "4", "--checkpoint-every", "2"]
 
 
 def test_an_hsdp_run_killed_and_restarted_ends_bitwise_as_an_uninterrupted_one(tmp_path):
     """Issue 32, acceptance 3: ``jaxdp launch --nprocs 2 --devices-per-process 2 -- train
     --zero-stage 3 --shards 2`` (parameters split within each process's shard group, the
     groups' gradients all-reduced over gloo once per step). Its first start is the
-    uninterrupted run: it trains all 6 updates and a random rank is SIGKILLed while the
+    uninterrupted run: it trains all 4 updates and a random rank is SIGKILLed while the
     last checkpoint is being written. The launcher restarts the group (``--max-restarts
-    1``), which resumes from checkpoint 4 and redoes updates 5 and 6: every record equals
+    1``), which resumes from checkpoint 2 and redoes updates 3 and 4: every record equals
     the uninterrupted start's, bitwise (its records copied before the restart wrote any;
     one launch, not two: a stage-3 start costs about 20 CPU s per process)."""
     victim = int(np.random.default_rng().integers(0, 2))
-    kills = {"0": [victim, 6, "save"]}
+    kills = {"0": [victim, 4, "save"]}
     launcher = launched(tmp_path, "run", ["--max-restarts", "1"], kills=kills, train=HSDP_FLAGS)
     out, err = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, (victim, err[-4000:])
@@ -1144,13 +1144,13 @@ def test_an_hsdp_run_killed_and_restarted_ends_bitwise_as_an_uninterrupted_one(t
         "all-reduced once per step (HSDP)"
     )
     assert lines.count(hsdp) == 2, out[-4000:]  # the first start and the restart
-    resumed = f"[rank 0] resumed from {tmp_path / 'run' / '4'}: step 4, "
+    resumed = f"[rank 0] resumed from {tmp_path / 'run' / '2'}: step 2, "
     assert [x for x in lines if x.startswith(resumed)], out[-4000:]
     uninterrupted = metrics(tmp_path / "run.jsonl.1")
-    assert [step for step, *_ in uninterrupted] == [1, 2, 3, 4, 5, 6]
+    assert [step for step, *_ in uninterrupted] == [1, 2, 3, 4]
     assert metrics(tmp_path / "run.jsonl") == uninterrupted
-    assert newest_leaves(tmp_path / "run")[0] == 6
-    config = json.loads((tmp_path / "run" / "6" / "meta" / "metadata").read_text())
+    assert newest_leaves(tmp_path / "run")[0] == 4
+    config = json.loads((tmp_path / "run" / "4" / "meta" / "metadata").read_text())
     assert (config["extra"]["config"]["zero_stage"], config["extra"]["config"]["shards"]) == (3, 2)
     assert left_behind(launcher.mark) == []
 

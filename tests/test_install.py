@@ -48,7 +48,7 @@ def requirements(wheel):
     found = set()
     for line in re.findall(r"^Requires-Dist: (.*)$", text, re.M):
         name = re.match(r"[A-Za-z0-9_.\-]+", line).group(0).lower()
-        extra = re.search(r"extra == \"(\w+)\"", line)
+        extra = re.search(r"extra == \"([\w\-]+)\"", line)
         found.add((name, extra.group(1) if extra else None))
     return found, text
 
