@@ -61,12 +61,13 @@ def pytest_unconfigure(config):
 # Measured: tests/core/test_equivalence.py (one process) 37.8 CPU s with the first alone,
 # 19.1 with both; a cold ``jaxdp train`` of the launch tests' MLP 6.9 CPU s at the default
 # level, 4.0 with both. At the default level (OPTIMIZED, below): where a test trains a real
-# workload (the examples: the digits CNN took 73 CPU s instead of 10 without LLVM's
-# optimizations), times one (the benchmarks), or holds values a last bit decides (the
-# BatchNorm parity cells: six diverge from torch at the second step without the
-# optimizations, 1e-3, a ReLU or max-pool kink decided by a last-bit difference;
+# workload (the examples: 123 CPU s unoptimized, 61 optimized), or holds values a last bit
+# decides (the BatchNorm parity cells, which diverge from torch at the second step without
+# LLVM's optimizations, 1e-3, a ReLU or max-pool kink decided by a last-bit difference;
+# jaxdp 0.2's checkpoint continued against its record, made at the default level;
 # docs/decisions.md). Their processes get the default level too (the variable is taken
-# from their environment).
+# from their environment). The benchmarks' smoke run is unoptimized: its timings are
+# checked for shape only, and bin/jaxdp bench makes the figures.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
