@@ -1113,7 +1113,7 @@ def test_three_kills_a_sigterm_and_a_stopped_rank_end_bitwise_as_an_uninterrupte
 
 
 # HSDP (issue 32): the scanned GPT at stage 3, each process one shard group of its 2
-# devices; small (width 8) and short (6 updates).
+# devices; small (width 8) and short (4 updates).
 HSDP_FLAGS = ["--zero-stage", "3", "--shards", "2", "--hidden", "8", "--micro-batch-size", "4"]
 HSDP_FLAGS += ["--steps", "4", "--checkpoint-every", "2"]
 
