@@ -4,6 +4,7 @@ mapping, a wrong epsilon is located in ``norm``, a Linen port carries BatchNorm
 statistics as DDP's ranks do, and `jaxdp parity --jax-model` takes a Linen and an equinox
 port."""
 
+import functools
 import pathlib
 
 import equinox as eqx
@@ -13,11 +14,13 @@ import optax
 import pytest
 
 from jaxdp.cli._main import main
-from jaxdp.parity import RTOL, OptimizerSpec, compare_models, format_parity
+from jaxdp.parity import RTOL, OptimizerSpec, compare, compare_models, format_parity
 from jaxdp.parity._locate import STAGES
+from jaxdp.parity._port import prepare, run_jax_port, torch_trajectory
 
-# One xdist worker runs this module: the command's tests reuse the programs the ports'
-# tests compiled in its process.
+# One xdist worker runs this module (but the BatchNorm cell, which reads the torch batch
+# on that batch's worker): the command's tests reuse the programs the ports' tests
+# compiled in its process.
 pytestmark = pytest.mark.xdist_group("ports")
 
 MODELS = pathlib.Path(__file__).parent / "library_ports.py"
@@ -83,19 +86,41 @@ def test_frozen_torch_parameters_stay_frozen_in_a_linen_port():
     assert report.max_abs[-1]["fc1.bias"] == 0.0  # never moved on either side
 
 
-def test_linen_port_carries_batch_norm_statistics_as_ddp_ranks_do():
-    """Two devices against two DDP ranks: the batch statistics of each device's own rows
-    (batch_stats='local'), rank 0's running statistics compared after every step."""
-    report = compare_models(
+# The BatchNorm cell's layout: two devices against two DDP ranks.
+BN_LAYOUT = dict(num_devices=2, accum_steps=2, micro_batch_size=4, steps=4, dtype="float64")
+BN_LAYOUT |= dict(path="fused", strategy="shard_map", shuffle=True, seed=0, last_window="drop")
+
+
+@functools.cache
+def linen_bn_port():
+    """compare_models' own preparation of the BatchNorm cell (what it runs on each side)."""
+    return prepare(
         lp.TorchBNNet,
         lp.LinenBNNet,
         lp.features(64),
+        loss="cross_entropy",
         optimizer=ADAMW,
-        num_devices=2,
-        accum_steps=2,
-        micro_batch_size=4,
-        steps=4,
+        jax_optimizer=None,
+        mapping=None,
+        step_options=None,
+        torch_device="cpu",
+        **BN_LAYOUT,
     )
+
+
+def torch_jobs() -> dict[str, tuple]:
+    """The BatchNorm cell's DDP run, for the run's shared batch (conftest.py's torch_batch:
+    one start of 2 ranks for this file and the others, not one of its own)."""
+    return {"linen_bn": linen_bn_port().torch_job()}
+
+
+def test_linen_port_carries_batch_norm_statistics_as_ddp_ranks_do(torch_batch):
+    """Two devices against two DDP ranks: the batch statistics of each device's own rows
+    (batch_stats='local'), rank 0's running statistics compared after every step. What
+    compare_models(..., num_devices=2) runs and compares, its DDP run from the batch."""
+    port = linen_bn_port()
+    result = torch_batch[__name__]["linen_bn"]
+    report = compare(port.config, run_jax_port(port), torch_trajectory(port, result))
     assert report.passed, format_parity(report)
     assert {"bn.mean", "bn.var", "bn.scale", "bn.bias"} <= set(report.max_abs[0])
 
