@@ -1,10 +1,16 @@
 """Inspection of compiled steps: which collectives (all-reduce, reduce-scatter,
-all-gather) run, how often, how big.
+all-gather) run, how often, how big, and which matrix products run under them.
 
 Reads the optimized HLO text of a compiled executable. An all-reduce at the
 top level runs once per call, one inside a ``while`` body runs once per
 iteration (XLA records the trip count of a ``lax.scan`` loop), and one inside
 a ``conditional`` branch runs at most once, only when that branch is taken.
+
+A compiled program is scheduled: each computation lists its instructions in the
+order they run. XLA:GPU splits a collective it runs asynchronously into a start and
+a done (``all-reduce-start`` ... ``all-reduce-done``); what is scheduled between the
+two runs while the collective is in flight. XLA:CPU runs every collective
+synchronously: nothing runs under it.
 """
 
 from __future__ import annotations
@@ -50,9 +56,14 @@ _KINDS = {
     "all-reduce": "all-reduce",
     "all-reduce-start": "all-reduce",
     "reduce-scatter": "reduce-scatter",
+    "reduce-scatter-start": "reduce-scatter",
     "all-gather": "all-gather",
     "all-gather-start": "all-gather",
 }
+# What a matrix product is in a compiled program: the op, or XLA:GPU's library call.
+_PRODUCTS = frozenset({"dot", "convolution", "ragged-dot"})
+_PRODUCT_CALL = re.compile(r'custom_call_target="[^"]*(gemm|matmul|conv)[^"]*"', re.IGNORECASE)
+_OPERAND = re.compile(r"^\s*%?([\w.\-]+)")
 
 
 class _Placed:
@@ -213,12 +224,19 @@ class Collective(_Placed):
     shapes: tuple[str, ...]
     context: tuple[str, ...]
     executions: tuple[int, int]
+    asynchronous: bool = False
+    products_under: tuple[str, ...] = ()
 
     @property
     def ring_bytes(self) -> float:
         n = self.devices
         share = (n - 1) / n if n else 0.0
         return (2 if self.kind == "all-reduce" else 1) * share * self.bytes
+
+    @property
+    def overlapped(self) -> bool:
+        """Matrix products are scheduled while it is in flight (``products_under``)."""
+        return bool(self.products_under)
 
 
 def _group_size(rest: str) -> int:
@@ -237,25 +255,102 @@ def _group_size(rest: str) -> int:
 
 def collectives(compiled_or_hlo: Any) -> list[Collective]:
     """Every all-reduce, reduce-scatter and all-gather of a compiled program, with
-    the bytes of its whole buffer and its executions per call.
+    the bytes of its whole buffer, its executions per call and what runs under it.
 
     Accepts what :func:`all_reduces` accepts. For a jaxdp step at ZeRO stage 1:
-    one reduce-scatter and one all-gather of the split leaves' gradient and
-    parameter bytes (their ring bytes add up to one all-reduce's), and one small
-    all-reduce of the leaves kept whole with the norm's, loss and weight sums.
+    reduce-scatters and one all-gather of the split leaves' gradient and parameter
+    bytes (their ring bytes add up to one all-reduce's), and one small all-reduce of
+    the leaves kept whole with the norm's, loss and weight sums.
+
+    An asynchronous collective (XLA:GPU's start and done) lists in
+    ``products_under`` the matrix products scheduled between its start and its done:
+    dots and convolutions, XLA:GPU's GEMM library calls, and the fusions, calls and
+    loops that hold one (by name, in schedule order). That is the compute it hides
+    behind: a gradient all-reduce with backward GEMMs under it costs no time of its
+    own if they take longer than it does.
     """
     hlo = compiled_or_hlo if isinstance(compiled_or_hlo, str) else compiled_or_hlo.as_text()
     entry, computations = _parse(hlo)
     rests = {name: rest for insts in computations.values() for name, _, _, rest in insts}
+    windows = _async_windows(computations)
     found = []
     for i in _walk(computations, entry, (), 1, 1):
         kind = _KINDS.get(i.opcode)
         if kind is None:
             continue
+        size, shapes, under = i.bytes, i.shapes, ()
+        if i.name in windows:  # a start: the done's result is the collective's
+            (size, shapes), under = windows[i.name]
         devices = _group_size(rests.get(i.name, ""))
-        size = i.bytes * devices if kind == "reduce-scatter" else i.bytes
-        found.append(Collective(kind, i.name, size, devices, i.shapes, i.context, i.executions))
+        size = size * devices if kind == "reduce-scatter" else size
+        found.append(
+            Collective(
+                kind,
+                i.name,
+                size,
+                devices,
+                shapes,
+                i.context,
+                i.executions,
+                asynchronous=i.name in windows,
+                products_under=under,
+            )
+        )
     return found
+
+
+def _async_windows(computations) -> dict[str, tuple[tuple[int, tuple[str, ...]], tuple[str, ...]]]:
+    """``start name -> ((bytes, shapes) of its done, products scheduled in between)``
+    for every asynchronous collective of the program."""
+    products = _product_holders(computations)
+    windows = {}
+    for insts in computations.values():
+        position = {name: k for k, (name, *_) in enumerate(insts)}
+        for k, (_, type_text, opcode, rest) in enumerate(insts):
+            if not opcode.endswith("-done"):
+                continue
+            start = _OPERAND.match(rest)
+            if start is None or start.group(1) not in position:
+                continue
+            begin = position[start.group(1)]
+            under = tuple(n for n, *_ in insts[begin + 1 : k] if n in products)
+            windows[start.group(1)] = (_array_bytes(type_text), under)
+    return windows
+
+
+def _product_holders(computations) -> set[str]:
+    """Names of the instructions that are, or run, a matrix product: a dot or
+    convolution, a GEMM library call, or a fusion, call, loop or conditional whose
+    computations hold one."""
+    holds: dict[str, bool] = {}
+
+    def computes(computation: str) -> bool:
+        if computation not in holds:
+            holds[computation] = False  # a cycle never counts
+            holds[computation] = any(
+                _is_product(opcode, rest, computes)
+                for _, _, opcode, rest in computations.get(computation, [])
+            )
+        return holds[computation]
+
+    return {
+        name
+        for insts in computations.values()
+        for name, _, opcode, rest in insts
+        if _is_product(opcode, rest, computes)
+    }
+
+
+def _is_product(opcode: str, rest: str, computes) -> bool:
+    if opcode in _PRODUCTS or (opcode == "custom-call" and _PRODUCT_CALL.search(rest)):
+        return True
+    called = [c for _, c in _CALLEE.findall(rest)]
+    branches = _BRANCHES.search(rest)
+    if branches:
+        called += [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+    return opcode in ("fusion", "call", "while", "conditional", "async-start") and any(
+        computes(c) for c in called
+    )
 
 
 def format_report(reduces: list[AllReduce] | list[Collective]) -> str:

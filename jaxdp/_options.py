@@ -12,6 +12,8 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal
@@ -70,6 +72,18 @@ class Parallel:
     ``"pmap"`` (stage 0 only). ``comm_dtype`` applies to every reduce-scatter and to
     HSDP's all-reduce across replicas.
 
+    ``bucket_cap_mb``: the most gradient bytes one collective carries, in MiB (DDP's
+    ``bucket_cap_mb``, default 25), where collectives run asynchronously (GPUs): the
+    window's gradient all-reduce (stage 0) or reduce-scatter (stages 1 and 2) goes out
+    in buckets of at most this size as the last micro-batch's backward computes them,
+    each scheduled under the rest of that backward (DDP's overlap); nothing travels on
+    the window's other micro-batches (stage 2 reduce-scatters each micro-batch's
+    gradients the same way under its own backward). It is XLA's combine threshold for
+    the step's own program (``TrainStep`` compiles with it; the process's ``XLA_FLAGS``
+    are left alone). XLA:CPU runs collectives synchronously: there the reduction is
+    one collective after the backward (one per dtype at stages 1 and 2), as nothing
+    could run under it. The legacy ``pmap`` strategy sends the same buckets.
+
     Stage 3 only (refused at stages 0 to 2, which split nothing at rest):
 
     ``shards``: HSDP (torch's ``fully_shard`` on a 2-D ``(replicate, shard)`` device
@@ -102,6 +116,7 @@ class Parallel:
     """
 
     zero_stage: ZeroStage = 0
+    bucket_cap_mb: float = 25
     comm_dtype: Any = None
     strategy: Strategy = "shard_map"
     shards: int | None = None
@@ -119,6 +134,12 @@ class Parallel:
                 f"comm_dtype={self.comm_dtype!r} must be None (gradients travel in the "
                 "accumulator dtype) or 'bfloat16'"
             )
+        cap = self.bucket_cap_mb
+        if not isinstance(cap, numbers.Real) or isinstance(cap, bool) or not 0 < cap < math.inf:
+            raise ValueError(
+                f"bucket_cap_mb={cap!r} must be a positive number of MiB (DDP's default: 25)"
+            )
+        object.__setattr__(self, "bucket_cap_mb", float(cap))
         self._check_stage_3_fields()
         if self.zero_stage and self.strategy == "pmap":
             raise ValueError(
@@ -342,7 +363,22 @@ class StepOptions:
 
     def plan(self, trainable: Any) -> ShardPlan:
         """Where the trainable leaves lie: split at ZeRO stages, whole at stage 0."""
-        return ShardPlan(trainable, self.device_mesh, self.zero_stage)
+        return ShardPlan(trainable, self.device_mesh, self.zero_stage, packed=self.cpu_spelling)
+
+    @property
+    def compiler_options(self) -> dict[str, int]:
+        """The XLA options the step's own program is compiled with (never the process's
+        ``XLA_FLAGS``): on GPUs, XLA combines the gradient collectives into buckets of
+        at most ``Parallel.bucket_cap_mb`` of gradient sums (its default threshold is
+        30 MiB). XLA measures a reduce-scatter by its result, each device's block: a
+        shard group's share of the bucket."""
+        if self.mesh.devices.flat[0].platform != "gpu":
+            return {}
+        cap = int(self.parallel.bucket_cap_mb * 2**20)
+        return {
+            "xla_gpu_all_reduce_combine_threshold_bytes": cap,
+            "xla_gpu_reduce_scatter_combine_threshold_bytes": max(1, cap // self.shards),
+        }
 
 
 _PLAIN_SPELLING = contextvars.ContextVar("jaxdp_plain_spelling", default=False)

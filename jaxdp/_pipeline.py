@@ -191,8 +191,9 @@ def multisteps_call(
 
     in_specs = (_param_specs(o, parts, state.params), P(), P(), specs, P(o.batch_axes), P())
     mapped = mesh_map(o, per_device, in_specs, specs)
-    window = mapped(state.params, state.model_state, state.step, state.window, batch, micro_weight)
-    ends = window.position == o.accum_steps
+
+    def add(window: Window) -> Window:
+        return mapped(state.params, state.model_state, state.step, window, batch, micro_weight)
 
     def ending(window: Window) -> Update:
         # 2. reduce, 3. update: on the window's last call only
@@ -205,8 +206,32 @@ def multisteps_call(
         no = jnp.zeros([], bool)
         return Update(parts.trainable, state.opt_state, parts.batch_stats, no, no, window.last)
 
-    like = jax.eval_shape(ending, window)
-    result = jax.lax.cond(ends, ending, lambda w: _cast_like(like, open_(w)), window)
+    if o.cpu_spelling:
+        # XLA:CPU spelling of "the last call's micro-batch inside its branch": the
+        # micro-batch before the branch. XLA:CPU runs collectives synchronously, so
+        # nothing could hide under its backward, and the forward and backward would be
+        # compiled once per branch.
+        window = add(state.window)
+        ends = window.position == o.accum_steps
+        like = jax.eval_shape(ending, window)
+        result = jax.lax.cond(ends, ending, lambda w: _cast_like(like, open_(w)), window)
+    else:
+        # The window's last call adds its micro-batch inside the branch that reduces:
+        # the backward and the gradient collectives are one region of the program, so
+        # XLA schedules each bucket under the rest of the backward, as on the fused path.
+        def last(window: Window) -> tuple[Window, Update]:
+            window = add(window)
+            return window, ending(window)
+
+        def inside(window: Window) -> tuple[Window, Update]:
+            window = add(window)
+            return window, open_(window)
+
+        ends = state.window.position == o.accum_steps - 1
+        like = jax.eval_shape(last, state.window)
+        window, result = jax.lax.cond(
+            ends, last, lambda w: _cast_like(like, inside(w)), state.window
+        )
     new, metrics = end(o, state, parts, result, _restarted(o, window, ends, result))
     return new, {**metrics, "emitted": ends}
 
@@ -305,9 +330,22 @@ def accumulate(
         batch, scale = inputs
         return add_micro_batch(forward, local, window, batch, scale, scatter=scatter), None
 
-    # Also for one micro-batch: without the loop XLA kept 19% more temporaries on
-    # the digits CNN, for no time measured (docs/decisions.md).
-    return jax.lax.scan(body, window, (micro_batches, micro_weights))[0]
+    if o.cpu_spelling:
+        # XLA:CPU spelling of "the last micro-batch after the loop": every one in the
+        # loop. XLA:CPU runs collectives synchronously, so nothing can hide under the
+        # last backward, and a second copy of the forward and backward outside the
+        # loop only costs its trace and compile. Also for one micro-batch: without
+        # the loop XLA kept 19% more temporaries on the digits CNN (docs/decisions.md).
+        return jax.lax.scan(body, window, (micro_batches, micro_weights))[0]
+    # The last micro-batch after the loop: its backward and the reduction after it are
+    # one region of the program, so XLA schedules each gradient collective as soon as
+    # its gradients are done, under the rest of that backward (DDP's buckets).
+    rest, (batch, scale) = _split_last((micro_batches, micro_weights))
+    window = jax.lax.scan(body, window, rest)[0]
+    # After the loop, not before: XLA would otherwise compute the last forward first and
+    # hold its activations through the loop.
+    grads, batch = jax.lax.optimization_barrier((window.grads, batch))
+    return body(window._replace(grads=grads), (batch, scale))[0]
 
 
 # ---- 2. reduce (per device) ----------------------------------------------------------------
@@ -687,6 +725,11 @@ def _scatter(o: StepOptions, plan: ShardPlan) -> Callable[[Any], Any]:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _split_last(tree: Any) -> tuple[Any, Any]:
+    """``(every row but the last, the last row)`` of each leaf's leading axis."""
+    return jax.tree.map(lambda x: x[:-1], tree), jax.tree.map(lambda x: x[-1], tree)
 
 
 def _select(flag: jax.Array, on_true: Any, on_false: Any) -> Any:

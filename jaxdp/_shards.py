@@ -15,9 +15,12 @@ global-norm clip, a trust ratio, a factored moment) is partitioned by XLA, which
 inserts the collectives it needs, so the update is the one of stage 0 up to the
 order of sums (docs/decisions.md, "ZeRO"). Stage 0 is the plan that splits nothing.
 
-On the wire the split leaves are packed: ONE reduce-scatter carries every gradient
-(each leaf's rows side by side) and one all-gather per parameter dtype every
-updated block, so a step sends one all-reduce's bytes however many leaves there are.
+On the wire the updated blocks are packed: one all-gather per parameter dtype returns
+every split leaf (each leaf's rows side by side). The gradients' reduce-scatter is
+packed the same way on XLA:CPU (one per dtype); elsewhere each leaf has its own, which
+XLA combines into buckets of ``Parallel.bucket_cap_mb`` and schedules as the backward
+computes them (:mod:`jaxdp._pipeline`). Either way a step sends one all-reduce's bytes
+however many leaves there are.
 """
 
 from __future__ import annotations
@@ -88,12 +91,21 @@ def packed_all_gather(blocks: Any, dims: Any, axis_name: Any, num_devices: int) 
 
 
 def packed_reduce_scatter(
-    wholes: Any, dims: Any, axis_name: Any, num_devices: int, wire: Any = None
+    wholes: Any,
+    dims: Any,
+    axis_name: Any,
+    num_devices: int,
+    wire: Any = None,
+    *,
+    packed: bool = True,
 ) -> list[Any]:
     """Each device's block (along ``dims[i]``) of the sum of every device's ``wholes``,
-    packed: one reduce-scatter per dtype, in ``wire`` if given (:func:`compress`)."""
+    packed: one reduce-scatter per dtype, in ``wire`` if given (:func:`compress`).
+    ``packed=False``: one per leaf, for XLA to combine into buckets and schedule each
+    as soon as its leaves are computed."""
     n, out = num_devices, list(wholes)
-    for group in _by_dtype(wholes):
+    groups = _by_dtype(wholes) if packed else [[i] for i in range(len(wholes))]
+    for group in groups:
         dtype = wholes[group[0]].dtype
         rows = [jnp.moveaxis(wholes[i], dims[i], 0).reshape(n, -1) for i in group]
         buffer = compress(jnp.concatenate(rows, axis=1), wire, n)
@@ -114,10 +126,13 @@ class ShardPlan:
     leaves); shapes are read, never values. On a two-axis (replicas x shards) mesh
     (HSDP, stage 3) the leaves are split over the shard axis, the last, and every
     replica group holds the same copy; ``num_devices`` is then a shard group's size.
+    ``packed``: the gradients' reduce-scatter packs every leaf into one per dtype
+    (XLA:CPU's spelling), else one per leaf (:func:`packed_reduce_scatter`).
     """
 
-    def __init__(self, trainable: Any, mesh: Mesh, stage: int):
+    def __init__(self, trainable: Any, mesh: Mesh, stage: int, *, packed: bool = True):
         leaves, self.treedef = jax.tree.flatten(trainable)
+        self.packed = packed
         self.mesh, self.axis_name = mesh, mesh.axis_names[-1]
         self.num_devices, self.stage = mesh.shape[self.axis_name], stage
         # HSDP: the replica axis, over which the blocks are all-reduced once per step.
@@ -186,8 +201,9 @@ class ShardPlan:
     # ---- inside the mesh map -----------------------------------------------------------
 
     def reduce_scatter(self, tree: Any, wire: Any = None) -> Any:
-        """ONE reduce-scatter of every split leaf of this device's ``tree``: each device
-        gets its block of the global sum. Whole leaves come back as they were."""
+        """The reduce-scatter of every split leaf of this device's ``tree`` (one per
+        dtype if ``packed``, else one per leaf): each device gets its block of the
+        global sum. Whole leaves come back as they were."""
         if not self.split:
             return tree
         leaves = self._split_leaves(tree)
@@ -198,6 +214,7 @@ class ShardPlan:
             self.axis_name,
             self.num_devices,
             wire,
+            packed=self.packed,
         )
         for i, block in zip(which, blocks, strict=True):
             leaves[i] = block

@@ -68,7 +68,11 @@ class TrainStep:
         donate = (0,) if options.donate else ()
         # One call of the step, read top to bottom: jaxdp/_pipeline.py.
         body = fused_call if options.path == "fused" else multisteps_call
-        self._jitted = jax.jit(functools.partial(body, options), donate_argnums=donate)
+        self._jitted = jax.jit(
+            functools.partial(body, options),
+            donate_argnums=donate,
+            compiler_options=options.compiler_options or None,
+        )
         self._weights: dict[bytes, jax.Array] = {}
         # The batch's rows: over every device, in the data mesh's order (also under HSDP).
         self._rows = NamedSharding(options.device_mesh, P(options.batch_axes))
