@@ -12,6 +12,7 @@ is). A cached program is the same executable, so results are bitwise those of
 compiling it again.
 """
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -20,6 +21,20 @@ import shutil
 import tempfile
 
 import pytest
+
+# tests/gpu compiles jaxdp's steps for NVIDIA GPU topologies with XLA:GPU, which needs jax's
+# CUDA plugin (no GPU, no driver): bin/test-newest-jax installs it and runs them. An
+# environment without it (the main run's .venv, jax 0.10) leaves them out, and the run's
+# summary says so.
+_GPU_PLUGIN = importlib.util.find_spec("jax_cuda12_plugin") is not None
+collect_ignore = [] if _GPU_PLUGIN else ["tests/gpu"]
+
+
+def pytest_report_header(config):
+    if not _GPU_PLUGIN:
+        return "tests/gpu left out: no jax CUDA plugin here (bin/test-newest-jax runs them)"
+    return None
+
 
 # The directory this process made for the run (None in a worker, which inherits it, or
 # where the caller named one): removed when this process's session ends.
@@ -148,14 +163,17 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
     n = config.getoption("--cells-per-test")
+    # tests/gpu's grids run whole where they run at all (only the newest-jax run can): each
+    # cell is a program of its own, compiled for the GPUs.
+    sampled = [item for item in items if not item.nodeid.startswith("tests/gpu/")]
     if not n:
         return
     if n < 1:
         raise pytest.UsageError(f"--cells-per-test must be at least 1, got {n}")
     cells: dict[tuple[str, str], list] = {}
-    for item in items:
+    for item in sampled:
         cells.setdefault((item.nodeid.split("::")[0], item.originalname), []).append(item)
-    keep = set()
+    keep = {id(item) for item in items if item.nodeid.startswith("tests/gpu/")}
     grids = 0  # parametrized functions sampled so far
     for group in cells.values():
         if len(group) <= n:

@@ -10,6 +10,10 @@ folder::
 Each step runs in a fresh process with its own time limit (a step that fails or runs out
 of time is recorded and the next one runs), in this order:
 
+0. ``target_config``: ``benchmarks/studies/gpu_target.py``, the GPU's own target config
+   (``DIR/target_config.txtpb``, for ``jaxdp.testing.gpu_mesh(target=PATH)``) and the
+   GPT-2-small step compiled on the device beside the same step compiled deviceless with
+   that config -> ``DIR/gpu_target.json``;
 1. ``bench_gpu``: ``benchmarks/harness/gpu.py`` (what ``bin/jaxdp bench --only gpu`` runs):
    GPT-2 small, bf16, K=8, MFU against the measured bf16 matmul peak, tokens/s against
    ``torch.compile`` (each framework in a process of its own), and jaxdp's multisteps path
@@ -76,6 +80,13 @@ def _steps(out: Path) -> list[tuple[str, list[str], dict[str, str], float, Path 
     parity += ["--num-devices", "1", "--torch-device", "cuda", "--steps", "10"]
     precise = {"JAX_DEFAULT_MATMUL_PRECISION": "highest", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     return [
+        (
+            "target_config",
+            [py, str(ROOT / "benchmarks/studies/gpu_target.py"), "--out", str(out)],
+            {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+            120.0,
+            None,
+        ),
         (
             "bench_gpu",
             [py, "-m", "benchmarks.harness.gpu", "--out", str(out), "--variants"],

@@ -1,8 +1,9 @@
 """jaxdp: data-parallel training with gradient accumulation for JAX.
 
 The batch is split over a one-axis device mesh; every optimizer step averages
-gradients with ONE all-reduce issued after the last micro-batch, exactly like
-PyTorch DDP with ``no_sync()``. This module is the core a training script
+gradients once, on the last micro-batch only, exactly like PyTorch DDP with
+``no_sync()``: on GPUs in buckets that run under the rest of its backward, on CPU in
+one all-reduce. This module is the core a training script
 needs; the tools are subpackages, imported on first use:
 ``jaxdp.checkpoint``, ``jaxdp.data``, ``jaxdp.models``, ``jaxdp.parity``, ``jaxdp.plan``,
 ``jaxdp.testing`` and ``jaxdp.cli``. Everything not re-exported is private.

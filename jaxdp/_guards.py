@@ -18,14 +18,24 @@ from ._frozen import trainable_mask
 from ._train_state import TrainState
 
 
-def check_params(params: Any, trainable: Any, name: str = "params") -> tuple[bool, ...]:
+def check_params(
+    params: Any, trainable: Any, name: str = "params", *, abstract: bool = False
+) -> tuple[bool, ...]:
     """Every leaf an array, every trainable one floating-point (or complex); once, at init.
+    ``abstract``: ``jax.ShapeDtypeStruct`` leaves count as arrays (``abstract_state``).
 
     Returns the trainable mask (:func:`jaxdp._frozen.trainable_mask`), computed
     after the leaves are known to be arrays (a predicate may read them).
     """
     leaves = jax.tree_util.tree_leaves_with_path(params)
     for path, leaf in leaves:
+        if isinstance(leaf, jax.ShapeDtypeStruct) and not abstract:
+            where = name + jax.tree_util.keystr(path)
+            raise TypeError(
+                f"{where} is a jax.ShapeDtypeStruct {leaf.shape} {leaf.dtype}: init places "
+                "values on the devices; for a state of shapes alone (to lower or compile the "
+                "step) call step.abstract_state(model) instead"
+            )
         if _dtype(leaf) is None:
             where = name + jax.tree_util.keystr(path)
             raise TypeError(
@@ -50,7 +60,7 @@ def check_params(params: Any, trainable: Any, name: str = "params") -> tuple[boo
 
 
 def _dtype(leaf: Any) -> Any:
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
         dtype = leaf.dtype
     elif isinstance(leaf, (bool, int, float, complex)):
         dtype = np.asarray(leaf).dtype

@@ -354,15 +354,21 @@ def _is_product(opcode: str, rest: str, computes) -> bool:
 
 
 def format_report(reduces: list[AllReduce] | list[Collective]) -> str:
-    """A readable table of :func:`all_reduces` or :func:`collectives`."""
+    """A readable table of :func:`all_reduces` or :func:`collectives`; for collectives
+    XLA runs asynchronously, the number of matrix products scheduled under each."""
     lines = [f"{'all-reduce':<28} {'bytes':>12} {'runs/call':>10}  where"]
+    overlap = any(isinstance(r, Collective) and r.asynchronous for r in reduces)
     if any(isinstance(r, Collective) for r in reduces):
-        lines = [f"{'collective':<28} {'kind':<15} {'bytes':>12} {'runs/call':>10}  where"]
+        under = f" {'products under':>14}" if overlap else ""
+        lines = [f"{'collective':<28} {'kind':<15} {'bytes':>12} {'runs/call':>10}{under}  where"]
     for r in reduces:
         lo, hi = r.executions
         runs = str(hi) if lo == hi else f"{lo}..{hi}"
         kind = f" {r.kind:<15}" if isinstance(r, Collective) else ""
-        lines.append(
-            f"{r.name:<28}{kind} {r.bytes:>12,} {runs:>10}  {' > '.join(r.context) or 'top level'}"
-        )
+        under = ""
+        if overlap:
+            count = str(len(r.products_under)) if r.asynchronous else "synchronous"
+            under = f" {count:>14}"
+        where = " > ".join(r.context) or "top level"
+        lines.append(f"{r.name:<28}{kind} {r.bytes:>12,} {runs:>10}{under}  {where}")
     return "\n".join(lines)

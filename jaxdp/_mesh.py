@@ -114,10 +114,18 @@ def place(tree: Any, sharding: NamedSharding, *, copy: bool = False) -> Any:
 
 
 def place_batch(batch: Any, sharding: NamedSharding) -> Any:
-    """Places host or device rows on the mesh; abstract leaves keep their own sharding."""
+    """Places host or device rows on the mesh; abstract leaves keep their own sharding,
+    or take ``sharding``."""
     abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)]
     if any(abstract):
-        return batch
+        return jax.tree.map(
+            lambda x: (
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+                if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None
+                else x
+            ),
+            batch,
+        )
     return place(batch, sharding)
 
 

@@ -8,17 +8,19 @@ Every call, on either path and at every ZeRO stage, runs four stages in this ord
    the forward first gathers the split parameters, :mod:`jaxdp._layers`; with
    ``regather="window"`` they are gathered once, before the fused path's loop);
 2. reduce (:func:`reduce`, per device): the window's sums made global, the step's only
-   gradient collective (one psum; at ZeRO stages a reduce-scatter and a small psum;
-   under HSDP first one all-reduce of the blocks across the replica groups);
+   gradient collective (a psum; at ZeRO stages a reduce-scatter and a small psum;
+   under HSDP first one all-reduce of the blocks across the replica groups), issued per
+   leaf: XLA combines the leaves into buckets of ``Parallel.bucket_cap_mb`` and, on
+   GPUs, schedules each under the rest of the last micro-batch's backward;
 3. update (:func:`update`): the user's ``optimizer.update`` on the mean gradients, or
    the skip of a non-finite update, on the logical arrays;
 4. end (:func:`end`): the new state laid out as the step keeps it, and the metrics.
 
 ``fused`` runs 1 and 2 in one mesh map (1 as a ``lax.scan`` over the call's
-micro-batches), then 3 and 4. ``multisteps`` is the same pipeline cut into calls:
-every call runs 1 for its micro-batch into ``state.window``, and the window's last
-call also runs 2 and 3, in one ``lax.cond`` branch that the other calls skip, and
-restarts the window.
+micro-batches but the last, then the last, so that its backward and 2 are one region of
+the program), then 3 and 4. ``multisteps`` is the same pipeline cut into calls: every
+call runs 1 for its micro-batch into ``state.window``, and the window's last call runs
+1, 2 and 3 in one ``lax.cond`` branch that the other calls skip, and restarts the window.
 
 Lines spelled for XLA:CPU are marked ``XLA:CPU spelling`` beside the line whose
 meaning they tune, with their measurement: only a CPU mesh takes them
@@ -352,12 +354,14 @@ def accumulate(
 
 
 def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None) -> Reduced:
-    """The global sums of every device's ``window``: the step's one gradient collective.
+    """The global sums of every device's ``window``: the step's one gradient reduction.
 
     Replicated (stage 0): ONE psum of the gradient sums, the loss and weight sums (and
-    ``loss_fn``'s aux sums) and device 0's batch statistics. Split (ZeRO stages 1 to
-    3): ONE reduce-scatter of the split leaves' sums (at stages 2 and 3 already done per
-    micro-batch, in stage 1: ``scattered``), then one small psum of the leaves kept
+    ``loss_fn``'s aux sums) and device 0's batch statistics: a collective per leaf, which
+    XLA combines into buckets (one on XLA:CPU). Split (ZeRO stages 1 to 3): the
+    reduce-scatter of the split leaves' sums (at stages 2 and 3 already done per
+    micro-batch, in stage 1: ``scattered``; packed into one per dtype on XLA:CPU, else
+    one per leaf for XLA to bucket: :class:`ShardPlan`), then one small psum of the leaves kept
     whole, the loss, weight and aux sums, device 0's batch statistics and the split
     blocks' sum of squares (for the global gradient norm). ``wire`` (bfloat16) sends
     the gradients narrow, as torch's ``bf16_compress_hook`` does.

@@ -124,32 +124,83 @@ class TrainStep:
         aux sums: their shapes come from tracing ``loss_fn`` on it (not run).
         """
         o = self.options
-        model = as_trainable(params_or_module)
-        check_batch_stats(model, o.batch_stats, o.axis_name)
-        graphdef, params, model_state = split_model(model)
-        if o.batch_stats is not None and graphdef is None:
-            raise ValueError("batch_stats needs an NNX module with BatchNorm, got a pytree")
-        mask = check_params(params, o.trainable)
+        graphdef, params, model_state, mask = self._model_parts(params_or_module)
         # On the mesh the step runs on (HSDP's two axes), as its outputs come back:
         # placed on the data mesh, the second call would compile the step again.
         replicated = NamedSharding(o.device_mesh, P())
         params = place(params, replicated, copy=o.donate)
         model_state = place(model_state, replicated, copy=o.donate)
         check_replicas(params, o.mesh, name="params")
-        trainable = split_trainable(params, mask)
-        if o.zero_stage and not jax.tree.leaves(trainable):
+
+        def counter() -> jax.Array:  # three buffers, each donated once
+            return jax.device_put(jnp.zeros([], jnp.int32), replicated)
+
+        state = self._state(graphdef, params, model_state, counter)
+        fresh, _, specs = self._fresh_layout(state, mask, batch)
+        shardings = jax.tree.map(
+            lambda s: NamedSharding(o.device_mesh, s), (specs.opt_state, specs.window)
+        )
+        opt_state, window = jax.jit(fresh, out_shardings=shardings)(split_trainable(params, mask))
+        if o.zero_stage == 3:  # the trainable leaves split at rest: each device its block
+            split = jax.tree.map(
+                lambda s: NamedSharding(o.device_mesh, s), specs.params, is_leaf=is_spec
+            )
+            state = state._replace(params=jax.device_put(params, split))
+        return state._replace(opt_state=opt_state, window=window)
+
+    def abstract_state(self, params_or_module: Any, *, batch: Any = None) -> TrainState:
+        """What :meth:`init` returns, as ``jax.ShapeDtypeStruct`` leaves with the shardings
+        the step keeps: nothing is allocated, placed or computed. For :meth:`lower` and
+        :meth:`compile` where no state can be made: a model larger than the machine, or
+        devices that only compile (a GPU topology described on a CPU machine,
+        :func:`jaxdp.testing.gpu_mesh`).
+
+        The model as for :meth:`init`; its arrays may be abstract
+        (``nnx.eval_shape(lambda: Model(...))``, ``jax.ShapeDtypeStruct`` leaves). The
+        checks are :meth:`init`'s, but the replicas' (which read values).
+        """
+        o = self.options
+        graphdef, params, model_state, mask = self._model_parts(params_or_module, abstract=True)
+        shapes = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
+        counter = functools.partial(jax.ShapeDtypeStruct, (), jnp.int32)
+        state = self._state(graphdef, shapes(params), shapes(model_state), counter)
+        _, like, specs = self._fresh_layout(state, mask, batch)
+        state = state._replace(opt_state=like[0], window=like[1])
+
+        def placed(spec: P, x: Any) -> Any:
+            if x is None:  # an empty subtree under a spec (no aux)
+                return None
+            return jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=NamedSharding(o.device_mesh, spec)
+                ),
+                x,
+            )
+
+        return jax.tree.map(placed, specs, state, is_leaf=is_spec)
+
+    def _model_parts(self, params_or_module: Any, *, abstract: bool = False) -> tuple:
+        """``(graphdef, params, model_state, trainable mask)`` of the model, checked."""
+        o = self.options
+        model = as_trainable(params_or_module)
+        check_batch_stats(model, o.batch_stats, o.axis_name)
+        graphdef, params, model_state = split_model(model)
+        if o.batch_stats is not None and graphdef is None:
+            raise ValueError("batch_stats needs an NNX module with BatchNorm, got a pytree")
+        mask = check_params(params, o.trainable, abstract=abstract)
+        if o.zero_stage and not any(mask):
             raise ValueError(
                 f"zero_stage={o.zero_stage} splits the trainable parameters' optimizer "
                 f"state over the devices, and params has no trainable leaf "
                 f"({len(jax.tree.leaves(params))} leaves in all): use zero_stage=0"
             )
-        dtype = o.accumulator_dtype(params)
-        stats = split_state(model_state)[0]
+        return graphdef, params, model_state, mask
 
-        def counter() -> jax.Array:  # three buffers, each donated once
-            return jax.device_put(jnp.zeros([], jnp.int32), replicated)
-
-        state = TrainState(
+    def _state(
+        self, graphdef: Any, params: Any, model_state: Any, counter: Callable[[], Any]
+    ) -> TrainState:
+        """A state with no optimizer state or window yet."""
+        return TrainState(
             step=counter(),
             params=params,
             opt_state=None,
@@ -158,26 +209,26 @@ class TrainStep:
             model_state=model_state,
             skips=SkipCounts(skipped_steps=counter(), consecutive_skips=counter()),
         )
+
+    def _fresh_layout(
+        self, state: TrainState, mask: tuple[bool, ...], batch: Any
+    ) -> tuple[Callable[[Any], Any], Any, TrainState]:
+        """``(fresh, like, specs)``: the function of the trainable parameters that makes a
+        fresh optimizer state and window, their shapes, and how every leaf of the state
+        lies on the mesh."""
+        o = self.options
+        dtype = o.accumulator_dtype(state.params)
+        stats = split_state(state.model_state)[0]
         aux = None
         if o.has_aux and o.path == "multisteps":
             batch = batch.data if is_loader_batch(batch) else batch
             aux = aux_like(o, state, None if batch is None else place_batch(batch, self._rows))
 
-        def fresh(t):
-            return self._fresh(t, stats, dtype, aux)
+        def fresh(trainable: Any) -> tuple[Any, Window | None]:
+            return self._fresh(trainable, stats, dtype, aux)
 
-        like = jax.eval_shape(fresh, trainable)
-        specs = state_specs(o, state._replace(opt_state=like[0], window=like[1]))
-        shardings = jax.tree.map(
-            lambda s: NamedSharding(o.device_mesh, s), (specs.opt_state, specs.window)
-        )
-        opt_state, window = jax.jit(fresh, out_shardings=shardings)(trainable)
-        if o.zero_stage == 3:  # the trainable leaves split at rest: each device its block
-            split = jax.tree.map(
-                lambda s: NamedSharding(o.device_mesh, s), specs.params, is_leaf=is_spec
-            )
-            state = state._replace(params=jax.device_put(params, split))
-        return state._replace(opt_state=opt_state, window=window)
+        like = jax.eval_shape(fresh, split_trainable(state.params, mask))
+        return fresh, like, state_specs(o, state._replace(opt_state=like[0], window=like[1]))
 
     def _fresh(
         self, trainable: Any, batch_stats: Any, dtype: Any, aux: Any
@@ -263,7 +314,8 @@ class TrainStep:
 
     def _prepare(self, batch: Any, micro_weights: Any) -> tuple[BatchSizes, tuple[Any, Any]]:
         """The batch's identity; the batch split over the mesh by rows and the
-        micro-batch weights, replicated (abstract inputs pass through)."""
+        micro-batch weights, replicated (abstract inputs stay abstract: a leaf without a
+        sharding takes the batch's, and the weights are described, not placed)."""
         shape = (self.accum_steps,) if self.path == "fused" else ()
         sizes = self.sizes(batch)
         if isinstance(micro_weights, jax.ShapeDtypeStruct):
@@ -278,6 +330,11 @@ class TrainStep:
                 f"micro_weights has shape {weights.shape}; the {self.path} path takes "
                 f"shape {shape} (one weight per micro-batch of the call)"
             )
+        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch))
+        if abstract and not isinstance(weights, jax.ShapeDtypeStruct):
+            # Nothing is placed for abstract inputs (compile-only devices take no values).
+            replicated = NamedSharding(self.mesh, P())
+            weights = jax.ShapeDtypeStruct(weights.shape, weights.dtype, sharding=replicated)
         if not isinstance(weights, jax.ShapeDtypeStruct):
             weights = self._placed_weights(weights)
         return sizes, (place_batch(batch, self._rows), weights)
@@ -337,7 +394,7 @@ def make_train_step(
         and the step reports the mean over micro-batches and devices; with
         ``"weighted"`` aux is a micro-batch sum and the step reports the total sum
         divided by the total count (accuracy: the number of correct rows). Its
-        sums travel in the step's one all-reduce, in the accumulator dtype.
+        sums travel with the gradients' all-reduce, in the accumulator dtype.
         On the multisteps path ``init`` needs a ``batch`` for their shapes. aux
         keeps one structure, and each leaf one shape, for a run: another one
         (a key gained or lost, a leaf that follows the batch size) raises
@@ -372,10 +429,11 @@ def make_train_step(
         ``comm_dtype``, ``skip_nonfinite``, ``max_consecutive_skips``,
         ``skip_unused``), accepted with a ``DeprecationWarning`` until 0.4.
 
-    Gradients travel in one all-reduce per optimizer step, issued after the
-    last micro-batch (``no_sync`` on the others), together with the loss and
-    weight sums and device 0's batch statistics (ZeRO stages 1 and 2: one
-    reduce-scatter, then one all-gather of the parameters; stage 3: the
+    Gradients travel once per optimizer step, on the last micro-batch (``no_sync``
+    on the others), together with the loss and weight sums and device 0's batch
+    statistics: on GPUs in buckets of ``Parallel.bucket_cap_mb`` that XLA runs under
+    the rest of that micro-batch's backward, on CPU in one all-reduce (ZeRO stages 1
+    and 2: a reduce-scatter, then one all-gather of the parameters; stage 3: the
     parameters gathered for each micro-batch's forward, a layer at a time inside
     :func:`jaxdp.scan_layers`, and the gradients reduce-scattered in its
     backward, nothing gathered after the update; under HSDP these stay within a

@@ -245,8 +245,9 @@ def blocks(path: pathlib.Path, language: str) -> list[str]:
 
 def runs_elsewhere(code: str) -> bool:
     # torch_ref's DDP example spawns ranks that re-import it as __main__, so it runs
-    # on its own: parity_tests/test_torch_ref.py::test_docs_torch_ref_example_runs.
-    return "import torch_ref" in code
+    # on its own: parity_tests/test_torch_ref.py::test_docs_torch_ref_example_runs. The
+    # GPU topology's needs jax's CUDA plugin: tests/gpu/test_docs_gpu.py runs it.
+    return "import torch_ref" in code or "gpu_mesh(" in code
 
 
 # ---- Python blocks ------------------------------------------------------------------------
@@ -370,9 +371,9 @@ def test_python_blocks_run(path, group, tmp_path, shared_interpreter):
         assert "choose batch_stats='local'" in stdout
 
 
-def test_only_the_torch_ref_example_runs_elsewhere():
+def test_only_the_torch_ref_and_gpu_examples_run_elsewhere():
     elsewhere = [p.name for p in FILES for b in blocks(p, "python") if runs_elsewhere(b)]
-    assert elsewhere == ["parity.md"]
+    assert elsewhere == ["parity.md", "scaling-out.md"]
 
 
 # ---- bash blocks ----------------------------------------------------------------------------

@@ -20,9 +20,9 @@ from ._targets import targets_section
 
 # BENCHMARKS.md's generated sections, in order, and the results they are made from.
 SECTIONS = ("run", "targets", "overhead", "vs_torch", "comms", "ring", "memory", "zero")
-SECTIONS += ("zero3", "loader", "gpu")
+SECTIONS += ("zero3", "loader", "gpu", "gpu_programs")
 CPU_RESULTS = ("overhead", "vs_torch", "comms", "memory", "zero")
-RESULTS = ("run", *CPU_RESULTS, "zero3", "loader", "gpu")
+RESULTS = ("run", *CPU_RESULTS, "zero3", "loader", "gpu", "gpu_programs")
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce")  # zero3's collectives, in this order
 
 
@@ -405,6 +405,52 @@ def gpu_section(g: dict[str, Any] | None) -> str:
     )
 
 
+def gpu_programs_section(g: dict[str, Any]) -> str:
+    """Per topology, the compiled step's gradient buckets, the share of their bytes with
+    compute scheduled under them, and each device's peak beside the plan's."""
+    m = g["model"]
+    parts = [
+        f"GPT-2 small ({m['n_layer']} blocks of width {m['d_model']}, vocabulary "
+        f"{m['vocab_size']}, {m['block_size']} positions, head tied to the token embedding), "
+        f"float32 parameters, bf16 compute, AdamW, {g['micro_batch_size']} sequences per "
+        f"micro-batch and device; target `{g['target']}`, `bucket_cap_mb={g['bucket_cap_mb']}`. "
+        "Compiled by XLA:GPU on a CPU machine; nothing ran."
+    ]
+    header = [
+        "stage, path, K",
+        "gradient collectives per step",
+        "MB per step",
+        "in the micro-batch loop",
+        "hidden (all)",
+        "hidden (but the tied embedding)",
+        "all-gathers",
+        "peak per device (XLA)",
+        "`jaxdp plan`",
+        "compile",
+    ]
+    for topology in dict.fromkeys(r["topology"] for r in g["rows"]):
+        rows = []
+        for r in (r for r in g["rows"] if r["topology"] == topology):
+            peak = r["memory"]["peak"] or 0
+            rows.append(
+                [
+                    f"{r['zero_stage']}, {r['path']}, {r['accum_steps']}",
+                    f"{r['gradient_collectives']} {r['gradient_kind']}s",
+                    f"{r['gradient_bytes'] / 1e6:,.1f}",
+                    r["in_loop"],
+                    f"{r['hidden_share']:.1%}",
+                    f"**{r['hidden_share_but_tied']:.1%}**",
+                    r["all_gathers"],
+                    f"{peak / 2**30:.2f} GiB",
+                    f"{r['plan_bytes'] / 2**30:.2f} GiB ({peak / r['plan_bytes']:.2f}x)",
+                    f"{r['compile_seconds']:.0f} s",
+                ]
+            )
+        devices = next(r["devices"] for r in g["rows"] if r["topology"] == topology)
+        parts.append(f"`{topology}` ({devices} H100s):\n\n" + markdown_table(header, rows))
+    return "\n\n".join(parts)
+
+
 # ---- writing -----------------------------------------------------------------------------------
 
 TEMPLATE = "# jaxdp benchmarks\n\n" + "".join(
@@ -429,6 +475,12 @@ def sections(r: dict[str, dict[str, Any]], out: Path, markdown: Path) -> dict[st
         s["zero3"] = zero3_section(r["zero3"])
     if "comms" in r:
         s["ring"] = ring_section(r["comms"])
+    if "gpu_programs" in r:
+        s["gpu_programs"] = gpu_programs_section(r["gpu_programs"])
+    s.setdefault(
+        "gpu_programs",
+        "Not measured yet: it runs only when named, `bin/jaxdp bench --only gpu_programs`.",
+    )
     s.setdefault(
         "loader", "Not measured yet: it runs only when named, `bin/jaxdp bench --only loader`."
     )

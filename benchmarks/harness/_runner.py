@@ -24,8 +24,11 @@ from typing import Any
 CPU_MEASUREMENTS = ("overhead", "vs_torch", "comms", "memory", "zero")
 # The full run's also: zero3 (stage 3 and HSDP), left out of --quick, which the suite runs.
 FULL_ONLY = ("zero3",)
-# Only when named: gpu needs a GPU; loader (the input pipeline, issue 13) is its own run.
-ALL_MEASUREMENTS = (*CPU_MEASUREMENTS, *FULL_ONLY, "loader", "gpu")
+# Only when named: gpu needs a GPU; loader (the input pipeline, issue 13) is its own run;
+# gpu_programs compiles for GPU topologies on this CPU machine, in the newest-jax
+# environment (jax's CUDA plugin: NEWEST).
+ALL_MEASUREMENTS = (*CPU_MEASUREMENTS, *FULL_ONLY, "loader", "gpu", "gpu_programs")
+NEWEST = ("gpu_programs",)
 DEFAULT_OUT = Path("benchmarks/results")
 # What --quick runs in one process (._together): XLA alone, no torch, no GPU.
 TOGETHER = ("overhead", "comms", "memory", "zero")
@@ -110,6 +113,14 @@ def _env(name: str) -> dict[str, str]:
     return env
 
 
+def _newest_python() -> str:
+    """The Python of ``.venv-newest`` (the newest jax and its CUDA plugin), set up by
+    ``bin/test-newest-jax --setup-only`` first."""
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([str(root / "bin" / "test-newest-jax"), "--setup-only"], check=True)
+    return str(root / ".venv-newest" / "bin" / "python")
+
+
 def _processes(names: tuple[str, ...], *, quick: bool) -> dict[str, list[str]]:
     """The module each process runs and its arguments, by what it measures: one
     ``benchmarks.harness.<name>`` each, but in ``quick`` the XLA-only ones together."""
@@ -125,7 +136,8 @@ def _run_batch(names: tuple[str, ...], *, out: Path, quick: bool) -> int:
     """Starts ``names`` together (see :func:`_processes`); waits for all."""
     running = {}
     for name, (module, *args) in _processes(names, quick=quick).items():
-        argv = [sys.executable, "-m", f"benchmarks.harness.{module}", *args, "--out", str(out)]
+        python = _newest_python() if name in NEWEST else sys.executable
+        argv = [python, "-m", f"benchmarks.harness.{module}", *args, "--out", str(out)]
         print(f"jaxdp bench: {name} ...", flush=True)
         running[name] = (subprocess.Popen(argv, env=_env(name)), time.perf_counter())
     status = 0

@@ -39,12 +39,23 @@ _RESIDUAL_ROWS = (8, 16)  # two micro-batch sizes whose difference gives bytes p
 
 @dataclasses.dataclass(frozen=True)
 class CompiledMemory:
-    """XLA's memory analysis of one compiled program, bytes per device."""
+    """XLA's memory analysis of one compiled program, bytes per device.
+
+    Attributes:
+      arguments: the program's inputs (the state, the batch, the micro-batch weights).
+      outputs: its outputs.
+      aliased: output bytes written into (donated) argument buffers.
+      temporaries: the buffers it allocates while it runs (its temporary allocation).
+      peak: XLA's own peak of the program's buffers over its schedule (arguments and
+        temporaries live at once at the worst point), where the backend reports it;
+        None where it does not.
+    """
 
     arguments: int
     outputs: int
-    aliased: int  # output bytes written into (donated) argument buffers
+    aliased: int
     temporaries: int
+    peak: int | None = None
 
     @property
     def total(self) -> int:
@@ -53,13 +64,16 @@ class CompiledMemory:
 
 
 def compiled_memory(compiled: Any) -> CompiledMemory:
-    """XLA's figures for ``compiled`` (e.g. ``step.compile(state, batch)``)."""
+    """XLA's figures for ``compiled`` (e.g. ``step.compile(state, batch)``, also for the
+    compile-only GPUs of :func:`jaxdp.testing.gpu_mesh`: per device)."""
     stats = compiled.memory_analysis()
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
     return CompiledMemory(
         arguments=int(stats.argument_size_in_bytes),
         outputs=int(stats.output_size_in_bytes),
         aliased=int(stats.alias_size_in_bytes),
         temporaries=int(stats.temp_size_in_bytes),
+        peak=peak or None,
     )
 
 

@@ -3,6 +3,7 @@ in all of its calls or in those that take one side of its conditionals."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Literal
 
@@ -21,19 +22,56 @@ _KINDS = {
 _CONDITIONAL = re.compile(r"^conditional (.+)\[(\d+)\]$")
 
 
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """What :func:`assert_collectives` expects of a kind whose collectives XLA combines
+    into buckets: their bytes per call, and how much of them hides under compute.
+
+    A jaxdp step's gradients travel so (``Parallel(bucket_cap_mb=...)``): on the
+    window's last micro-batch only, in buckets that XLA:GPU schedules under the rest of
+    its backward. How many buckets XLA makes is its choice (its combine threshold, the
+    order the backward computes the leaves in); what they carry is not.
+
+    Attributes:
+      bytes: the bytes the collectives of the kind carry per call, all executions
+        together (each collective's whole buffer, as :func:`jaxdp.testing.collectives`
+        measures it): a step's gradient bytes (``accum_steps`` times them at ZeRO stage
+        2, which reduce-scatters every micro-batch). A collective inside the micro-batch
+        loop runs once per micro-batch, so a window's reduction there counts
+        ``accum_steps`` times.
+      extra: how many bytes more they may carry: the sums that ride with the gradients
+        (the loss, the weight, ``aux``, batch statistics).
+      hidden: the least share of those bytes in asynchronous collectives with a matrix
+        product scheduled between their start and done (``Collective.products_under``);
+        None leaves it unchecked. XLA:CPU runs collectives synchronously: nothing hides.
+      at_end: bytes left out of that share: leaves whose gradient is complete only at the
+        end of the backward, with no compute left to hide under (a token embedding tied
+        to the output head, which the first layer's backward finishes).
+    """
+
+    bytes: int
+    extra: int = 2**16
+    hidden: float | None = None
+    at_end: int = 0
+
+
 def assert_collectives(
     compiled: Any,
     *,
-    all_reduce: int | None = 0,
-    reduce_scatter: int | None = 0,
-    all_gather: int | None = 0,
+    all_reduce: int | Buckets | None = 0,
+    reduce_scatter: int | Buckets | None = 0,
+    all_gather: int | Buckets | None = 0,
     branch: Literal["applied", "skipped"] | None = None,
 ) -> None:
     """Asserts how many collectives of each kind run per call of ``compiled``.
 
     Counts executions, not instructions: an all-reduce inside a ``lax.scan`` of 4
     steps counts 4 (see :func:`jaxdp.testing.collectives`). A kind not named must not run at
-    all; ``None`` leaves it unchecked.
+    all; ``None`` leaves it unchecked. A :class:`Buckets` asserts the bytes the kind
+    carries per call instead of a count, and how much of them hides under compute: a
+    jaxdp step's gradient bytes travel once per optimizer step, on the window's last
+    micro-batch, in the buckets XLA makes of them (``assert_collectives(compiled,
+    all_reduce=Buckets(gradient_bytes, hidden=0.9))``; on XLA:CPU in one).
 
     A collective inside a conditional runs only when its branch is taken, so without
     ``branch`` it has no one count and fails the assertion ("found 0..1 per call").
@@ -75,18 +113,44 @@ def assert_collectives(
     for arg, want in expected.items():
         if want is None:
             continue
-        if type(want) is not int or want < 0:
-            raise ValueError(f"{arg}={want!r} must be a non-negative integer or None")
-        runs = [_runs(c, branch, ways) for c in found if c.kind == _KINDS[arg]]
+        if not isinstance(want, Buckets) and (type(want) is not int or want < 0):
+            raise ValueError(f"{arg}={want!r} must be a non-negative integer, Buckets or None")
+        kind = [c for c in found if c.kind == _KINDS[arg]]
+        runs = [_runs(c, branch, ways) for c in kind]
         low, high = sum(lo for lo, _ in runs), sum(hi for _, hi in runs)
         if any(lo < 0 or lo != hi for lo, hi in runs):
             why = "an unknown loop" if branch else "a branch or unknown loop: see branch="
             wrong.append(f"{arg}={want}: found {low}..{high} per call ({why})")
+        elif isinstance(want, Buckets):
+            wrong += _bucket_faults(arg, want, kind, [lo for lo, _ in runs])
         elif low != want:
             wrong.append(f"{arg}={want}: found {low} per call")
     if wrong:
         taken = f" (calls that take the {branch} branch)" if branch else ""
         raise AssertionError("; ".join(wrong) + taken + "\n" + format_report(found))
+
+
+def _bucket_faults(arg: str, want: Buckets, kind: list[Collective], runs: list[int]) -> list[str]:
+    """What of ``want`` the collectives ``kind`` (each running ``runs[i]`` times a call)
+    do not meet."""
+    carried = sum(c.bytes * n for c, n in zip(kind, runs, strict=True))
+    hidden = sum(c.bytes * n for c, n in zip(kind, runs, strict=True) if c.overlapped)
+    buckets = sum(1 for n in runs if n)
+    faults = []
+    if not want.bytes <= carried <= want.bytes + want.extra:
+        faults.append(
+            f"{arg}={want}: its {buckets} bucket(s) carry {carried:,} bytes per call, not "
+            f"{want.bytes:,} (+ at most {want.extra:,})"
+        )
+    counted = carried - want.at_end
+    if want.hidden is not None and hidden < want.hidden * counted:
+        share = hidden / counted if counted > 0 else 0.0
+        faults.append(
+            f"{arg}={want}: {share:.1%} of its bytes (those of leaves complete only at the "
+            f"backward's end left out) have a matrix product scheduled under them, not "
+            f"at least {want.hidden:.0%}"
+        )
+    return faults
 
 
 def _branch_counts(hlo: str) -> dict[str, tuple[int, int]]:

@@ -132,3 +132,40 @@ def test_donation_never_deletes_the_callers_arrays(path):
             state, _ = step(state, regression_data(4))
     assert_trees_close(params, mlp_params(), rtol=0)
     np.testing.assert_array_equal(model.hidden.kernel[...], kernel)
+
+
+# ---- the state as shapes alone -------------------------------------------------------------
+
+ABSTRACT = [(0, "fused", None), (1, "multisteps", None), (3, "multisteps", 2)]
+
+
+@pytest.mark.parametrize(("stage", "path", "shards"), ABSTRACT)
+def test_abstract_state_is_what_init_returns_with_nothing_allocated(stage, path, shards):
+    """``step.abstract_state(model)`` has init's tree, shapes, dtypes and shardings, from an
+    abstract model (``nnx.eval_shape``); the step lowers from it and an abstract batch to
+    the program it lowers from the placed state and batch."""
+    step = jaxdp.make_train_step(
+        lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2),
+        optax.adamw(1e-3),
+        mesh=jaxdp.data_mesh(4),
+        accum_steps=2,
+        path=path,
+        parallel=jaxdp.Parallel(zero_stage=stage, shards=shards),
+    )
+    made = step.init(jaxdp.models.Stack(rngs=nnx.Rngs(0)))
+    abstract = step.abstract_state(nnx.eval_shape(lambda: jaxdp.models.Stack(rngs=nnx.Rngs(0))))
+    assert jax.tree.structure(abstract) == jax.tree.structure(made)
+    for a, m in zip(jax.tree.leaves(abstract), jax.tree.leaves(made), strict=True):
+        assert isinstance(a, jax.ShapeDtypeStruct)
+        assert (a.shape, a.dtype) == (m.shape, m.dtype)
+        assert a.sharding.is_equivalent_to(m.sharding, m.ndim), (a.sharding, m.sharding)
+    rows = 4 * (2 if path == "fused" else 1) * 2
+    x, y = np.ones((rows, 6), np.float32), np.ones((rows, 5), np.float32)
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, y))
+    assert step.lower(abstract, shapes).as_text() == step.lower(made, (x, y)).as_text()
+
+
+def test_init_refuses_abstract_leaves_naming_abstract_state():
+    step = jaxdp.make_train_step(mse_loss, optax.sgd(0.1), mesh=jaxdp.data_mesh(2))
+    with pytest.raises(TypeError, match=r"params\['w'\] is a jax.ShapeDtypeStruct .* call "):
+        step.init({"w": jax.ShapeDtypeStruct((3, 1), jnp.float32)})

@@ -8,7 +8,17 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
-from jaxdp.testing import TOLERANCES, Tolerance, assert_collectives, assert_trees_close
+from jaxdp.testing import (
+    TARGETS,
+    TOLERANCES,
+    Buckets,
+    Tolerance,
+    assert_collectives,
+    assert_trees_close,
+    collectives,
+    format_report,
+    gpu_mesh,
+)
 
 # ---- assert_trees_close ------------------------------------------------------------------
 
@@ -97,8 +107,81 @@ def test_a_collective_in_a_branch_has_no_one_count():
 
 
 def test_a_bad_expected_count_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"all_gather=-1 must be a non-negative integer or None"):
+    with pytest.raises(ValueError, match=r"all_gather=-1 must be a non-negative integer, Buckets"):
         assert_collectives(summed(lambda x: jax.lax.psum(x, "data")), all_gather=-1)
+
+
+# ---- asynchronous collectives and buckets ----------------------------------------------------
+
+# A scheduled program as XLA:GPU prints it (trimmed): two gradient buckets, the first
+# started before a GEMM fusion and done after it, the second started after the last one.
+ASYNC = """HloModule jit_step, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%gemm_computation (p0: f32[64,64], p1: f32[64,64]) -> f32[64,64] {
+  %p0 = f32[64,64]{1,0} parameter(0)
+  %p1 = f32[64,64]{1,0} parameter(1)
+  ROOT %dot = f32[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f32[64,64], g: f32[1024]) -> (f32[64,64], f32[1024], f32[256]) {
+  %x = f32[64,64]{1,0} parameter(0)
+  %g = f32[1024]{0} parameter(1)
+  %all-reduce-start = ((f32[1024]{0}), f32[1024]{0}) all-reduce-start(%g), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %gemm_fusion_dot = f32[64,64]{1,0} fusion(%x, %x), kind=kCustom, calls=%gemm_computation
+  %all-reduce-done = f32[1024]{0} all-reduce-done(%all-reduce-start)
+  %reduce-scatter-start = ((f32[2048]{0}), f32[256]{0}) reduce-scatter-start(%g), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+  %reduce-scatter-done = f32[256]{0} reduce-scatter-done(%reduce-scatter-start)
+  ROOT %out = (f32[64,64]{1,0}, f32[1024]{0}, f32[256]{0}) tuple(%gemm_fusion_dot, %all-reduce-done, %reduce-scatter-done)
+}
+"""
+
+
+def test_an_asynchronous_collective_counts_its_result_and_the_products_under_it():
+    reduce, scatter = collectives(ASYNC)
+    assert (reduce.kind, reduce.bytes, reduce.asynchronous) == ("all-reduce", 4096, True)
+    assert reduce.products_under == ("gemm_fusion_dot",) and reduce.overlapped
+    # A reduce-scatter's bytes are its whole buffer: each device's block times 8.
+    assert (scatter.kind, scatter.bytes, scatter.products_under) == ("reduce-scatter", 8192, ())
+    assert "products under" in format_report([reduce, scatter])
+
+
+def test_buckets_assert_the_bytes_and_the_share_hidden():
+    assert_collectives(ASYNC, all_reduce=Buckets(4096, hidden=1.0), reduce_scatter=1)
+    assert_collectives(ASYNC, reduce_scatter=Buckets(8192, extra=0), all_reduce=None)
+    with pytest.raises(AssertionError, match=r"carry 8,192 bytes per call, not 4,096"):
+        assert_collectives(ASYNC, reduce_scatter=Buckets(4096, extra=0), all_reduce=None)
+    # The reduce-scatter has nothing under it: 0% hidden, unless its bytes are left out.
+    with pytest.raises(AssertionError, match=r"0.0% of its bytes .* not at least 50%"):
+        assert_collectives(ASYNC, reduce_scatter=Buckets(8192, hidden=0.5), all_reduce=None)
+    assert_collectives(
+        ASYNC, reduce_scatter=Buckets(8192, hidden=0.5, at_end=8192), all_reduce=None
+    )
+
+
+def test_on_a_cpu_mesh_the_step_sends_its_gradients_in_one_synchronous_all_reduce():
+    """XLA:CPU runs collectives synchronously: the window's gradients (8 x 3 weights, 3
+    biases, float64) and its loss and weight sums travel in one all-reduce after the
+    micro-batch loop, nothing under it."""
+    compiled = zero_step(0)
+    (found,) = collectives(compiled)
+    assert not found.asynchronous and not found.in_loop
+    assert_collectives(compiled, all_reduce=Buckets(27 * 8, extra=16))
+    with pytest.raises(AssertionError, match="have a matrix product scheduled under them"):
+        assert_collectives(compiled, all_reduce=Buckets(27 * 8, extra=16, hidden=0.5))
+
+
+def test_a_gpu_mesh_refuses_what_it_cannot_describe():
+    with pytest.raises(ValueError, match=r"topology='8' must be '<slices>x<hosts per slice>"):
+        gpu_mesh("8")
+    with pytest.raises(ValueError, match=r"target='a100' must be one of \('h100-sxm', 'h100'\)"):
+        gpu_mesh(target="a100")
+    assert TARGETS == ("h100-sxm", "h100")
 
 
 def zero_step(stage, *, path="fused", accum_steps=2):

@@ -289,11 +289,24 @@ def test_bad_zero_options_are_refused_naming_them():
         ({"zero_stage": 4}, "zero_stage=4 must be 0, 1, 2 or 3"),
         ({"zero_stage": 1, "strategy": "pmap"}, "needs strategy='shard_map'"),
         ({"comm_dtype": "float16"}, "comm_dtype='float16' must be None"),
+        ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a positive number of MiB"),
+        ({"bucket_cap_mb": True}, r"bucket_cap_mb=True must be a positive number"),
+        ({"bucket_cap_mb": float("inf")}, r"bucket_cap_mb=inf must be a positive number"),
     ]:
         with pytest.raises(ValueError, match=match):
             jaxdp.make_train_step(
                 mse_loss, optax.sgd(0.1), mesh=mesh, parallel=jaxdp.Parallel(**kw)
             )
+
+
+def test_a_cpu_step_carries_no_compiler_option_of_its_own():
+    """XLA:CPU sends the window in one collective: the bucket cap, XLA:GPU's combine
+    threshold, is no option of a CPU step's program (tests/gpu compiles the GPU one)."""
+    parallel = jaxdp.Parallel(zero_stage=1, bucket_cap_mb=8)
+    step = jaxdp.make_train_step(
+        mse_loss, optax.sgd(0.1), mesh=jaxdp.data_mesh(4), parallel=parallel
+    )
+    assert step.options.compiler_options == {}
 
 
 def test_skip_unused_at_stage_2_as_at_stage_0():

@@ -1,0 +1,174 @@
+"""GPU programs read without a GPU: jaxdp's step for GPT-2 small compiled by XLA:GPU for
+one node of 8 H100s and two nodes of 8 (:func:`jaxdp.testing.gpu_mesh`), per ZeRO stage,
+path and K: its gradient collectives, their bytes, the share of those bytes with a matrix
+product scheduled under them, and each device's peak memory beside ``jaxdp plan``'s.
+
+Nothing runs: each program is compiled from abstract inputs (``step.abstract_state``),
+on a CPU machine, with the newest jax and its CUDA plugin (``bin/jaxdp bench --only
+gpu_programs`` sets up ``.venv-newest`` with ``bin/test-newest-jax --setup-only`` and runs
+this module there; by hand: ``JAX_PLATFORMS=cpu .venv-newest/bin/python -m
+benchmarks.harness.gpu_programs --out DIR``). Deterministic: the figures are the
+compiler's, not timings.
+
+The model and batch are tests/gpu's (:mod:`benchmarks.harness.gpu`'s GPT-2 small, bf16
+compute over float32 parameters, AdamW, 8 sequences of 1024 tokens per micro-batch and
+device). "hidden" is the share of the gradient collectives' bytes in asynchronous
+collectives with a matrix product between start and done, of all of them and of those
+but the tied token embedding's (whose gradient is complete only at the backward's end).
+The plan's figure is :func:`jaxdp.plan.plan_memory` for the same sizes (float32
+weights, gradients and AdamW moments, the float32 accumulator, the per-device batch, and
+one micro-batch's activations as the planner measures them: the residuals JAX's autodiff
+keeps, from an abstract trace).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ._common import standard_args, write_result
+from .gpu import GPT2_SMALL, TINY, GPTConfig, nnx_loss, nnx_model
+
+TOPOLOGIES = ("1x1x8", "1x2x8")
+# (zero_stage, path, accum_steps), as tests/gpu/test_gpu_programs.py compiles them.
+CELLS = (
+    (0, "fused", 1),
+    (0, "fused", 4),
+    (0, "multisteps", 4),
+    (1, "fused", 1),
+    (1, "fused", 4),
+    (2, "fused", 1),
+    (2, "fused", 4),
+)
+MICRO_BATCH_SIZE = 8
+QUICK_CELLS = ((0, "fused", 2),)
+
+
+def compile_cell(cfg: GPTConfig, topology: str, stage: int, path: str, k: int) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jaxdp
+    from jaxdp.plan import compiled_memory
+    from jaxdp.testing import collectives, gpu_mesh
+
+    mesh = gpu_mesh(topology)
+    step = jaxdp.make_train_step(
+        nnx_loss,
+        optax.adamw(3e-4, weight_decay=0.1),
+        mesh=mesh,
+        accum_steps=k,
+        path=path,
+        parallel=jaxdp.Parallel(zero_stage=stage),
+    )
+    state = step.abstract_state(nnx.eval_shape(lambda: nnx_model(cfg, dtype=jnp.bfloat16)))
+    rows = mesh.size * (k if path == "fused" else 1) * MICRO_BATCH_SIZE
+    batch = (jax.ShapeDtypeStruct((rows, cfg.block_size), jnp.int32),) * 2
+    started = time.perf_counter()
+    compiled = step.compile(state, batch)
+    seconds = time.perf_counter() - started
+    kind = "all-reduce" if stage == 0 else "reduce-scatter"
+    found = collectives(compiled)
+    branch = path == "multisteps"  # the window's last call: its branch's collectives
+    grads = [c for c in found if c.kind == kind and c.bytes > 2**16]
+    gathers = [c for c in found if c.kind == "all-gather"]
+
+    def runs(c: Any) -> int:
+        return c.executions[1] if branch else c.executions[0]
+
+    carried = sum(c.bytes * runs(c) for c in grads)
+    hidden = sum(c.bytes * runs(c) for c in grads if c.overlapped)
+    tied = _nbytes(state.params["wte"]) * (k if stage == 2 else 1)
+    memory = compiled_memory(compiled)
+    return {
+        "topology": topology,
+        "devices": mesh.size,
+        "zero_stage": stage,
+        "path": path,
+        "accum_steps": k,
+        "compile_seconds": seconds,
+        "gradient_kind": kind,
+        "gradient_collectives": sum(runs(c) for c in grads),
+        "gradient_bytes": carried,
+        "in_loop": sum(1 for c in grads if c.in_loop),
+        "hidden_share": hidden / carried if carried else 0.0,
+        "hidden_share_but_tied": hidden / (carried - tied) if carried > tied else 0.0,
+        "largest_bucket": max((c.bytes for c in grads), default=0),
+        "all_gathers": sum(runs(c) for c in gathers),
+        "all_gather_bytes": sum(c.bytes * runs(c) for c in gathers),
+        "memory": dataclasses.asdict(memory),
+        "plan_bytes": _plan_bytes(cfg, state, mesh.size, stage, k),
+    }
+
+
+def _nbytes(tree: Any) -> int:
+    import jax
+
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _plan_bytes(cfg: GPTConfig, state: Any, devices: int, stage: int, k: int) -> float:
+    """``jaxdp plan``'s per-device total for the compiled sizes."""
+    from jaxdp.plan import plan_memory
+
+    params = _nbytes(state.params) // 4
+    plan = plan_memory(
+        params=params,
+        policy="fp32",
+        optimizer="adamw",
+        num_devices=devices,
+        zero_stage=stage,
+        activation_bytes_per_sample=_activation_bytes_per_sample(cfg),
+        input_bytes_per_sample=2 * 4 * cfg.block_size,
+    )
+    return dataclasses.replace(plan, micro_batch_size=MICRO_BATCH_SIZE, accum_steps=k).total
+
+
+def _activation_bytes_per_sample(cfg: GPTConfig) -> float:
+    """What the planner counts per sample: the residuals of ``jax.vjp`` of the loss, at
+    two micro-batch sizes (:func:`jaxdp.plan._xla.activation_bytes_per_sample`'s way)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(
+        nnx.eval_shape(lambda: nnx_model(cfg, dtype=jnp.bfloat16)), nnx.Param, ...
+    )
+
+    def residuals(params: Any, rows: int) -> int:
+        tokens = jax.ShapeDtypeStruct((rows, cfg.block_size), jnp.int32)
+
+        def loss(p: Any, x: Any) -> Any:
+            return nnx_loss(nnx.merge(graphdef, p, rest), (x, x))
+
+        shapes = jax.eval_shape(lambda p, x: jax.vjp(lambda q: loss(q, x), p)[1], params, tokens)
+        return _nbytes(shapes)
+
+    return (residuals(params, 2) - residuals(params, 1)) / 1
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = standard_args(__doc__.split("\n")[0], argv)
+    cfg, cells, topologies = (
+        (TINY, QUICK_CELLS, TOPOLOGIES[:1]) if args.quick else (GPT2_SMALL, CELLS, TOPOLOGIES)
+    )
+    started = time.perf_counter()
+    rows = [compile_cell(cfg, topology, *cell) for topology in topologies for cell in cells]
+    result = {
+        "quick": args.quick,
+        "model": dataclasses.asdict(cfg),
+        "micro_batch_size": MICRO_BATCH_SIZE,
+        "target": "h100-sxm",
+        "bucket_cap_mb": 25,
+        "rows": rows,
+    }
+    write_result(args.out, "gpu_programs", result, started)
+
+
+if __name__ == "__main__":
+    main()

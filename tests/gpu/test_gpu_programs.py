@@ -1,0 +1,167 @@
+"""jaxdp's step for a GPT-2-small-sized model, compiled by XLA:GPU for one node of 8 H100s
+(``1x1x8``) and two nodes of 8 (``1x2x8``) without a GPU (:func:`jaxdp.testing.gpu_mesh`),
+read from its scheduled program and its memory analysis.
+
+The property of issue 41 (DDP's overlap): the window's gradient bytes travel once per
+optimizer step, on its last micro-batch only, in buckets XLA schedules under the rest of
+that micro-batch's backward (``Parallel(bucket_cap_mb=25)``, XLA's combine threshold in
+the step's own compiler options): at least 90% of them with a matrix product between the
+collective's start and done, leaving out the tied token embedding, whose gradient the
+first layer's backward completes with nothing left to hide under. At ZeRO stage 2 every
+micro-batch's reduce-scatter hides under its own backward.
+
+The model: GPT-2 small (124M parameters: 12 blocks of width 768, vocabulary 50304, 1024
+positions, the head tied to the token embedding), float32 parameters, bfloat16 compute,
+AdamW, 8 sequences of 1024 tokens per micro-batch and device, as
+``benchmarks/harness/gpu.py`` trains it on one GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import jaxdp
+from benchmarks.harness import gpu
+from jaxdp.plan import compiled_memory
+from jaxdp.testing import Buckets, assert_collectives, collectives, gpu_mesh
+
+MODEL = gpu.GPT2_SMALL
+MICRO_BATCH_SIZE = 8
+TOPOLOGIES = ("1x1x8", "1x2x8")
+# (zero_stage, path, accum_steps): the multisteps path at K = 1 runs the fused call.
+CELLS = [
+    (0, "fused", 1),
+    (0, "fused", 4),
+    (0, "multisteps", 4),
+    (1, "fused", 1),
+    (1, "fused", 4),
+    (2, "fused", 1),
+    (2, "fused", 4),
+]
+HIDDEN = 0.9  # the share of the gradient bytes the acceptance asks to hide under GEMMs
+
+_PROGRAMS: dict[tuple, tuple] = {}
+
+
+def program(topology: str, stage: int, path: str, k: int):
+    """``(compiled, abstract state, batch)`` of the cell, compiled once per run."""
+    key = (topology, stage, path, k)
+    if key not in _PROGRAMS:
+        # As a user's script runs: jax's default 32-bit types (tests/conftest.py turns
+        # float64 on for the CPU tests).
+        with jax.enable_x64(False):
+            mesh = gpu_mesh(topology)
+            step = jaxdp.make_train_step(
+                gpu.nnx_loss,
+                optax.adamw(3e-4, weight_decay=0.1),
+                mesh=mesh,
+                accum_steps=k,
+                path=path,
+                parallel=jaxdp.Parallel(zero_stage=stage),
+            )
+            model = nnx.eval_shape(lambda: gpu.nnx_model(MODEL, dtype=jnp.bfloat16))
+            state = step.abstract_state(model)
+            rows = mesh.size * (k if path == "fused" else 1) * MICRO_BATCH_SIZE
+            batch = (jax.ShapeDtypeStruct((rows, MODEL.block_size), jnp.int32),) * 2
+            _PROGRAMS[key] = (step.compile(state, batch), state, batch)
+    return _PROGRAMS[key]
+
+
+def nbytes(tree) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def per_device(tree) -> int:
+    """Bytes one device holds of ``tree``'s abstract leaves, by their shardings."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+CELL_IDS = [f"stage{s}-{p}-K{k}" for s, p, k in CELLS]
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize(("stage", "path", "k"), CELLS, ids=CELL_IDS)
+def test_gradients_travel_in_buckets_under_the_backward(topology, stage, path, k):
+    compiled, state, _ = program(topology, stage, path, k)
+    gradients = nbytes(state.params)  # float32: the accumulator's dtype too
+    tied = nbytes(state.params["wte"])  # complete only at the backward's end
+    assert 0.3 < tied / gradients < 0.32  # GPT-2 small's vocabulary: 31% of its bytes
+    times = k if stage == 2 else 1  # stage 2 reduce-scatters every micro-batch
+    buckets = Buckets(gradients * times, hidden=HIDDEN, at_end=tied * times)
+    if stage == 0:
+        expected = dict(all_reduce=buckets, reduce_scatter=0, all_gather=0)
+    else:  # the small psum (norm, loss) and the updated parameters' one all-gather
+        expected = dict(all_reduce=None, reduce_scatter=buckets, all_gather=1)
+    if path == "fused":
+        assert_collectives(compiled, **expected)
+    else:
+        assert_collectives(compiled, **expected, branch="applied")
+        # A call inside the window sends nothing: DDP's no_sync().
+        assert_collectives(compiled, branch="skipped")
+    gradient_kind = "all-reduce" if stage == 0 else "reduce-scatter"
+    grads = [c for c in collectives(compiled) if c.kind == gradient_kind and c.bytes > 2**16]
+    assert len(grads) > 10  # buckets (at most 25 MiB each but a larger leaf), not one
+    if stage < 2:  # the first K-1 micro-batches' loop sends no gradient byte
+        assert not [c for c in grads if c.in_loop], [c.context for c in grads]
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize(("stage", "path", "k"), CELLS, ids=CELL_IDS)
+def test_the_arguments_are_the_state_as_the_step_lays_it_out(topology, stage, path, k):
+    """XLA's per-device arguments are exactly the abstract state's blocks, the batch's
+    rows and the micro-batch weights: the optimizer state split 8 ways at stages 1 and 2
+    (16 ways on two nodes), whole at stage 0."""
+    compiled, state, batch = program(topology, stage, path, k)
+    memory = compiled_memory(compiled)
+    mesh_size = int(topology.split("x")[1]) * 8
+    rows = sum(math.prod(x.shape) * 4 for x in batch) // mesh_size
+    weights = 4 * (k if path == "fused" else 1)
+    assert memory.arguments == per_device(state) + rows + weights
+    adam = nbytes(state.opt_state)
+    split = per_device(state.opt_state)
+    if stage == 0:
+        assert split == adam
+    else:  # every leaf of GPT-2 small divides by 8 and 16; the step counts are scalars
+        assert split < adam / mesh_size + 64
+    assert memory.peak is not None and memory.peak > memory.arguments
+
+
+def test_the_bucket_cap_is_xlas_combine_threshold_in_the_steps_own_program():
+    """``Parallel(bucket_cap_mb=...)`` reaches XLA:GPU as the step's own compiler options
+    (nothing in ``XLA_FLAGS``): an MLP's 100 MB of gradients go out in three buckets at
+    25 MiB (its 64 MiB kernel alone), in one at 128 MiB, and the reduce-scatter's
+    threshold is a shard group's share of the cap."""
+    with jax.enable_x64(False):
+        mesh = gpu_mesh("1x1x8")
+        model = nnx.eval_shape(
+            lambda: jaxdp.models.MLP(1024, hidden=4096, num_classes=1000, rngs=nnx.Rngs(0))
+        )
+        batch = (
+            jax.ShapeDtypeStruct((8 * 64, 1024), jnp.float32),
+            jax.ShapeDtypeStruct((8 * 64,), jnp.int32),
+        )
+        buckets = {}
+        for cap in (25, 128):
+            step = jaxdp.make_train_step(
+                jaxdp.models.model_loss("mlp"),
+                optax.sgd(0.1),
+                mesh=mesh,
+                parallel=jaxdp.Parallel(bucket_cap_mb=cap),
+            )
+            assert step.options.compiler_options == {
+                "xla_gpu_all_reduce_combine_threshold_bytes": cap * 2**20,
+                "xla_gpu_reduce_scatter_combine_threshold_bytes": cap * 2**20 // 8,
+                "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+            }
+            compiled = step.compile(step.abstract_state(model), batch)
+            buckets[cap] = sorted(c.bytes for c in collectives(compiled))
+    assert len(buckets[25]) == 3 and max(buckets[25]) == 4096 * 4096 * 4
+    assert len(buckets[128]) == 1 and buckets[128][0] == sum(buckets[25])
