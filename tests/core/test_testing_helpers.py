@@ -117,7 +117,7 @@ def test_a_bad_expected_count_is_refused_by_name():
 # started before a GEMM fusion and done after it, the second started after the last one.
 ASYNC = """HloModule jit_step, is_scheduled=true
 
-%add (a: f32[], b: f32[]) -> f32[] {
+%a (a: f32[], b: f32[]) -> f32[] {
   %a = f32[] parameter(0)
   %b = f32[] parameter(1)
   ROOT %sum = f32[] add(%a, %b)
@@ -132,12 +132,12 @@ ASYNC = """HloModule jit_step, is_scheduled=true
 ENTRY %main (x: f32[64,64], g: f32[1024]) -> (f32[64,64], f32[1024], f32[256]) {
   %x = f32[64,64]{1,0} parameter(0)
   %g = f32[1024]{0} parameter(1)
-  %all-reduce-start = ((f32[1024]{0}), f32[1024]{0}) all-reduce-start(%g), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %ar = ((f32[1024]{0}), f32[1024]{0}) all-reduce-start(%g), replica_groups=[1,8]<=[8], to_apply=%a
   %gemm_fusion_dot = f32[64,64]{1,0} fusion(%x, %x), kind=kCustom, calls=%gemm_computation
-  %all-reduce-done = f32[1024]{0} all-reduce-done(%all-reduce-start)
-  %reduce-scatter-start = ((f32[2048]{0}), f32[256]{0}) reduce-scatter-start(%g), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
-  %reduce-scatter-done = f32[256]{0} reduce-scatter-done(%reduce-scatter-start)
-  ROOT %out = (f32[64,64]{1,0}, f32[1024]{0}, f32[256]{0}) tuple(%gemm_fusion_dot, %all-reduce-done, %reduce-scatter-done)
+  %ar-done = f32[1024]{0} all-reduce-done(%ar)
+  %rs = ((f32[2048]), f32[256]{0}) reduce-scatter-start(%g), replica_groups=[1,8]<=[8], to_apply=%a
+  %rs-done = f32[256]{0} reduce-scatter-done(%rs)
+  ROOT %o = (f32[64,64]{1,0}, f32[1024]{0}, f32[256]{0}) tuple(%gemm_fusion_dot, %ar-done, %rs-done)
 }
 """
 
