@@ -129,6 +129,7 @@ def pytest_addoption(parser):
 SLOW = (
     "parity_tests/",
     "tests/test_bench.py",
+    "tests/test_checkpoint_background.py",
     "tests/test_cli.py",
     "tests/test_distributed.py",
     "tests/test_docs.py",
