@@ -287,6 +287,34 @@ class Checkpoints:
         self._verified.add(number)
         self._prune()
 
+    def preempted(self, state: TrainState, **save: Any) -> bool:
+        """Whether the run was asked to stop, with ``state`` saved if so: True on every
+        process at the same optimizer step. Call it after every call of the step, on
+        every process; ``save`` is :meth:`save`'s keywords (``data=loader``...).
+
+        The notice is JAX's own: under ``jax.distributed`` (several processes, as
+        :func:`jaxdp.initialize` starts them) JAX's preemption notifier takes SIGTERM
+        (as Slurm, ``mpirun`` and ``jaxdp launch`` send it before ending a job) and its
+        preemption sync point (``multihost_utils.reached_preemption_sync_point``) picks
+        the next optimizer step every process reaches: there this saves ``state``
+        (unless that step is saved already), waits until it is written, and returns
+        True, so the loop stops (``break``) on every process at the same step. A
+        multisteps window is never cut: the step counts optimizer updates, so the stop
+        comes at a window's end. It reads ``state.step`` (one host read per call). With
+        one process and no distributed runtime there is no notice (SIGTERM ends the
+        process, as Python's default does) and it returns False; a Python SIGTERM
+        handler of your own replaces JAX's and with it the notice.
+        """
+        from jax.experimental import multihost_utils
+
+        number = int(state.step)
+        if not multihost_utils.reached_preemption_sync_point(number):
+            return False
+        if number not in self.steps:
+            self.save(state, **save)
+        self.wait_until_finished()
+        return True
+
     def restore(
         self,
         like: TrainState,
