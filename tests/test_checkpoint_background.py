@@ -65,8 +65,7 @@ def child(point: str, directory: pathlib.Path) -> None:
         if i == 2:
             checkpoints.wait_until_finished()  # the first save is whole
             if point == "hashing":
-                sha256 = _checkpoints.array_sha256
-                _checkpoints.array_sha256 = lambda x: hold(point) or sha256(x)
+                _checkpoints.array_sha256 = lambda x: hold("hashing")
             elif point == "rename":
 
                 async def finalize(self):

@@ -109,13 +109,15 @@ def main() -> None:
         print(
             f"{kind:>17}: median {statistics.median(s):.3f} s (range {min(s):.3f} to {max(s):.3f})"
         )
-    ratio = [a / b for a, b in zip(samples["jaxdp background"], samples["orbax async"])]
+    ratio = [
+        a / b for a, b in zip(samples["jaxdp background"], samples["orbax async"], strict=True)
+    ]
     print(
         f"jaxdp background / orbax async, blocking: median {statistics.median(ratio):.2f}x "
         f"(per-round range {min(ratio):.2f} to {max(ratio):.2f})"
     )
     for kind in ("jaxdp verify", "jaxdp no verify", "orbax sync"):
-        ratio = [a / b for a, b in zip(samples[kind], samples["orbax async"])]
+        ratio = [a / b for a, b in zip(samples[kind], samples["orbax async"], strict=True)]
         print(f"{kind} / orbax async: median {statistics.median(ratio):.1f}x")
 
 

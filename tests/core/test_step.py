@@ -157,7 +157,7 @@ def test_the_model_step_model_returns_is_the_callers_own(zero_stage):
     assert_trees_close(nnx.state(step.model(state), nnx.Param), trained, rtol=0)
     kept = step.model(state)  # kept across the next call, which donates the state
     for ours, theirs in zip(
-        jax.tree.leaves(nnx.state(kept, nnx.Param)), jax.tree.leaves(state.params)
+        jax.tree.leaves(nnx.state(kept, nnx.Param)), jax.tree.leaves(state.params), strict=True
     ):
         assert ours.sharding.is_equivalent_to(theirs.sharding, ours.ndim)  # stage 3: split
     state, _ = step(state, batches[1])
