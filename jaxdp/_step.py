@@ -250,6 +250,12 @@ class TrainStep:
         or XLA's memory analysis."""
         return self._jitted.lower(state, *self._prepare(batch, micro_weights)[1])
 
+    def trace(self, state: Any, batch: Any, micro_weights: Any = None) -> Any:
+        """The step traced for these inputs, as :meth:`lower` takes them: a
+        ``jax.stages.Traced``, whose ``.jaxpr`` is the program before XLA (every loop and
+        its length; :func:`jaxdp.throughput.step_flops` counts from it)."""
+        return self._jitted.trace(state, *self._prepare(batch, micro_weights)[1])
+
     def compile(self, state: TrainState, batch: Any, micro_weights: Any = None) -> Any:
         """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""
         return self.lower(state, batch, micro_weights).compile()
