@@ -135,6 +135,7 @@ SLOW = (
     "tests/test_docs.py",
     "tests/test_examples.py",
     "tests/test_install.py",
+    "tests/test_other_launcher.py",
     "tests/test_preemption.py",
     "tests/test_testing_plugin.py",
 )
