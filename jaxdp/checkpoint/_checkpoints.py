@@ -158,11 +158,13 @@ class Checkpoints:
     def wait_until_finished(self) -> None:
         """Waits for the background save in flight, if any; raises its error
         (:class:`CheckpointError`) once. Without ``background=True`` there is none."""
-        writing, self._writing = self._writing, None
-        if writing is not None:
-            writing.thread.join()
-            if writing.error is not None:
-                raise writing.error
+        writing = self._writing
+        if writing is None:
+            return
+        writing.thread.join()  # a Ctrl-C here leaves it in flight, waited for next time
+        self._writing = None
+        if writing.error is not None:
+            raise writing.error
 
     def save(
         self,
