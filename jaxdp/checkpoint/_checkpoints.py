@@ -152,6 +152,10 @@ class Checkpoints:
         """Numbers (optimizer steps) of the complete checkpoints, ascending (after a
         background save in flight)."""
         self.wait_until_finished()
+        return self._steps()
+
+    def _steps(self) -> list[int]:
+        """:attr:`steps` as the directory lists them now (the writer's own view)."""
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
@@ -159,7 +163,7 @@ class Checkpoints:
         """Waits for the background save in flight, if any; raises its error
         (:class:`CheckpointError`) once. Without ``background=True`` there is none."""
         writing = self._writing
-        if writing is None:
+        if writing is None or writing.thread is threading.current_thread():
             return
         writing.thread.join()  # a Ctrl-C here leaves it in flight, waited for next time
         self._writing = None
@@ -207,7 +211,7 @@ class Checkpoints:
         position, sizes, samples, seed, loader, own = from_data(
             state, data, position, sizes, samples, seed
         )
-        number, steps = int(state.step), self.steps
+        number, steps = int(state.step), self._steps()
         if number in steps:
             raise CheckpointError(
                 f"checkpoint {self.directory / str(number)} exists already: step={number} is "
@@ -444,7 +448,7 @@ class Checkpoints:
         path = self.directory / str(number)
         cause = no_room(error)
         cause = f"no room left: {cause}" if cause else _short(error)
-        newest = [n for n in self.steps if n < number]
+        newest = [n for n in self._steps() if n < number]
         verified = [n for n in newest if n in self._verified]
         if verified:
             kept = f"the newest valid checkpoint is {self.directory / str(verified[-1])}, kept"
@@ -551,7 +555,7 @@ class Checkpoints:
         if self.keep is None or not self._verified:
             return
         newest_verified = max(self._verified)
-        for number in process_0s(self.steps)[: -self.keep]:  # the same deletes everywhere
+        for number in process_0s(self._steps())[: -self.keep]:  # the same deletes everywhere
             if number < newest_verified:
                 self._manager.delete(number)
                 self._verified.discard(number)
