@@ -156,6 +156,17 @@ def test_a_background_save_restores_bitwise_and_refuses_a_bad_flag(tmp_path):
     np.testing.assert_array_equal(restored.state.params["w"], saved)
 
 
+@pytest.mark.devices(2, processes=2)
+def test_a_background_save_beside_jax_distributed_is_refused_before_writing(shared_tmp_path):
+    mesh = jaxdp.initialize()  # 2 processes x 2 devices: JAX's runtime is up
+    step = jaxdp.make_train_step(lambda p, b: jnp.mean((b @ p) ** 2), optax.sgd(0.1), mesh=mesh)
+    checkpoints = Checkpoints(shared_tmp_path / "ckpt", background=True)
+    state, _ = step(step.init(np.zeros(3)), np.ones((4, 3)))
+    with pytest.raises(CheckpointError, match="without jax.distributed, and this one runs it"):
+        checkpoints.save(state)
+    assert checkpoints.steps == []
+
+
 if __name__ == "__main__":
     jaxdp.emulate_cpu_devices(1)
     jax.config.update("jax_enable_x64", True)

@@ -109,8 +109,10 @@ class Checkpoints:
     as :class:`CheckpointError` (a failure is also printed on stderr when it
     happens, for a script that never asks again). The thread is not a daemon:
     a script that ends after its last ``save`` exits once that checkpoint is
-    written. One process only: orbax's barriers between processes are device
-    collectives, which must not run beside the step's from another thread.
+    written. Only in a process without ``jax.distributed`` (one process): orbax's
+    save runs its barriers between processes as device collectives and reads JAX's
+    preemption sync point (which :meth:`preempted` keys on the step), neither safe
+    from a second thread beside the step.
     """
 
     def __init__(
@@ -224,11 +226,12 @@ class Checkpoints:
             )
         if position is not None:
             check_position(state, position)
-        if self.background and jax.process_count() > 1:
+        if self.background and jax.distributed.is_initialized():
             raise CheckpointError(
-                f"Checkpoints(background=True) saves in one process only, and this run has "
-                f"{jax.process_count()}: orbax's barriers between processes are device "
-                "collectives, which must not run beside the step's from another thread; "
+                "Checkpoints(background=True) saves in a process without jax.distributed, "
+                f"and this one runs it ({jax.process_count()} process(es)): orbax's save "
+                "runs its barriers between processes as device collectives and reads JAX's "
+                "preemption sync point, neither safe from a second thread beside the step; "
                 "use background=False"
             )
         tree = saved_tree(state)
