@@ -7,6 +7,7 @@ import sys
 import types
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -65,12 +66,15 @@ def test_meter_reads_metrics_and_gives_rates_mfu_and_a_schedules_rate():
     logged = []
     for _ in range(3):
         state, metrics = step(state, batch)
-        values = meter(state, metrics)
+        with jax.transfer_guard_device_to_host("disallow"):  # no float() per metric
+            values = meter(state, metrics)
         assert values["loss"] == float(metrics["loss"]) and values["step"] == int(state.step)
         assert all(isinstance(v, float) for v in values.values())
         logged.append(values)
-    # The rate of the update just applied: optax's count before it, step - 1.
-    assert [v["learning_rate"] for v in logged] == [float(schedule(s)) for s in range(3)]
+    # The rate of the update just applied, as optax computed it: at its int32 count
+    # before the update, step - 1 (float32 from linear_schedule, as optax applied it).
+    applied = [float(schedule(jnp.int32(s))) for s in range(3)]
+    assert [v["learning_rate"] for v in logged] == applied
     assert "samples_per_s" not in logged[0]  # no interval before the first call
     last = logged[-1]
     assert last["tokens_per_s"] == pytest.approx(7 * last["samples_per_s"])

@@ -10,7 +10,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._step import TrainStep
 from ..checkpoint._rules import named  # "aux/name" paths, as checkpoints name leaves
@@ -32,7 +31,8 @@ class Meter:
     - ``"learning_rate"``: the rate of the update just applied. From the metrics where
       the optimizer reports it (``optax.inject_hyperparams``); else from
       ``learning_rate=`` (a number, or the optax schedule given to the optimizer, read
-      at the update's count, ``step - 1``); else left out, said once in a warning: a
+      on the device at the update's count, ``step - 1``, in the same transfer); else
+      left out, said once in a warning: a
       plain ``optax.adamw(schedule)`` keeps only a count in its state, and reading the
       schedule back out of optax's closures is not done;
     - from the second call on, over the wall time since the call before (which waits
@@ -70,12 +70,18 @@ class Meter:
 
     def __call__(self, state: Any, metrics: dict[str, Any]) -> dict[str, float]:
         names, leaves = zip(*named({"step": state.step, **metrics}), strict=True)
-        values = dict(zip(names, np.asarray(_stacked(leaves)).tolist(), strict=True))
+        schedule = None
+        if "learning_rate" not in metrics:
+            if callable(self.learning_rate):
+                schedule, names = self.learning_rate, (*names, "learning_rate")
+            elif self.learning_rate is None:
+                self._say_why_no_rate()
+        # One transfer: the scalars (and the schedule's rate) stacked on the device first.
+        host = jax.device_get(_stacked(leaves, state.step, schedule))
+        values = dict(zip(names, host.tolist(), strict=True))
+        if "learning_rate" not in values and self.learning_rate is not None:
+            values["learning_rate"] = float(self.learning_rate)
         now = time.perf_counter()
-        if "learning_rate" not in values:
-            rate = self._rate(int(values["step"]))
-            if rate is not None:
-                values["learning_rate"] = rate
         if self._last is not None:
             seconds = now - self._last
             values["samples_per_s"] = self.samples / seconds
@@ -87,11 +93,7 @@ class Meter:
         self._last = now
         return values
 
-    def _rate(self, step: int) -> float | None:
-        if callable(self.learning_rate):
-            return float(self.learning_rate(max(step - 1, 0)))
-        if self.learning_rate is not None:
-            return float(self.learning_rate)
+    def _say_why_no_rate(self) -> None:
         if not self._told:
             self._told = True
             warnings.warn(
@@ -101,10 +103,17 @@ class Meter:
                 "build the optimizer with optax.inject_hyperparams",
                 stacklevel=3,
             )
-        return None
 
 
-@functools.partial(jax.jit, static_argnums=())
-def _stacked(leaves: tuple[Any, ...]) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=2)
+def _stacked(
+    leaves: tuple[Any, ...], step: jax.Array, schedule: Callable[[Any], Any] | None
+) -> jax.Array:
+    """The scalar leaves as one vector; with ``schedule`` its rate for the update just
+    applied, at optax's count before it, ``step - 1``, last."""
     dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
-    return jnp.stack([jnp.asarray(x).astype(dtype).reshape(()) for x in leaves])
+    values = [jnp.asarray(x).astype(dtype).reshape(()) for x in leaves]
+    if schedule is not None:
+        count = jnp.maximum(step - 1, 0)
+        values.append(jnp.asarray(schedule(count)).astype(dtype).reshape(()))
+    return jnp.stack(values)
