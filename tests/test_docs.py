@@ -108,6 +108,11 @@ assert "learning_rate" not in metrics  # optax.sgd(0.1) keeps no learning rate i
 # where optax outside jit rounds twice: 0.025000000372 against 0.024999998510).
 np.testing.assert_allclose(rates, [0.0, 0.025, 0.05], rtol=2**-23, atol=0)
 """,
+        7: """
+assert meter.flops == 2 * 2 * 12 * 5 * 4, meter.flops
+assert logged["learning_rate"] == float(lr_metrics["learning_rate"]) > 0  # inject_hyperparams'
+assert logged["mfu"] == logged["flops_per_s"] / (1e9 * 2)
+""",
     },
     "model-state.md": {
         0: "assert int(step.model(state).layers[1].num_batches_tracked[...]) == 2",
