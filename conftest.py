@@ -144,11 +144,14 @@ def pytest_addoption(parser):
 SLOW = (
     "parity_tests/",
     "tests/test_bench.py",
+    "tests/test_checkpoint_background.py",
     "tests/test_cli.py",
     "tests/test_distributed.py",
     "tests/test_docs.py",
     "tests/test_examples.py",
     "tests/test_install.py",
+    "tests/test_other_launcher.py",
+    "tests/test_preemption.py",
     "tests/test_testing_plugin.py",
 )
 

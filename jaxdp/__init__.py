@@ -127,7 +127,9 @@ _HOMES = {
     "Window": "_train_state",
 }
 # The tools, imported on first use (``jaxdp.checkpoint.Checkpoints`` after ``import jaxdp``).
-_SUBPACKAGES = frozenset({"checkpoint", "cli", "data", "models", "parity", "plan", "testing"})
+_SUBPACKAGES = frozenset(
+    {"checkpoint", "cli", "data", "models", "parity", "plan", "testing", "throughput"}
+)
 # Names that moved to a tool in jaxdp 0.3, still found here until 0.4 (with a
 # DeprecationWarning): the inspection of compiled programs is a testing tool.
 _MOVED = {

@@ -113,6 +113,13 @@ def place(tree: Any, sharding: NamedSharding, *, copy: bool = False) -> Any:
     return jax.tree.map(put, tree)
 
 
+@jax.jit
+def copied(tree: Any) -> Any:
+    """Fresh buffers of every array in ``tree``, each laid out as its original (one call):
+    values a caller may keep and change while the originals are donated to a step."""
+    return jax.tree.map(jnp.copy, tree)
+
+
 def place_batch(batch: Any, sharding: NamedSharding) -> Any:
     """Places host or device rows on the mesh; abstract leaves keep their own sharding,
     or take ``sharding``."""

@@ -23,7 +23,7 @@ from ._guards import (
     is_loader_batch,
 )
 from ._layout import BatchSizes, call_sizes
-from ._mesh import place, place_batch
+from ._mesh import copied, place, place_batch
 from ._mesh_map import is_spec
 from ._model_kinds import as_trainable
 from ._model_state import BatchStats, check_batch_stats, split_state
@@ -244,8 +244,16 @@ class TrainStep:
         """The trained model, as given to :meth:`init`: the parameters, or the NNX, bound
         Linen (``.unbind()`` gives ``(module, variables)``) or equinox module. Whole at
         every ZeRO stage: at stage 3 its split leaves are global arrays (each device
-        holds its block; ``np.asarray`` or ``jax.device_get`` gathers them)."""
-        return merge_model(state.graphdef, state.params, state.model_state)
+        holds its block; ``np.asarray`` or ``jax.device_get`` gathers them).
+
+        The model is yours: its arrays are copies (one device copy of the parameters and
+        model state, laid out as the state's), so ``nnx.update`` on it (an EMA, other
+        weights for an evaluation) never reaches ``state``, and it stays readable after
+        ``state`` is donated to the next call. Raises ``ValueError`` for a ``state``
+        that was itself donated already."""
+        check_live(state)
+        params, model_state = copied((state.params, state.model_state))
+        return merge_model(state.graphdef, params, model_state)
 
     # ---- stepping ---------------------------------------------------------------
 
@@ -296,6 +304,12 @@ class TrainStep:
         shardings (nothing is allocated); ``.compile()`` it for :func:`all_reduces`
         or XLA's memory analysis."""
         return self._jitted.lower(state, *self._prepare(batch, micro_weights)[1])
+
+    def trace(self, state: Any, batch: Any, micro_weights: Any = None) -> Any:
+        """The step traced for these inputs, as :meth:`lower` takes them: a
+        ``jax.stages.Traced``, whose ``.jaxpr`` is the program before XLA (every loop and
+        its length; :func:`jaxdp.throughput.step_flops` counts from it)."""
+        return self._jitted.trace(state, *self._prepare(batch, micro_weights)[1])
 
     def compile(self, state: TrainState, batch: Any, micro_weights: Any = None) -> Any:
         """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""

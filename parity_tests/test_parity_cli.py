@@ -3,12 +3,14 @@ verdict."""
 
 import copy
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import port_models
 import pytest
+import token_lm
 
 from jaxdp.cli import main
 from jaxdp.parity import ParityConfig, Trajectory, compare, format_parity, plot_parity
@@ -162,3 +164,27 @@ def test_zero_stage_flags_are_checked_before_either_side_trains(monkeypatch, cap
             main(["parity", "--model", "stack", "--num-devices", "4", *flags])
         assert exit_.value.code == 2
         assert f"jaxdp parity: error: {said}" in capsys.readouterr().err
+
+
+def test_parity_command_on_a_weighted_scheduled_script_in_files_of_its_own(
+    tmp_path, monkeypatch, capsys
+):
+    """A team's files as they lie (the port imports the file beside it, without PYTHONPATH):
+    ``--loss-reduction weighted`` and ``--schedule`` compared at float64's tolerance."""
+    shutil.copy(pathlib.Path(__file__).parent / "token_lm.py", tmp_path / "team_lm.py")
+    (tmp_path / "team_port.py").write_text("from team_lm import JaxLM as Port\n")
+    x, y = token_lm.data()
+    np.savez(tmp_path / "tokens.npz", x=x, y=y)
+    monkeypatch.setattr("jaxdp._mesh.emulate_cpu_devices", lambda num_devices: None)
+    lm = tmp_path / "team_lm.py"
+    status = main(
+        ["parity", "--torch-model", f"{lm}:TorchLM", "--jax-model", f"{tmp_path}/team_port.py:Port"]
+        + ["--data", str(tmp_path / "tokens.npz"), "--loss-reduction", "weighted"]
+        + ["--loss", f"{lm}:torch_token_loss,jax_token_loss"]
+        + ["--schedule", f"{lm}:torch_schedule,optax_schedule"]
+        + ["--num-devices", "1", "--accum-steps", "2", "--micro-batch-size", "3", "--steps", "4"]
+    )
+    out = capsys.readouterr()
+    assert status == 0, out.out + out.err
+    assert out.out.splitlines()[-1] == "PASS: every step within tolerance"
+    assert str(tmp_path) not in sys.path  # the file's folder was on it while it ran only

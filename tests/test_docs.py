@@ -108,6 +108,11 @@ assert "learning_rate" not in metrics  # optax.sgd(0.1) keeps no learning rate i
 # where optax outside jit rounds twice: 0.025000000372 against 0.024999998510).
 np.testing.assert_allclose(rates, [0.0, 0.025, 0.05], rtol=2**-23, atol=0)
 """,
+        7: """
+assert meter.flops == 2 * 2 * 12 * 5 * 4, meter.flops
+assert logged["learning_rate"] == float(lr_metrics["learning_rate"]) > 0  # inject_hyperparams'
+assert logged["mfu"] == logged["flops_per_s"] / (1e9 * 2)
+""",
     },
     "model-state.md": {
         0: "assert int(step.model(state).layers[1].num_batches_tracked[...]) == 2",
@@ -162,8 +167,7 @@ assert int(trained.step) == 4  # 64 rows, 16 a step
     "scaling-out.md": {
         2: """
 assert int(state.step) == 4 and checkpoints.steps == [2, 4]
-os.environ["JAXDP_RESTART_COUNT"] = "1"  # as a restarted group's process finds it
-again = train(epochs=3)  # resumes at step 4: the third epoch's 2 steps only
+again = train(epochs=3)  # a rerun finds checkpoint 4: the third epoch's 2 steps only
 assert int(again.step) == 6 and checkpoints.steps == [2, 4, 6]
 """,
         -1: "assert (share.process_count, share.rows) == (1, slice(0, 128))",
@@ -256,7 +260,7 @@ def runs_elsewhere(code: str) -> bool:
 # Pages that need no process of their own share one interpreter with the pages that set
 # the same emulated device count (a page that set another would fail, emulate_cpu_devices
 # naming both counts): each page runs as __main__ in a fresh namespace, the environment
-# restored after it (scaling-out.md sets JAXDP_RESTART_COUNT). One interpreter start (the
+# restored after it. One interpreter start (the
 # imports, the first compiles) for the group instead of one per page; each page keeps its
 # test and its output. In order: what a page leaves set in JAX must not matter to the
 # pages after it (check-your-port.md and parity.md turn on float64, which testing.md's

@@ -47,6 +47,16 @@ the ``W r`` micro-batches it saw (weighted by its real size).
 
 The reported loss of a step is ``sum_j loss_j / k`` (``k`` = ``K``, or ``r``),
 averaged over ranks with one all_reduce after the step (for logging only).
+
+``loss_reduction="weighted"`` is the token-weighted loss of padded batches as a DDP
+script writes it (Hugging Face's ``num_items_in_batch``): the loss returns
+``(loss_sum, count)`` of a micro-batch; before the window's backward passes, a
+forward without gradients (``model.eval()``: no dropout, no running statistics
+moved) counts the window's items on every rank, one ``all_reduce`` sums them over
+the ranks, and each micro-batch's backward is of ``loss_sum * W / count`` (DDP then
+divides by ``W``): the update is of the sum of every rank's loss sums over the
+global count. ``lr_scheduler`` (a factory ``optimizer -> LRScheduler``, e.g.
+``LambdaLR`` or ``OneCycleLR``) steps after every optimizer step, as its docs teach.
 ``train_ga`` is the same loop in one process without DDP: its sampler has
 ``num_replicas=1``, so its order is the permutation itself.
 """
@@ -75,7 +85,14 @@ from .models import (
     torch_dtype,
 )
 from .optim import OptimConfig, build_optimizer, local_bytes, optimizer_state_bytes
-from .user import build_user_model, check_user_model, is_user_model, loss_function
+from .user import (
+    LOSSES,
+    build_user_model,
+    check_user_model,
+    is_user_model,
+    loss_function,
+    scheduler_factory,
+)
 
 Data = tuple[np.ndarray, np.ndarray]
 State = dict[str, np.ndarray]
@@ -106,6 +123,13 @@ class TrainConfig:
     # loss(output, y) of one micro-batch: "mse", "cross_entropy", a "MODULE:ATTR" spec or
     # a callable; None: the reference model's own loss (compute_loss).
     loss: Any = None
+    # "weighted": the loss returns (loss_sum, count) and the step's gradient is of the sum
+    # over every micro-batch and rank over the global count (see the module docstring).
+    loss_reduction: Literal["mean", "weighted"] = "mean"
+    # A factory optimizer -> torch.optim.lr_scheduler.LRScheduler (LambdaLR, OneCycleLR...),
+    # a "MODULE:ATTR" spec of one, or None: a constant learning rate. Stepped after every
+    # optimizer step.
+    lr_scheduler: Any = None
     # DDP only (train_ddp; num_devices=1 runs one rank): ZeroRedundancyOptimizer around
     # the optimizer, its state sharded over the ranks (ZeRO stage 1; DDP still
     # all-reduces whole gradients), and a DDP communication hook (torch_ref.comm_hooks).
@@ -129,6 +153,15 @@ class TrainConfig:
             check_model_name(self.model)
         if self.loss is not None:
             loss_function(self.loss)  # fails early on a bad name or spec
+        if self.loss_reduction not in ("mean", "weighted"):
+            raise ValueError(f"loss_reduction={self.loss_reduction!r} must be 'mean' or 'weighted'")
+        if self.loss_reduction == "weighted" and self.loss in (None, *LOSSES):
+            raise ValueError(
+                f"loss_reduction='weighted' needs a loss of your own returning (loss_sum, "
+                f"count), got loss={self.loss!r}"
+            )
+        if self.lr_scheduler is not None:
+            scheduler_factory(self.lr_scheduler)  # fails early on a bad spec
         if not isinstance(self.optimizer, OptimConfig):
             raise TypeError(f"optimizer={self.optimizer!r} must be an OptimConfig")
         for name in ("micro_batch_size", "num_devices", "accum_steps", "epochs"):
@@ -349,10 +382,15 @@ def _run(
         if config.comm_hook is not None:
             register_comm_hook(model, config.comm_hook, config.device)
     optimizer = build_optimizer(model.parameters(), config.optimizer, zero=config.zero)
+    scheduler = None
+    if config.lr_scheduler is not None:
+        scheduler = scheduler_factory(config.lr_scheduler)(optimizer)
     sampler, loader = _loader(config, data, dtype, rank=rank, world_size=world_size)
     result = Result(states=[], losses=[], final={})
     for window in _windows(config, sampler, loader):
         loss = train_window(config, model, optimizer, window, device)
+        if scheduler is not None:
+            scheduler.step()  # after optimizer.step(), as torch's docs order them
         if grouped:  # for logging only: the mean over ranks, one all_reduce after the step
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)
             loss /= world_size
@@ -459,9 +497,16 @@ def train_window(
     inside ``no_sync`` for all but the last, so one all-reduce per step; under FSDP2
     with ``set_requires_gradient_sync`` true only for the last), the gradient clip if
     configured, ``optimizer.step()``, ``zero_grad``. Returns ``sum_j loss_j / k``
-    (this rank's; a tensor, not synchronized)."""
+    (this rank's; a tensor, not synchronized). ``loss_reduction="weighted"``: the
+    backward of ``loss_sum_j * W / count`` (``count`` over the window and every rank,
+    counted first), and returns ``W * sum_j loss_sum_j / count``, whose mean over the
+    ranks is the window's token-weighted loss."""
     k = len(window)
     total = torch.zeros((), dtype=torch_dtype(config.dtype), device=device)
+    weighted = config.loss_reduction == "weighted"
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if weighted:
+        count = _window_count(config, model, window, device)
     for j, (x, y) in enumerate(window):
         # Only the window's last backward all-reduces; the others accumulate
         # locally, so no_sync() must cover forward AND backward.
@@ -469,7 +514,11 @@ def train_window(
         if config.fsdp:  # FSDP2's no_sync; the model is an FSDPModule
             model.set_requires_gradient_sync(j == k - 1)
         with nullcontext() if sync else model.no_sync():
-            loss = _micro_loss(config, model, x.to(device), y.to(device)) / k
+            if weighted:
+                loss_sum, _ = _micro_loss(config, model, x.to(device), y.to(device))
+                loss = loss_sum * world / count
+            else:
+                loss = _micro_loss(config, model, x.to(device), y.to(device)) / k
             loss.backward()
         total += loss.detach()
     if config.optimizer.max_grad_norm is not None:
@@ -477,6 +526,24 @@ def train_window(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def _window_count(
+    config: TrainConfig, model: torch.nn.Module, window: list[Batch], device: torch.device
+) -> torch.Tensor:
+    """The items a weighted loss counts over the window, summed over every rank: a
+    forward without gradients in eval mode (no dropout draws, no running statistics
+    moved), then one ``all_reduce``."""
+    count = torch.zeros((), dtype=torch_dtype(config.dtype), device=device)
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        for x, y in window:
+            count += _micro_loss(config, model, x.to(device), y.to(device))[1]
+    model.train(training)
+    if dist.is_initialized():
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    return count
 
 
 def _build(config: TrainConfig) -> torch.nn.Module:

@@ -32,8 +32,9 @@ def load_attr(spec: str) -> Any:
     """The object a ``"MODULE:ATTR"`` spec names.
 
     MODULE is a dotted module name or a path to a ``.py`` file (imported once,
-    as a module named after the file unless that name is taken); ATTR may be
-    dotted (``"models.py:Net.small"``).
+    as a module named after the file unless that name is taken, with its folder
+    on ``sys.path`` while it runs, so its imports of the files beside it work as
+    under ``python FILE``); ATTR may be dotted (``"models.py:Net.small"``).
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -66,11 +67,16 @@ def _import(name: str) -> Any:
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    # Its folder on the path while it runs, as `python FILE` has it: the file's own
+    # imports of its neighbours (`from blocks import Block`) find them.
+    sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[module_name]
         raise
+    finally:
+        sys.path.remove(str(path.parent))
     return module
 
 
@@ -118,3 +124,20 @@ def loss_function(loss: Any) -> TorchLoss:
 def _cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits over the last axis (any leading axes, e.g. tokens)."""
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def scheduler_factory(scheduler: Any) -> Callable[[torch.optim.Optimizer], Any]:
+    """``optimizer -> LRScheduler`` from a factory or a ``"MODULE:ATTR"`` spec of one."""
+    if isinstance(scheduler, str):
+        if ":" not in scheduler:
+            raise ValueError(
+                f"lr_scheduler={scheduler!r} must be a 'MODULE:ATTR' spec of a factory "
+                "optimizer -> LRScheduler"
+            )
+        scheduler = load_attr(scheduler)
+    if not callable(scheduler):
+        raise TypeError(
+            f"lr_scheduler={scheduler!r} must be a factory optimizer -> LRScheduler "
+            "(e.g. lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f))"
+        )
+    return scheduler

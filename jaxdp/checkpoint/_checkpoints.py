@@ -21,12 +21,16 @@ into this run's layout of them (:mod:`._window`); checkpoints of jaxdp 0.2
 
 from __future__ import annotations
 
+import functools
 import pathlib
+import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from .._checks import is_integer
@@ -86,23 +90,51 @@ class CorruptCheckpointWarning(UserWarning):
 class Checkpoints:
     """A directory of training checkpoints (orbax ``CheckpointManager``).
 
-    ``save`` writes synchronously and atomically, then (``verify=True``) reads
-    the checkpoint back and compares every leaf with the SHA-256 taken before
-    writing. ``keep`` bounds how many are kept (None: all), but a checkpoint is
-    deleted only behind a newer one verified in this process (written and read
-    back, or restored), so an unreadable newer checkpoint never costs an older
-    one. ``verify=False`` trusts the write.
+    ``save`` writes atomically (a temporary directory renamed when complete),
+    then (``verify=True``) reads the checkpoint back and compares every leaf
+    with the SHA-256 taken before writing. ``keep`` bounds how many are kept
+    (None: all), but a checkpoint is deleted only behind a newer one verified
+    in this process (written and read back, or restored), so an unreadable
+    newer checkpoint never costs an older one. ``verify=False`` trusts the
+    write (``restore`` still checks every SHA-256).
+
+    ``background=True``: ``save`` returns once the state is copied off the
+    devices into host memory; a thread of its own takes the SHA-256s, writes,
+    reads back and prunes, while training goes on. Every guarantee holds: the
+    checkpoint appears under its number only once complete (a process killed at
+    any moment leaves the newest complete one, which ``restore`` reads), and it
+    counts for ``keep`` only once verified. One save is in flight at a time: the
+    next ``save``, ``restore``, ``metadata``, ``steps`` and
+    :meth:`wait_until_finished` wait for it first and raise its error, if any,
+    as :class:`CheckpointError` (a failure is also printed on stderr when it
+    happens, for a script that never asks again). The thread is not a daemon:
+    a script that ends after its last ``save`` exits once that checkpoint is
+    written. Only in a process without ``jax.distributed`` (one process): orbax's
+    save runs its barriers between processes as device collectives and reads JAX's
+    preemption sync point (which :meth:`preempted` keys on the step), neither safe
+    from a second thread beside the step.
     """
 
-    def __init__(self, directory: str | pathlib.Path, *, keep: int | None = 3, verify: bool = True):
+    def __init__(
+        self,
+        directory: str | pathlib.Path,
+        *,
+        keep: int | None = 3,
+        verify: bool = True,
+        background: bool = False,
+    ):
         if keep is not None and (not is_integer(keep) or keep < 1):
             raise ValueError(f"keep={keep!r} must be a positive integer, or None to keep all")
         if not isinstance(verify, bool):
             raise TypeError(f"verify={verify!r} must be True or False")
+        if not isinstance(background, bool):
+            raise TypeError(f"background={background!r} must be True or False")
         self.directory = pathlib.Path(directory).absolute()
         check_is_directory(directory, name="directory")
         self.keep = None if keep is None else int(keep)
         self.verify = verify
+        self.background = background
+        self._writing: _Writing | None = None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,
             enable_async_checkpointing=False,
@@ -119,9 +151,26 @@ class Checkpoints:
 
     @property
     def steps(self) -> list[int]:
-        """Numbers (optimizer steps) of the complete checkpoints, ascending."""
+        """Numbers (optimizer steps) of the complete checkpoints, ascending (after a
+        background save in flight)."""
+        self.wait_until_finished()
+        return self._steps()
+
+    def _steps(self) -> list[int]:
+        """:attr:`steps` as the directory lists them now (the writer's own view)."""
         self._manager.reload()
         return sorted(self._manager.all_steps())
+
+    def wait_until_finished(self) -> None:
+        """Waits for the background save in flight, if any; raises its error
+        (:class:`CheckpointError`) once. Without ``background=True`` there is none."""
+        writing = self._writing
+        if writing is None or writing.thread is threading.current_thread():
+            return
+        writing.thread.join()  # a Ctrl-C here leaves it in flight, waited for next time
+        self._writing = None
+        if writing.error is not None:
+            raise writing.error
 
     def save(
         self,
@@ -159,11 +208,12 @@ class Checkpoints:
         intact, and ``ValueError`` before anything is written if ``state``'s
         buffers were donated to a step's call (save the state that call returned).
         """
+        self.wait_until_finished()
         check_live(state)
         position, sizes, samples, seed, loader, own = from_data(
             state, data, position, sizes, samples, seed
         )
-        number, steps = int(state.step), self.steps
+        number, steps = int(state.step), self._steps()
         if number in steps:
             raise CheckpointError(
                 f"checkpoint {self.directory / str(number)} exists already: step={number} is "
@@ -176,6 +226,14 @@ class Checkpoints:
             )
         if position is not None:
             check_position(state, position)
+        if self.background and jax.distributed.is_initialized():
+            raise CheckpointError(
+                "Checkpoints(background=True) saves in a process without jax.distributed, "
+                f"and this one runs it ({jax.process_count()} process(es)): orbax's save "
+                "runs its barriers between processes as device collectives and reads JAX's "
+                "preemption sync point, neither safe from a second thread beside the step; "
+                "use background=False"
+            )
         tree = saved_tree(state)
         meta = {
             "format": FORMAT,
@@ -184,25 +242,52 @@ class Checkpoints:
             "position": position._asdict() if position is not None else None,
             "batch": sizes._asdict() if sizes is not None else None,
             "seed": seed,
-            "leaves": {name: {**describe(x), "sha256": array_sha256(x)} for name, x in named(tree)},
+            "leaves": {name: describe(x) for name, x in named(tree)},  # SHA-256s: _write
             "extra": extra or {},
         }
         if loader is not None:
             meta["data"] = loader
         if own is not None:
             meta[OWN] = own
-        meta = sealed(meta)
-        items = {"meta": ocp.args.JsonSave(meta)}
-        for item, part in split(tree).items():  # every process writes its own blocks
-            if item == "replicated" or jax.tree.leaves(part):
-                items[item] = ocp.args.StandardSave(part)
+        items = {  # every process writes its own blocks
+            item: part
+            for item, part in split(tree).items()
+            if item == "replicated" or jax.tree.leaves(part)
+        }
+        if not self.background:
+            self._write(number, meta, items, like=state)
+        else:
+            items = on_host(items)  # all a background save blocks for
+            self._writing = _Writing(
+                self.directory / str(number),
+                functools.partial(self._write, number, meta, items, like=None),
+            )
+        return self.directory / str(number)
+
+    def _write(
+        self,
+        number: int,
+        meta: dict[str, Any],
+        items: dict[str, Any],
+        like: TrainState | None,
+    ) -> None:
+        """Seals ``meta`` with every leaf's SHA-256, writes the checkpoint, reads it back
+        (``verify``: into ``like``'s layout, or to host memory without one) and prunes."""
+        digests = {name: array_sha256(x) for part in items.values() for name, x in named(part)}
+        leaves = {name: {**d, "sha256": digests[name]} for name, d in meta["leaves"].items()}
+        meta = sealed({**meta, "leaves": leaves})
+        args = {"meta": ocp.args.JsonSave(meta)}
+        args.update({item: ocp.args.StandardSave(part) for item, part in items.items()})
         try:
-            self._manager.save(number, args=ocp.args.Composite(**items), force=True)
+            self._manager.save(number, args=ocp.args.Composite(**args), force=True)
         except Exception as e:
             raise self._write_failed(number, e) from e
         if self.verify:
             try:
-                self._read(number, meta, state, accumulators=True)
+                if like is not None:
+                    self._read(number, meta, like, accumulators=True)
+                else:
+                    self._read_on_host(number, meta, items)
             except Exception as e:
                 raise CheckpointError(
                     f"checkpoint {self.directory / str(number)} does not read back intact "
@@ -210,7 +295,34 @@ class Checkpoints:
                 ) from e
         self._verified.add(number)
         self._prune()
-        return self.directory / str(number)
+
+    def preempted(self, state: TrainState, **save: Any) -> bool:
+        """Whether the run was asked to stop, with ``state`` saved if so: True on every
+        process at the same optimizer step. Call it after every call of the step, on
+        every process; ``save`` is :meth:`save`'s keywords (``data=loader``...).
+
+        The notice is JAX's own: under ``jax.distributed`` (several processes, as
+        :func:`jaxdp.initialize` starts them) JAX's preemption notifier takes SIGTERM
+        (as Slurm, ``mpirun`` and ``jaxdp launch`` send it before ending a job) and its
+        preemption sync point (``multihost_utils.reached_preemption_sync_point``) picks
+        the next optimizer step every process reaches: there this saves ``state``
+        (unless that step is saved already), waits until it is written, and returns
+        True, so the loop stops (``break``) on every process at the same step. A
+        multisteps window is never cut: the step counts optimizer updates, so the stop
+        comes at a window's end. It reads ``state.step`` (one host read per call). With
+        one process and no distributed runtime there is no notice (SIGTERM ends the
+        process, as Python's default does) and it returns False; a Python SIGTERM
+        handler of your own replaces JAX's and with it the notice.
+        """
+        from jax.experimental import multihost_utils
+
+        number = int(state.step)
+        if not multihost_utils.reached_preemption_sync_point(number):
+            return False
+        if number not in self.steps:
+            self.save(state, **save)
+        self.wait_until_finished()
+        return True
 
     def restore(
         self,
@@ -254,6 +366,7 @@ class Checkpoints:
         order refused with both values), before any array is read. A dict given
         as ``save(data={...})`` comes back as :attr:`Restored.data`.
         """
+        self.wait_until_finished()
         sizes = sizes_of(data, sizes)
         failures: list[tuple[int, Exception]] = []
         for number, meta in self._newest_first(failures):
@@ -338,7 +451,7 @@ class Checkpoints:
         path = self.directory / str(number)
         cause = no_room(error)
         cause = f"no room left: {cause}" if cause else _short(error)
-        newest = [n for n in self.steps if n < number]
+        newest = [n for n in self._steps() if n < number]
         verified = [n for n in newest if n in self._verified]
         if verified:
             kept = f"the newest valid checkpoint is {self.directory / str(verified[-1])}, kept"
@@ -412,6 +525,14 @@ class Checkpoints:
         tree = jax.tree_util.tree_map_with_path(laid_out, tree, like_tree)
         return state_from_tree(tree, like)
 
+    def _read_on_host(self, number: int, meta: dict[str, Any], items: dict[str, Any]) -> None:
+        """Reads a checkpoint's arrays back into host memory, laid out as ``items`` (what a
+        background save wrote), and checks them against the SHA-256s: no device memory
+        and no device program, which would run beside the step's."""
+        args = {item: ocp.args.StandardRestore(part) for item, part in items.items()}
+        out = self._manager.restore(number, args=ocp.args.Composite(**args))
+        check_sha256({item: out[item] for item in items}, meta["leaves"], lambda name: True)
+
     def _set_aside(self, failures: list[tuple[int, Exception]], used: pathlib.Path) -> None:
         for number, error in failures:
             bad = self.directory / str(number)
@@ -437,10 +558,42 @@ class Checkpoints:
         if self.keep is None or not self._verified:
             return
         newest_verified = max(self._verified)
-        for number in process_0s(self.steps)[: -self.keep]:  # the same deletes everywhere
+        for number in process_0s(self._steps())[: -self.keep]:  # the same deletes everywhere
             if number < newest_verified:
                 self._manager.delete(number)
                 self._verified.discard(number)
+
+
+class _Writing:
+    """A background save: a thread running ``write()``, its error kept for the next call of
+    :class:`Checkpoints` (and printed when it happens)."""
+
+    def __init__(self, path: pathlib.Path, write: Callable[[], None]):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(
+            target=self._run,
+            args=(path, write),
+            name=f"jaxdp-checkpoint-{path.name}",
+            daemon=False,  # a script that ends after its last save exits once it is written
+        )
+        self.thread.start()
+
+    def _run(self, path: pathlib.Path, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as e:  # noqa: BLE001 - kept and raised in the caller's thread
+            self.error = e
+            print(f"jaxdp.checkpoint: the background save of {path} failed: {e}", file=sys.stderr)
+
+
+def on_host(tree: Any) -> Any:
+    """Every array of ``tree`` in host memory, the transfers started together (orbax's
+    async save does the same). On a GPU each is a copy; on a CPU device ``np.asarray``
+    is a view of the array's buffer, which stays valid: JAX does not donate a buffer a
+    host view holds (the step that donates the state then computes into new ones)."""
+    for x in jax.tree.leaves(tree):
+        x.copy_to_host_async()
+    return jax.tree.map(np.asarray, tree)
 
 
 def _position(meta: dict[str, Any]) -> SamplerPosition | None:

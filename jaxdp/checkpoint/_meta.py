@@ -62,15 +62,20 @@ def _digest(meta: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def array_sha256(x: jax.Array) -> str | None:
+def array_sha256(x: jax.Array | np.ndarray) -> str | None:
     """SHA-256 of the value's bytes; None where this process cannot see all of it."""
-    if x.is_fully_addressable:
+    if isinstance(x, (np.ndarray, np.generic)):  # a background save's host copy
+        value = x
+    elif x.is_fully_addressable:
         value = np.asarray(x)
     elif x.sharding.is_fully_replicated:
         value = np.asarray(x.addressable_data(0))
     else:
         return None  # another process holds part of it; orbax's own checks apply
-    return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+    # Over the array's own bytes, not a copy (``tobytes``): hashlib then releases the GIL
+    # for the whole digest, so a background save's hashing leaves the training loop be.
+    data = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+    return hashlib.sha256(data).hexdigest()
 
 
 def check_sha256(tree: Any, leaves: dict[str, Any], read: Callable[[str], bool]) -> None:

@@ -13,14 +13,15 @@ import sys
 from collections.abc import Collection, Sequence
 from typing import Any
 
-_RANK = str(pathlib.Path(__file__).with_name("_rank.py"))
+# The rank wrapper every Python rank runs through (jaxdp launch, jaxdp run).
+RANK_WRAPPER = str(pathlib.Path(__file__).with_name("_rank.py"))
 
 
 def check_runnable(argv: list[str]) -> None:
     """One line before anything starts, instead of a traceback per rank (or none): a
     script that does not exist, a module ``python -m`` would not find, a program not
     on PATH."""
-    if argv[0] == sys.executable and argv[1] == _RANK:
+    if argv[0] == sys.executable and argv[1] == RANK_WRAPPER:
         if argv[2] == "-m":
             _check_module(argv[3] if len(argv) > 3 else "")
         elif not os.path.isfile(argv[2]):
@@ -98,7 +99,7 @@ def child_argv(command: Sequence[str], subcommands: Collection[str] = ()) -> lis
     if head == "launch":
         raise ValueError("jaxdp launch cannot launch itself")
     if head in subcommands:
-        return [sys.executable, _RANK, "-m", "jaxdp", *command]
+        return [sys.executable, RANK_WRAPPER, "-m", "jaxdp", *command]
     if head == "-m" or head.endswith(".py"):
-        return [sys.executable, _RANK, *command]
+        return [sys.executable, RANK_WRAPPER, *command]
     return command

@@ -416,6 +416,10 @@ SUBCOMMANDS = {
         "run a script or jaxdp subcommand as several processes of one run",
         "_launch:add_arguments",
     ),
+    "run": (
+        "run a script as one process of a run another launcher started (mpirun, srun)",
+        "_run:add_arguments",
+    ),
 }
 # Commands of earlier releases that the installed package no longer has: where they went.
 MOVED = {"bench": "jaxdp bench runs from a source checkout: bin/jaxdp bench"}

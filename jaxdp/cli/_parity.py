@@ -18,7 +18,7 @@ from ..parity import OPTIMIZERS, RTOL, ParityConfig
 
 # Flags that only a reference model (--model) or only a user's models take.
 REFERENCE_ONLY = ("num_samples", "sync_batchnorm", "zero_stage", "shards")
-PORT_ONLY = ("loss", "mapping", "jax_optimizer", "locate")
+PORT_ONLY = ("loss", "mapping", "jax_optimizer", "locate", "loss_reduction", "schedule")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,6 +170,21 @@ def _add_port_flags(p: argparse.ArgumentParser) -> None:
         "MODULE:TORCH_ATTR,JAX_ATTR (default: cross_entropy)",
     )
     p.add_argument(
+        "--loss-reduction",
+        choices=["mean", "weighted"],
+        default=None,
+        help="weighted: --loss returns (loss_sum, count) per micro-batch, and each step "
+        "divides the sum over every micro-batch and device by the global count (a "
+        "token-weighted loss over padded rows) (default: mean)",
+    )
+    p.add_argument(
+        "--schedule",
+        metavar="TORCH_SPEC,JAX_SPEC",
+        help="the learning rate per step: MODULE:ATTR of a factory optimizer -> torch "
+        "LRScheduler (LambdaLR, OneCycleLR...), a comma, and MODULE:ATTR of the port's "
+        "optax schedule (default: --optimizer's constant rate)",
+    )
+    p.add_argument(
         "--mapping",
         metavar="MODULE:ATTR",
         help="a dict or function for the weights (default: by names and layer kinds)",
@@ -285,4 +300,19 @@ def _compare_ports(args: argparse.Namespace) -> Any:
         last_window=args.last_window,
         torch_device=args.torch_device,
         locate=args.locate,
+        loss_reduction=args.loss_reduction or "mean",
+        schedule=_schedule(args.schedule),
     )
+
+
+def _schedule(spec: str | None) -> tuple[str, str] | None:
+    """``--schedule TORCH_SPEC,JAX_SPEC`` as compare_models' pair of specs."""
+    if spec is None:
+        return None
+    torch_side, comma, jax_side = spec.partition(",")
+    module = torch_side.partition(":")[0]
+    if not comma or ":" not in torch_side:
+        _error(f"--schedule {spec!r} must be TORCH_SPEC,JAX_SPEC (MODULE:ATTR each)")
+    if ":" not in jax_side:  # JAX_SPEC's module may be left out: TORCH's
+        jax_side = f"{module}:{jax_side}"
+    return torch_side, jax_side

@@ -22,6 +22,7 @@ from ._locate_text import Divergence as Divergence
 from ._optim import OPTIMIZERS as OPTIMIZERS
 from ._optim import OptimizerSpec as OptimizerSpec
 from ._optim import clip_grad_norm_like_torch as clip_grad_norm_like_torch
+from ._optim import onecycle_like_torch as onecycle_like_torch
 from ._optim import optax_like_torch as optax_like_torch
 from ._report import format_parity as format_parity
 from ._report import plot_parity as plot_parity
@@ -51,6 +52,7 @@ __all__ = [
     "compare",
     "compare_models",
     "format_parity",
+    "onecycle_like_torch",
     "optax_like_torch",
     "params_to_torch",
     "plot_parity",

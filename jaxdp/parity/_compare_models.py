@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import optax
@@ -43,6 +43,8 @@ def compare_models(
     locate: bool | None = None,
     rtol: float | None = None,
     atol: float | None = None,
+    loss_reduction: Literal["mean", "weighted"] = "mean",
+    schedule: tuple[Any, Any] | None = None,
 ) -> ParityReport:
     """Trains a torch model (torch_ref: real DDP + ``no_sync`` + ``loss / accum_steps``)
     and its JAX port (jaxdp's step; Flax NNX, Flax Linen or equinox) from the same
@@ -96,7 +98,32 @@ def compare_models(
     locator at the first step beyond tolerance (None, the default), also when every
     step passes (True, at the step that differs most), or never (False); its
     :class:`Divergence` is ``report.divergence``.
+
+    ``loss_reduction="weighted"``: the loss returns ``(loss_sum, count)`` of a micro-batch
+    (a token-weighted loss over padded rows: the sum over the real tokens and their
+    number), on both sides. jaxdp's step divides the sum over every micro-batch and
+    device by the global count; torch_ref does what a DDP script must (Hugging Face's
+    ``num_items_in_batch``): counts the window's items first, all-reduces the count, and
+    backpropagates ``loss_sum * world_size / count``. The divergence locator replays
+    mean losses only: with ``"weighted"`` it does not run (``locate=True`` is refused).
+
+    ``schedule=(torch_scheduler, optax_schedule)``: the learning rate of each step.
+    ``torch_scheduler`` is a factory ``optimizer -> LRScheduler`` (``lambda opt:
+    LambdaLR(opt, f)``, ``OneCycleLR(opt, ...)``; a top-level function or
+    ``"MODULE:ATTR"`` with several devices), stepped after every ``optimizer.step()``;
+    ``optax_schedule(count)`` the port's rate for the update after ``count`` updates
+    (``base_lr * f(count)`` for ``LambdaLR``; for ``OneCycleLR`` with
+    ``cycle_momentum=False``, :func:`onecycle_like_torch`), which replaces
+    ``optimizer``'s rate in ``optax_like_torch`` (None when ``jax_optimizer`` holds the
+    schedule). In float64 an optax schedule that returns float32 for optax's int32 count
+    (``optax.linear_schedule`` does) is refused with the fix, before anything trains:
+    its rounding alone is about 5e-8 relative, beyond float64's tolerance.
     """
+    if loss_reduction == "weighted" and locate:
+        raise ValueError(
+            "locate=True replays mean losses only; with loss_reduction='weighted' leave it "
+            "at None (the per-step comparison still runs)"
+        )
     if num_devices > 1:
         check_main_guard(f"compare_models(num_devices={num_devices})")
     port = prepare(
@@ -119,12 +146,14 @@ def compare_models(
         seed=seed,
         last_window=last_window,
         torch_device=torch_device,
+        loss_reduction=loss_reduction,
+        schedule=schedule,
     )
     result = run_torch_port(port)
     report = compare(
         port.config, run_jax_port(port), torch_trajectory(port, result), rtol=rtol, atol=atol
     )
-    if locate or (locate is None and not report.passed):
+    if locate or (locate is None and not report.passed and loss_reduction == "mean"):
         step = report.first_failure or 1 + int(np.argmax([max(r.values()) for r in report.max_rel]))
         report.divergence = _locate(port, result.states, step, report.rtol, report.atol)
     return report

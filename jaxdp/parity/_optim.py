@@ -62,22 +62,29 @@ OPTIMIZERS = {
 """The optimizers the parity matrix runs, by name, in torch's terms."""
 
 
-def optax_like_torch(spec: OptimizerSpec) -> optax.GradientTransformation:
+def optax_like_torch(
+    spec: OptimizerSpec, learning_rate: optax.ScalarOrSchedule | None = None
+) -> optax.GradientTransformation:
     """The optax chain that updates exactly as ``torch.optim`` does for ``spec``.
 
     SGD: weight decay is added to the gradient BEFORE momentum (torch's order),
     no dampening. AdamW: decoupled decay, ``eps`` outside the square root.
     Clipping follows ``clip_grad_norm_``: scale ``min(1, max / (norm + 1e-6))``.
+    ``learning_rate``: a schedule (or number) in place of ``spec.learning_rate``,
+    read at optax's count of updates before this one, as a torch scheduler stepped
+    after each ``optimizer.step()`` gives the rate of step ``i`` (AdamW's decay then
+    scales with it, as torch's does).
     """
+    rate = spec.learning_rate if learning_rate is None else learning_rate
     if spec.name == "sgd":
         momentum = spec.momentum or None
         inner = optax.chain(
             optax.add_decayed_weights(spec.weight_decay),
-            optax.sgd(spec.learning_rate, momentum=momentum, nesterov=spec.nesterov),
+            optax.sgd(rate, momentum=momentum, nesterov=spec.nesterov),
         )
     elif spec.name == "adamw":
         inner = optax.adamw(
-            spec.learning_rate,
+            rate,
             b1=spec.b1,
             b2=spec.b2,
             eps=spec.eps,
@@ -104,3 +111,49 @@ def clip_grad_norm_like_torch(max_norm: float) -> optax.GradientTransformation:
         return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def onecycle_like_torch(
+    max_lr: float,
+    total_steps: int,
+    *,
+    pct_start: float = 0.3,
+    anneal_strategy: Literal["cos", "linear"] = "cos",
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+) -> optax.Schedule:
+    """The optax schedule of ``torch.optim.lr_scheduler.OneCycleLR`` (two phases, its
+    defaults), read at optax's count of updates as torch's rate of that step.
+
+    torch anneals from ``max_lr / div_factor`` up to ``max_lr`` until step
+    ``pct_start * total_steps - 1`` and down to ``max_lr / div_factor /
+    final_div_factor`` at step ``total_steps - 1``; ``optax.cosine_onecycle_schedule``
+    peaks one step later and ends elsewhere (a port built on it is 0.5 relative off at
+    the third step of ten). Computed in float64 under ``jax_enable_x64``. Only the rate:
+    torch's ``cycle_momentum=True`` (its default) also cycles SGD's momentum or Adam's
+    beta1, which this does not, so compare against ``OneCycleLR(...,
+    cycle_momentum=False)``.
+    """
+    if anneal_strategy not in ("cos", "linear"):
+        raise ValueError(f"anneal_strategy={anneal_strategy!r} must be 'cos' or 'linear'")
+    if not (isinstance(total_steps, numbers.Integral) and total_steps >= 2):
+        raise ValueError(f"total_steps={total_steps!r} must be an integer >= 2")
+    if not 0 < pct_start < 1:
+        raise ValueError(f"pct_start={pct_start!r} must be in (0, 1)")
+    initial = max_lr / div_factor
+    minimum = initial / final_div_factor
+    up_end = float(pct_start * total_steps) - 1  # torch's phase boundaries
+    down_end = float(total_steps - 1)
+
+    def anneal(start: float, end: float, pct: jax.Array) -> jax.Array:
+        if anneal_strategy == "cos":  # torch's _annealing_cos, in its order of operations
+            return end + (start - end) / 2.0 * (jnp.cos(math.pi * pct) + 1)
+        return (end - start) * pct + start
+
+    def schedule(count: jax.Array) -> jax.Array:
+        step = jnp.asarray(count).astype(jnp.result_type(float))
+        up = anneal(initial, max_lr, step / up_end)
+        down = anneal(max_lr, minimum, (step - up_end) / (down_end - up_end))
+        return jnp.where(step <= up_end, up, down)
+
+    return schedule

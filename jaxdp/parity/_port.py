@@ -71,6 +71,7 @@ class Port:
     data: tuple[np.ndarray, np.ndarray]  # floating arrays in config.dtype
     initial: dict[str, np.ndarray]  # torch's initial state_dict
     step_options: dict[str, Any]  # make_train_step's, for the JAX side
+    torch_scheduler: Any = None  # torch_ref's lr_scheduler: optimizer -> LRScheduler
 
     def loss_fn(self, model: Any, batch: tuple[Any, Any]) -> jax.Array:
         """jaxdp's ``loss_fn(model, (x, y))``: one micro-batch's loss, from the port's
@@ -79,14 +80,19 @@ class Port:
 
     def torch_job(self) -> tuple[Any, tuple[np.ndarray, np.ndarray], dict[str, np.ndarray]]:
         """``(torch_ref.TrainConfig, data, initial_state)``: a job for ``torch_ref``."""
-        config = torch_config(self.config, model=self.torch_model, loss=self.torch_loss)
+        config = torch_config(
+            self.config,
+            model=self.torch_model,
+            loss=self.torch_loss,
+            lr_scheduler=self.torch_scheduler,
+        )
         return config, self.data, self.initial
 
     def step_kwargs(self) -> dict[str, Any]:
         """make_train_step's options: the configured strategy, BatchNorm as DDP's, torch's
         frozen tensors, the user's over them (``parallel=`` and ``skips=`` groups taken
         whole)."""
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"loss_reduction": self.config.loss_reduction}
         stats = any(not leaf.param for leaf in self.weights.jax_leaves.values())
         if batch_norm_modules(self.jax_module) or (self.weights.framework is LINEN and stats):
             kwargs["batch_stats"] = "local"  # DDP's per-rank statistics, rank 0's buffers
@@ -112,6 +118,7 @@ def prepare(
     jax_optimizer: optax.GradientTransformation | None,
     mapping: Mapping_,
     step_options: Mapping[str, Any] | None,
+    schedule: tuple[Any, Any] | None = None,
     **layout: Any,
 ) -> Port:
     """Resolves and checks everything; ``layout`` holds :class:`ParityConfig`'s fields."""
@@ -133,20 +140,24 @@ def prepare(
     port_module = _jax_module(jax_model, config.seed, dtype, arrays[0][: config.micro_batch_size])
     weights = build_weight_map(module, port_module, mapping)
     torch_loss, jax_loss = _losses(loss)
+    torch_scheduler, jax_schedule = _schedules(schedule, jax_optimizer, dtype)
     if config.num_devices > 1:
-        _check_picklable(torch_model=torch_model, loss=torch_loss)
+        _check_picklable(torch_model=torch_model, loss=torch_loss, schedule=torch_scheduler)
     return Port(
         config=config,
         torch_model=torch_model,
         torch_loss=torch_loss,
         jax_module=weights.load(port_module, initial, jnp.dtype(dtype)),
         jax_loss=jax_loss,
-        jax_optimizer=optax_like_torch(spec) if jax_optimizer is None else jax_optimizer,
+        jax_optimizer=(
+            optax_like_torch(spec, jax_schedule) if jax_optimizer is None else jax_optimizer
+        ),
         spec=spec,
         weights=weights,
         data=arrays,
         initial=initial,
         step_options=dict(step_options or {}),
+        torch_scheduler=torch_scheduler,
     )
 
 
@@ -338,3 +349,41 @@ def _losses(loss: Loss) -> tuple[Any, Callable[[Any, Any], Any]]:
     if callable(loss):
         return loss, loss
     raise TypeError(f"loss={loss!r} must be a name, a spec, a callable or a (torch, jax) pair")
+
+
+def _schedules(
+    schedule: tuple[Any, Any] | None, jax_optimizer: Any, dtype: Dtype
+) -> tuple[Any, Any]:
+    """``(torch_ref's lr_scheduler, the optax schedule or None)`` from ``schedule=``."""
+    from torch_ref import load_attr
+    from torch_ref.user import scheduler_factory
+
+    if schedule is None:
+        return None, None
+    if not (isinstance(schedule, tuple) and len(schedule) == 2 and schedule[0] is not None):
+        raise TypeError(
+            f"schedule={schedule!r} must be a pair (torch's, optax's): a factory optimizer "
+            "-> LRScheduler (or 'MODULE:ATTR'), and an optax schedule (or 'MODULE:ATTR'; None "
+            "when jax_optimizer= holds it)"
+        )
+    torch_side, jax_side = schedule
+    scheduler_factory(torch_side)  # refuses what is no factory
+    if isinstance(jax_side, str):
+        jax_side = load_attr(jax_side)
+    if jax_side is not None and jax_optimizer is not None:
+        raise ValueError(
+            "schedule=(..., optax schedule) builds the port's optimizer, and jax_optimizer= "
+            "is given too: give the schedule inside jax_optimizer and (torch's, None) here"
+        )
+    if jax_side is not None and dtype == "float64":
+        rate = jnp.asarray(jax_side(jnp.zeros((), jnp.int32)))  # optax's count is int32
+        if rate.dtype != jnp.float64:
+            raise ValueError(
+                f"the optax schedule returns {rate.dtype} for optax's int32 step count with "
+                "dtype='float64': its learning rate is rounded to float32 (about 5e-8 "
+                "relative, beyond float64's tolerance against torch). Compute it from a "
+                "64-bit count, lambda count: schedule(jnp.asarray(count, jnp.int64)), or "
+                "with float64 constants (jnp.float64(0.1)); the same in the port's own "
+                "optimizer"
+            )
+    return torch_side, jax_side

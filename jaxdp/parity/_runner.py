@@ -30,7 +30,7 @@ from .._model_state import batch_norm_modules
 from .._options import AccumulationPath, Parallel, Skips, Strategy
 from .._sampler import Permutation
 from .._step import make_train_step
-from ..models import TRAINABLE, build_model, model_loss
+from ..models import MODELS, TRAINABLE, build_model, model_loss
 from ..testing._tolerances import tolerances
 from ._convert import params_to_torch, torch_to_params
 from ._locate_text import Divergence
@@ -76,6 +76,9 @@ class ParityConfig:
     # and 2 ZeroRedundancyOptimizer on DDP, stage 3 FSDP2 (shards < num_devices: HSDP).
     zero_stage: int = 0
     shards: int | None = None
+    # compare_models: "weighted", a loss of (loss_sum, count) normalized by the global count
+    # (jaxdp's loss_reduction="weighted"; torch_ref's num_items_in_batch recipe).
+    loss_reduction: Literal["mean", "weighted"] = "mean"
 
 
 @dataclasses.dataclass
@@ -130,6 +133,7 @@ def torch_config(config: ParityConfig, **overrides: Any) -> Any:
         device=config.torch_device,
         sync_batchnorm=config.sync_batchnorm,
         find_unused_parameters=config.model in UNUSED_BRANCH,
+        loss_reduction=config.loss_reduction,
     )
     if config.zero_stage in (1, 2):
         fields["zero"] = True
@@ -384,6 +388,13 @@ def check_config(config: ParityConfig) -> None:
         raise ValueError(
             f"shards={config.shards} must divide num_devices={config.num_devices} "
             "(num_devices // shards replica groups of shards devices)"
+        )
+    if config.loss_reduction not in ("mean", "weighted"):
+        raise ValueError(f"loss_reduction={config.loss_reduction!r} must be 'mean' or 'weighted'")
+    if config.loss_reduction == "weighted" and config.model in MODELS:
+        raise ValueError(
+            "loss_reduction='weighted' needs a loss of your own returning (loss_sum, count): "
+            f"compare_models, not the reference model {config.model!r}"
         )
     if config.dtype == "float64" and not jax.config.jax_enable_x64:
         raise ValueError("dtype='float64' needs jax_enable_x64 (set it before creating arrays)")

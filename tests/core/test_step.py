@@ -1,5 +1,7 @@
 """The step compiles once, takes NNX modules, and reports its metrics."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,6 +134,38 @@ def test_donation_never_deletes_the_callers_arrays(path):
             state, _ = step(state, regression_data(4))
     assert_trees_close(params, mlp_params(), rtol=0)
     np.testing.assert_array_equal(model.hidden.kernel[...], kernel)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_the_model_step_model_returns_is_the_callers_own(zero_stage):
+    """Weights loaded into the returned module (an EMA, zeros for a check) never reach the
+    training state, and a model kept across a donated call stays readable."""
+    step = jaxdp.make_train_step(
+        nnx_loss,
+        optax.sgd(0.1),
+        mesh=jaxdp.data_mesh(4),
+        accum_steps=2,
+        parallel=jaxdp.Parallel(zero_stage=zero_stage),
+    )
+    batches = [regression_data(16, seed=s) for s in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # stage 3 warns of a model without scan_layers
+        state, _ = train(step, MLP(nnx.Rngs(0)), batches[:1])
+    trained = jax.tree.map(np.array, nnx.state(step.model(state), nnx.Param))
+    evaluated = step.model(state)
+    nnx.update(evaluated, jax.tree.map(jnp.zeros_like, nnx.state(evaluated, nnx.Param)))
+    assert_trees_close(nnx.state(step.model(state), nnx.Param), trained, rtol=0)
+    kept = step.model(state)  # kept across the next call, which donates the state
+    for ours, theirs in zip(
+        jax.tree.leaves(nnx.state(kept, nnx.Param)), jax.tree.leaves(state.params), strict=True
+    ):
+        assert ours.sharding.is_equivalent_to(theirs.sharding, ours.ndim)  # stage 3: split
+    state, _ = step(state, batches[1])
+    assert_trees_close(nnx.state(kept, nnx.Param), trained, rtol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        untouched, _ = train(step, MLP(nnx.Rngs(0)), batches)
+    assert_trees_close(state.params, untouched.params, rtol=0)  # trained from its own weights
 
 
 # ---- the state as shapes alone -------------------------------------------------------------

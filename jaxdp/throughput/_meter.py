@@ -1,0 +1,119 @@
+"""Each optimizer step's metrics as host numbers (one transfer), with the rates a run logs."""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._step import TrainStep
+from ..checkpoint._rules import named  # "aux/name" paths, as checkpoints name leaves
+from ._flops import step_flops
+
+
+class Meter:
+    """The numbers to log after each optimizer step: ``meter(state, metrics)``.
+
+    Built once from the step and one batch (arrays or ``jax.ShapeDtypeStruct``, as
+    :meth:`TrainStep.lower` takes them): ``flops`` is :func:`step_flops` (per optimizer
+    step, every device), ``samples`` the global batch size. Called after each optimizer
+    step (every call on the fused path; on the ``multisteps`` path the call that ends a
+    window, ``metrics["emitted"]``), it returns a dict of Python floats:
+
+    - every metric of the step (``aux`` leaves as ``"aux/NAME"``) and ``"step"``, read
+      with ONE device-to-host transfer (the scalars stacked on the device first, in
+      float64 where x64 is on, else float32), where ``float()`` per metric waits once each;
+    - ``"learning_rate"``: the rate of the update just applied. From the metrics where
+      the optimizer reports it (``optax.inject_hyperparams``); else from
+      ``learning_rate=`` (a number, or the optax schedule given to the optimizer, read
+      on the device at the update's count, ``step - 1``, in the same transfer); else
+      left out, said once in a warning: a
+      plain ``optax.adamw(schedule)`` keeps only a count in its state, and reading the
+      schedule back out of optax's closures is not done;
+    - from the second call on, over the wall time since the call before (which waits
+      for the step, so it is the step's time): ``"samples_per_s"``, ``"tokens_per_s"``
+      (with ``tokens_per_sample``), ``"flops_per_s"`` and ``"mfu"`` (with
+      ``peak_flops_per_device``: achieved over peak times the step's devices).
+    """
+
+    def __init__(
+        self,
+        step: TrainStep,
+        state: Any,
+        batch: Any,
+        *,
+        peak_flops_per_device: float | None = None,
+        tokens_per_sample: float | None = None,
+        learning_rate: float | Callable[[Any], Any] | None = None,
+    ):
+        for name, value in (
+            ("peak_flops_per_device", peak_flops_per_device),
+            ("tokens_per_sample", tokens_per_sample),
+        ):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a number > 0, or None")
+        self.flops = step_flops(step, state, batch)
+        sizes = step.sizes(batch)
+        calls = step.accum_steps if step.path == "multisteps" else 1
+        self.samples = sizes.global_batch_size * calls
+        self.num_devices = step.num_devices
+        self.peak = peak_flops_per_device
+        self.tokens_per_sample = tokens_per_sample
+        self.learning_rate = learning_rate
+        self._last: float | None = None
+        self._told = False
+
+    def __call__(self, state: Any, metrics: dict[str, Any]) -> dict[str, float]:
+        names, leaves = zip(*named({"step": state.step, **metrics}), strict=True)
+        schedule = None
+        if "learning_rate" not in metrics:
+            if callable(self.learning_rate):
+                schedule, names = self.learning_rate, (*names, "learning_rate")
+            elif self.learning_rate is None:
+                self._say_why_no_rate()
+        # One transfer: the scalars (and the schedule's rate) stacked on the device first.
+        host = jax.device_get(_stacked(leaves, state.step, schedule))
+        values = dict(zip(names, host.tolist(), strict=True))
+        if "learning_rate" not in values and self.learning_rate is not None:
+            values["learning_rate"] = float(self.learning_rate)
+        now = time.perf_counter()
+        if self._last is not None:
+            seconds = now - self._last
+            values["samples_per_s"] = self.samples / seconds
+            values["flops_per_s"] = self.flops / seconds
+            if self.tokens_per_sample is not None:
+                values["tokens_per_s"] = values["samples_per_s"] * self.tokens_per_sample
+            if self.peak is not None:
+                values["mfu"] = values["flops_per_s"] / (self.peak * self.num_devices)
+        self._last = now
+        return values
+
+    def _say_why_no_rate(self) -> None:
+        if not self._told:
+            self._told = True
+            warnings.warn(
+                "Meter: the learning rate is not reported: the optimizer's state keeps only "
+                "a step count (a plain optax.adamw(schedule)), and jaxdp does not read the "
+                "schedule out of optax's closures; give Meter(learning_rate=schedule), or "
+                "build the optimizer with optax.inject_hyperparams",
+                stacklevel=3,
+            )
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _stacked(
+    leaves: tuple[Any, ...], step: jax.Array, schedule: Callable[[Any], Any] | None
+) -> jax.Array:
+    """The scalar leaves as one vector; with ``schedule`` its rate for the update just
+    applied, at optax's count before it, ``step - 1``, last."""
+    dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    values = [jnp.asarray(x).astype(dtype).reshape(()) for x in leaves]
+    if schedule is not None:
+        count = jnp.maximum(step - 1, 0)
+        values.append(jnp.asarray(schedule(count)).astype(dtype).reshape(()))
+    return jnp.stack(values)

@@ -1,0 +1,173 @@
+"""Saves that do not stall training (issue 43, item 3): ``Checkpoints(background=True)``
+returns once the state is on the host, and a process killed at any moment of the
+background write leaves the newest complete checkpoint, restored bitwise.
+
+Run as a script, this file is the process that is killed: ``python THIS POINT DIR``
+trains two steps, saves after each in the background, holds the second save at
+``POINT`` and says so on stdout; the test then kills it with SIGKILL.
+"""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdp
+from jaxdp.checkpoint import CheckpointError, Checkpoints
+
+WIDTH = 256  # a 256 x 256 float64 kernel: 0.5 MB, Adam's moments twice that
+
+
+def make_step():
+    return jaxdp.make_train_step(
+        lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2),
+        optax.adam(1e-2),
+        mesh=jaxdp.data_mesh(1),
+    )
+
+
+def init(step):
+    return step.init({"w": jnp.zeros((WIDTH, WIDTH), jnp.float64)})
+
+
+def batch(i):
+    rng = np.random.default_rng(i)
+    return rng.normal(size=(8, WIDTH)), rng.normal(size=(8, WIDTH))
+
+
+def hold(point: str) -> None:
+    """Says the save reached ``point`` and waits there to be killed."""
+    print(f"held at {point}", flush=True)
+    time.sleep(600)
+
+
+def child(point: str, directory: pathlib.Path) -> None:
+    """Saves steps 1 and 2 in the background, holding the second at ``point``; trains a
+    third step meanwhile, which shows the save returned before it was written."""
+    from orbax.checkpoint._src.path import atomicity
+
+    from jaxdp.checkpoint import _checkpoints
+
+    step, checkpoints = make_step(), Checkpoints(directory, background=True)
+    state = init(step)
+    for i in (1, 2):
+        state, _ = step(state, batch(i))
+        np.save(directory.parent / f"step{i}.npy", np.asarray(state.params["w"]))
+        if i == 2:
+            checkpoints.wait_until_finished()  # the first save is whole
+            if point == "hashing":
+                _checkpoints.array_sha256 = lambda x: hold("hashing")
+            elif point == "rename":
+
+                async def finalize(self):
+                    hold(point)
+
+                atomicity.AtomicRenameTemporaryPath.finalize = finalize
+            else:
+                _checkpoints.Checkpoints._read_on_host = lambda *args: hold(point)
+        checkpoints.save(state)
+    state, _ = step(state, batch(3))  # while the second save is held
+    print(f"trained step {int(state.step)}", flush=True)
+    checkpoints.wait_until_finished()
+
+
+# The newest complete checkpoint when the save of step 2 is killed at each point: held
+# while hashing (step 2 is not written yet), before orbax's rename (written, not yet
+# under its number) and while reading it back (renamed: complete, not yet verified here;
+# restore checks its SHA-256s).
+KILLED_AT = {"hashing": 1, "rename": 1, "verifying": 2}
+
+
+@pytest.mark.parametrize("point", sorted(KILLED_AT))
+def test_a_kill_during_a_background_save_leaves_the_newest_complete_checkpoint(tmp_path, point):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, __file__, point, str(directory)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    stopper = threading.Timer(300, process.kill)  # never a hung test
+    stopper.start()
+    try:
+        lines = []
+        while len(lines) < 2:  # "held at POINT" and "trained step 3", in either order
+            line = process.stdout.readline()
+            assert line, f"the process ended first: {lines}"
+            lines.append(line.strip())
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    finally:
+        stopper.cancel()
+        process.kill()
+    # The save of step 2 never ended, and the step after it ran: save(state) had returned.
+    assert sorted(lines) == [f"held at {point}", "trained step 3"]
+
+    checkpoints = Checkpoints(directory)
+    newest = KILLED_AT[point]
+    assert checkpoints.steps == list(range(1, newest + 1))
+    restored = checkpoints.restore(init(make_step()))
+    assert int(restored.state.step) == newest
+    np.testing.assert_array_equal(
+        restored.state.params["w"], np.load(tmp_path / f"step{newest}.npy")
+    )
+    assert sorted(p.name for p in directory.iterdir()) == [str(n) for n in range(1, newest + 1)]
+
+
+def test_a_background_save_s_failure_is_raised_at_the_next_call_and_keeps_the_older(
+    tmp_path, monkeypatch, capfd
+):
+    step = make_step()
+    checkpoints = Checkpoints(tmp_path, background=True, keep=1)
+    state, _ = step(init(step), batch(1))
+    checkpoints.save(state)
+    checkpoints.wait_until_finished()
+    monkeypatch.setattr(Checkpoints, "_read_on_host", lambda *args: 1 / 0)
+    state, _ = step(state, batch(2))
+    checkpoints.save(state)  # returns; the read-back fails in the background
+    with pytest.raises(CheckpointError, match=r"/2 does not read back intact \(ZeroDivision"):
+        checkpoints.wait_until_finished()
+    assert "the background save of" in capfd.readouterr().err
+    checkpoints.wait_until_finished()  # raised once
+    assert checkpoints.steps == [1, 2]  # 1 is kept: 2 was never verified
+
+
+def test_a_background_save_restores_bitwise_and_refuses_a_bad_flag(tmp_path):
+    with pytest.raises(TypeError, match="background=1 must be True or False"):
+        Checkpoints(tmp_path, background=1)
+    step = make_step()
+    checkpoints = Checkpoints(tmp_path, background=True)
+    state, _ = step(init(step), batch(1))
+    saved = np.array(state.params["w"])
+    assert checkpoints.save(state) == tmp_path / "1"
+    state, _ = step(state, batch(2))  # donates the saved state's buffers
+    assert checkpoints.steps == [1]  # waits for the save
+    restored = checkpoints.restore(init(step))
+    np.testing.assert_array_equal(restored.state.params["w"], saved)
+
+
+@pytest.mark.devices(2, processes=2)
+def test_a_background_save_beside_jax_distributed_is_refused_before_writing(shared_tmp_path):
+    mesh = jaxdp.initialize()  # 2 processes x 2 devices: JAX's runtime is up
+    step = jaxdp.make_train_step(lambda p, b: jnp.mean((b @ p) ** 2), optax.sgd(0.1), mesh=mesh)
+    checkpoints = Checkpoints(shared_tmp_path / "ckpt", background=True)
+    state, _ = step(step.init(np.zeros(3)), np.ones((4, 3)))
+    with pytest.raises(CheckpointError, match="without jax.distributed, and this one runs it"):
+        checkpoints.save(state)
+    assert checkpoints.steps == []
+
+
+if __name__ == "__main__":
+    jaxdp.emulate_cpu_devices(1)
+    jax.config.update("jax_enable_x64", True)
+    child(sys.argv[1], pathlib.Path(sys.argv[2]))
