@@ -36,6 +36,7 @@ from .._train_state import TrainState, check_live
 from . import _format2
 from ._agree import process_0s
 from ._data import OWN, DataPosition, check_data, from_data, restore_data, sizes_of
+from ._interrupted import raise_if_interrupted
 from ._meta import FORMAT, array_sha256, check_sealed, check_sha256, sealed
 from ._quiet import quiet_failed_read_noise
 from ._rules import (
@@ -196,14 +197,23 @@ class Checkpoints:
         for item, part in split(tree).items():  # every process writes its own blocks
             if item == "replicated" or jax.tree.leaves(part):
                 items[item] = ocp.args.StandardSave(part)
+        path = self.directory / str(number)
         try:
             self._manager.save(number, args=ocp.args.Composite(**items), force=True)
         except Exception as e:
+            raise_if_interrupted(
+                e,
+                f"writing checkpoint {path} was interrupted; an unfinished write is removed "
+                "when the directory is next opened",
+            )
             raise self._write_failed(number, e) from e
         if self.verify:
             try:
                 self._read(number, meta, state, accumulators=True)
             except Exception as e:
+                raise_if_interrupted(
+                    e, f"checkpoint {path} was written; reading it back to verify was interrupted"
+                )
                 raise CheckpointError(
                     f"checkpoint {self.directory / str(number)} does not read back intact "
                     f"({_short(e)}); older checkpoints are kept"
@@ -269,6 +279,7 @@ class Checkpoints:
             try:  # the window's sums: read mid-window (they fit), zero at a boundary
                 state = self._read(number, meta, like, accumulators=_mid_window(meta))
             except Exception as e:
+                raise_if_interrupted(e, f"reading checkpoint {path} was interrupted (kept)")
                 failures.append((number, e))
                 quiet_failed_read_noise()
                 continue
@@ -320,6 +331,8 @@ class Checkpoints:
             try:
                 meta = self._read_meta(number)
             except Exception as e:
+                path = self.directory / str(number)
+                raise_if_interrupted(e, f"reading checkpoint {path} was interrupted (kept)")
                 failures.append((number, e))
                 quiet_failed_read_noise()
                 continue
