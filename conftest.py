@@ -131,6 +131,7 @@ SLOW = (
     "tests/test_bench.py",
     "tests/test_cli.py",
     "tests/test_distributed.py",
+    "tests/test_interrupts.py",
     "tests/test_docs.py",
     "tests/test_examples.py",
     "tests/test_install.py",
