@@ -8,10 +8,10 @@ the command's process (``kill -INT``) or to its whole process group, as a termin
 does (``killpg``); the moment is read from the process itself (what it has loaded, its
 children, its output), never guessed from a clock.
 
-The bound on the time to exit is a property, not a speed: the command ends within 3 s of
-its handler (4 s for process 0 of several, ``jaxdp.cli._interrupt.GRACE_S``), and the
-handler runs once the main thread leaves C code (an XLA compile: seconds on a loaded
-2-core machine). Before issue 44 an interrupted ``jaxdp parity`` trained on to PASS (24 s).
+The bound on the time to exit is a property, not a speed: a thread that hears the signal
+ends the command 3 s after it at the latest (4.5 s for process 0 of several,
+``jaxdp.cli._interrupt.GRACE_S``); 15 s leaves that thread room to be scheduled on a loaded
+2-core machine. Before issue 44 an interrupted ``jaxdp parity`` trained on to PASS (24 s).
 """
 
 import os

@@ -23,7 +23,7 @@ from ._compile_cache import add_compile_options, compile_cache
 from ._config import DEFAULT_EPOCHS, TrainConfig
 from ._extra import require_extra
 from ._help import Parser
-from ._interrupt import interruptible
+from ._interrupt import interruptible, lend_sigint
 
 DEFAULT_CPU_DEVICES = 4
 
@@ -380,29 +380,35 @@ def _show_warning(message: Warning | str, category: type[Warning], *args: Any, *
 
 @contextlib.contextmanager
 def _stop_on_signals() -> Iterator[list[int | None]]:
-    """Turns the first SIGINT/SIGTERM into a request to stop; the second acts as usual."""
+    """Turns the first SIGINT/SIGTERM into a request to stop; the second acts as usual
+    (Ctrl-C: the command's end, :mod:`jaxdp.cli._interrupt`)."""
+    from ._launch_link import record_failure
+
     stopped_by: list[int | None] = [None]
     # None: a handler outside Python (JAX's preemption notifier takes SIGTERM).
     previous = {s: signal.getsignal(s) or signal.SIG_DFL for s in (signal.SIGINT, signal.SIGTERM)}
+    with lend_sigint() as give_back:
 
-    def request(signum: int, frame: Any) -> None:
-        from ._launch_link import record_failure
+        def request(signum: int, frame: Any) -> None:
+            # For jaxdp launch: this process got the signal; its peers, which stop with it
+            # at the same call, record theirs when they exit.
+            record_failure(128 + signum)
+            stopped_by[0] = signum
+            print(
+                f"\n{signal.Signals(signum).name}: stopping after this micro-batch",
+                file=sys.stderr,
+            )
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            give_back(signum)
 
-        # For jaxdp launch: this process got the signal; its peers, which stop with it at
-        # the same call, record theirs when they exit.
-        record_failure(128 + signum)
-        stopped_by[0] = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this micro-batch", file=sys.stderr)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-    for s in previous:
-        signal.signal(s, request)
-    try:
-        yield stopped_by
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s in previous:
+            signal.signal(s, request)
+        try:
+            yield stopped_by
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 # Per subcommand: its line in "jaxdp --help", and "module:function" (in this package) that
