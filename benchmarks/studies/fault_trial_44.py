@@ -10,8 +10,9 @@ as it must: a plan or a refusal, one ``jaxdp ...: error:`` line and status 2, Ct
 one line per process and status 130, the signalled rank named), ``unclear`` (ended, but
 said something else), ``crash`` (a traceback, or a death nobody asked for) or ``hang``
 (not ended within the case's bound). Commands run in sessions of their own with SIGINT
-at its default disposition, as a terminal runs them; ``--load N`` adds N busy loops
-(niced) while the launcher's hang-timeout cases run. Prints a table and the counts.
+at its default disposition, as a terminal runs them; ``--load N`` adds N busy loops at
+this process's priority while the launcher's hang-timeout cases run (run it under ``nice``
+on a shared machine). Prints a table and the counts.
 """
 
 from __future__ import annotations
@@ -316,10 +317,8 @@ def launcher_cases(tmp: pathlib.Path, load: int) -> list[Row]:
                 (named or ["(no verdict)"])[0][:110],
             )
         )
-    busy = [
-        subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
-        for _ in range(load)
-    ]
+    # At this process's own priority: they compete with the launch as the trial's load did.
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
     try:
         for i in range(4):
             args = [
@@ -450,7 +449,7 @@ GROUPS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=sorted(GROUPS), default=sorted(GROUPS))
-    parser.add_argument("--load", type=int, default=8, help="busy loops for the hang cases")
+    parser.add_argument("--load", type=int, default=16, help="busy loops for the hang cases")
     args = parser.parse_args()
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="fault-trial-44-") as tmp:
