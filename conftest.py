@@ -147,6 +147,7 @@ SLOW = (
     "tests/test_checkpoint_background.py",
     "tests/test_cli.py",
     "tests/test_distributed.py",
+    "tests/test_interrupts.py",
     "tests/test_docs.py",
     "tests/test_examples.py",
     "tests/test_install.py",

@@ -105,6 +105,39 @@ def check_state_layout(state: TrainState, *, path: str, expected_opt_state: Any)
         )
 
 
+def check_window_layout(
+    grads: Any, expected: Any, trainable: Any, *, num_devices: int, zero_stage: int, shards: Any
+) -> None:
+    """Refuses a multisteps window whose gradient sums another layout laid out (another ZeRO
+    stage or ``shards``), naming both: per device, split, or per replica group, they differ
+    in shape (before: shard_map's "not evenly divisible" or a failed reshape)."""
+    named = jax.tree_util.tree_flatten_with_path(grads)[0]
+    wanted, params = jax.tree.leaves(expected), jax.tree.leaves(trainable)
+    for (path, x), want, param in zip(named, wanted, params, strict=True):
+        if jnp.shape(x) != want.shape:
+            step = f"zero_stage={zero_stage}" + (f", shards={shards}" if shards else "")
+            raise ValueError(
+                f"state.window.grads{jax.tree_util.keystr(path)} has shape {jnp.shape(x)}, "
+                f"the sums {_sums(jnp.shape(x), jnp.shape(param), num_devices)}; this step "
+                f"({step}) keeps them {_sums(want.shape, jnp.shape(param), num_devices)}, "
+                f"shape {want.shape}. The state was built by a multisteps step of another layout: "
+                "build it with this step's init, or move it through jaxdp.checkpoint (a "
+                "restore lays a window's sums out for the step it restores to)"
+            )
+
+
+def _sums(shape: tuple[int, ...], param: tuple[int, ...], num_devices: int) -> str:
+    """How a window's sum of a parameter of shape ``param`` lies, from its ``shape``."""
+    if shape == param:
+        return "split over the devices (zero_stage 2 or 3)"
+    if shape == (num_devices, *param):
+        return "per device (zero_stage 0 or 1)"
+    if shape[1:] == param and num_devices % shape[0] == 0:
+        groups = shape[0]
+        return f"per replica group, {groups} groups (HSDP, shards={num_devices // groups})"
+    return "in another layout"
+
+
 def describe_layout(tree: Any) -> str:
     """An optimizer state's node types, e.g. ``(ScaleByAdamState, EmptyState, EmptyState)``."""
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):

@@ -82,10 +82,12 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
 
     Raises:
       ValueError: ``layers`` has no array leaf, a scalar leaf, or leaves of different
-        leading lengths (naming two of them).
+        leading lengths (naming two of them); an NNX module of one layer's flax layers
+        (``nnx.Linear``, ``nnx.Sequential`` of them: not stacked with ``nnx.vmap``).
     """
     graphdef, state = (None, layers)
     if isinstance(layers, nnx.Module):
+        _check_a_stack(layers)
         graphdef, state = nnx.split(layers)
     leaves, treedef = jax.tree.flatten(state)
     _check_layers(state)
@@ -113,6 +115,37 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
         # (BENCHMARKS.md, "The layer loop's price on a GPU").
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     return jax.lax.scan(body, carry, leaves)[0]
+
+
+def _check_a_stack(layers: nnx.Module) -> None:
+    """Refuses an NNX module that holds flax layers of one layer's shape (one layer, an
+    ``nnx.Sequential`` of them): their leading axis is a weight's, not layers', and the loop
+    failed inside JAX ("Incompatible shapes for broadcasting") on slices of them."""
+    for path, module in nnx.iter_modules(layers):
+        if isinstance(module, nnx.Linear | nnx.Embed):
+            name, rank = ("kernel", 2) if isinstance(module, nnx.Linear) else ("embedding", 2)
+        elif isinstance(module, nnx.Conv):
+            size = module.kernel_size
+            name, rank = "kernel", 2 + (1 if isinstance(size, int) else len(size))
+        elif isinstance(module, nnx.LayerNorm | nnx.RMSNorm) and module.scale is not None:
+            name, rank = "scale", 1
+        else:
+            continue
+        shape = jnp.shape(getattr(module, name).get_value())
+        if len(shape) == rank:  # a stack of them has one more, leading axis
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+            got = f"{_name(layers)}, whose layers{where} is " if path else ""
+            raise ValueError(
+                "scan_layers: layers must be a stack of layers on a leading (layer) axis, "
+                "one module built with nnx.vmap (or a pytree of stacked leaves); got "
+                f"{got}one {_name(module)} ({name} of shape {shape}: one layer's, no "
+                "layer axis)"
+            )
+
+
+def _name(module: nnx.Module) -> str:
+    kind = type(module)
+    return f"nnx.{kind.__name__}" if kind.__module__.startswith("flax.nnx") else kind.__name__
 
 
 def _check_layers(state: Any) -> None:

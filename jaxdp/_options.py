@@ -112,7 +112,8 @@ class Parallel:
     ``MixedPrecisionPolicy(param_dtype=...)``): ``"bfloat16"`` gathers float32 master
     weights in bfloat16, and the forward and backward compute on those rounded
     weights; the optimizer updates the master weights, and the gradients are
-    reduce-scattered in the parameters' dtype (or ``comm_dtype``). None: their own.
+    reduce-scattered in the parameters' dtype (or ``comm_dtype``). None: their own;
+    else bfloat16, float16, float32 or float64.
     """
 
     zero_stage: ZeroStage = 0
@@ -161,12 +162,14 @@ class Parallel:
         if self.regather not in ("micro_batch", "window"):
             raise ValueError(f"regather={self.regather!r} must be 'micro_batch' or 'window'")
         dtype = None if self.gather_dtype is None else _dtype_or_none(self.gather_dtype)
-        if self.gather_dtype is not None and (
-            dtype is None or not jnp.issubdtype(dtype, jnp.floating)
-        ):
+        # The forward computes on the gathered weights with the batch: JAX promotes no 8-bit
+        # or smaller float with another implicitly (a TypePromotionError at the first step).
+        gather_dtypes = ("bfloat16", "float16", "float32", "float64")
+        if self.gather_dtype is not None and (dtype is None or dtype.name not in gather_dtypes):
             raise ValueError(
                 f"gather_dtype={self.gather_dtype!r} must be None (the parameters' own "
-                "dtype) or a floating dtype such as 'bfloat16'"
+                f"dtype) or one of {gather_dtypes}: the forward computes on the gathered "
+                "weights, and JAX promotes no float8 (or smaller) dtype with others"
             )
         defaults = {"shards": None, "regather": "micro_batch", "gather_dtype": None}
         given = [f"{k}={getattr(self, k)!r}" for k, v in defaults.items() if getattr(self, k) != v]

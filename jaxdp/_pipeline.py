@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._forward import check_aux, loss_parts, micro_forward
 from ._frozen import combine, split_trainable, trainable_mask
-from ._guards import check_state_layout
+from ._guards import check_state_layout, check_window_layout
 from ._layers import Gather, gather, gathered_loss
 from ._mesh_map import is_spec, mesh_map, to_varying
 from ._model_kinds import linen_batch_norms
@@ -174,6 +174,15 @@ def multisteps_call(
         window = _cast_like(state.window, state.window._replace(last=last))
         new, metrics = end(o, state, parts, result, window)
         return new, {**metrics, "emitted": jnp.ones([], bool)}
+    expected = jax.eval_shape(lambda t: empty_window(o, t, {}, jnp.float32).grads, parts.trainable)
+    check_window_layout(
+        state.window.grads,
+        expected,
+        parts.trainable,
+        num_devices=o.num_devices,
+        zero_stage=o.zero_stage,
+        shards=o.parallel.shards,
+    )
     specs = _window_specs(o, parts, state.window)
 
     def per_device(params, model_state, step, window, batch, weight):

@@ -154,16 +154,28 @@ def test_zero_stage_and_shards_choose_both_sides(
 
 
 def test_zero_stage_flags_are_checked_before_either_side_trains(monkeypatch, capsys):
+    """Each a usage error before anything trains: one line, exit status 2 (issue 44 item 6:
+    pmap at stage 3, shards=1 and cuda without a GPU crashed with a traceback, exit 1, after
+    jaxdp had trained)."""
     monkeypatch.setattr("jaxdp.parity.run_parity", lambda config: pytest.fail("it trained"))
+    monkeypatch.setattr("jaxdp.parity.compare_models", lambda *a, **k: pytest.fail("it trained"))
     monkeypatch.setattr("jaxdp._mesh.emulate_cpu_devices", lambda num_devices: None)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)  # also on a GPU machine
+    port = ["--torch-model", "m:T", "--jax-model", "m:J", "--data", "d.npz"]
     for flags, said in [
         (["--zero-stage", "2", "--shards", "2"], "shards=2 needs zero_stage=3"),
         (["--zero-stage", "3", "--shards", "3"], "shards=3 must divide num_devices=4"),
+        (["--zero-stage", "3", "--strategy", "pmap"], "zero_stage=3 needs strategy='shard_map'"),
+        (["--zero-stage", "3", "--shards", "1"], "shards=1 must be None (one shard group"),
+        (["--torch-device", "cuda"], "torch_device='cuda' needs one GPU per rank: num_devices=4"),
+        ([*port, "--torch-device", "cuda"], "torch_device='cuda' needs one GPU per rank"),
     ]:
+        model = [] if "--torch-model" in flags else ["--model", "stack"]
         with pytest.raises(SystemExit) as exit_:
-            main(["parity", "--model", "stack", "--num-devices", "4", *flags])
+            main(["parity", *model, "--num-devices", "4", *flags])
         assert exit_.value.code == 2
-        assert f"jaxdp parity: error: {said}" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err.startswith(f"jaxdp parity: error: {said}") and err.count("\n") == 1, err
 
 
 def test_parity_command_on_a_weighted_scheduled_script_in_files_of_its_own(

@@ -1,6 +1,8 @@
-"""The one tree-compare helper and the tolerances it is used with; a port for a coordinator."""
+"""The one tree-compare helper and the tolerances it is used with; a port for a coordinator;
+whether a test's processes are still running."""
 
 import contextlib
+import pathlib
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -62,3 +64,26 @@ def reserved_port() -> Iterator[int]:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(("127.0.0.1", 0))
         yield s.getsockname()[1]
+
+
+def alive(pid):
+    """Running (a zombie left for a non-reaping init to collect counts as ended)."""
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def left_behind(mark):
+    """Pids of processes started under ``JAXDP_TEST_MARK=mark`` still running: a rank or
+    a launcher of that launch left behind (the mark is unique per launch, so a launch
+    of another test running at the same time is never counted)."""
+    found = []
+    for environ in pathlib.Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"JAXDP_TEST_MARK={mark}".encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return [pid for pid in found if alive(pid)]

@@ -23,7 +23,7 @@ import types
 import jax
 import numpy as np
 import pytest
-from helpers import RTOL, assert_trees_close
+from helpers import RTOL, alive, assert_trees_close, left_behind
 
 import jaxdp
 from jaxdp.cli import main
@@ -209,15 +209,6 @@ def test_a_rank_killed_by_a_signal_gets_its_peers_killed_after_a_second(tmp_path
     # bound is far from both, so a loaded machine cannot make it flaky.
     assert took < 60
     print(f"rank killed: the launcher ended {took:.1f} s after the start")
-
-
-def alive(pid):
-    """Running (a zombie left for a non-reaping init to collect counts as ended)."""
-    try:
-        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def test_no_rank_outlives_a_killed_launcher(tmp_path):
@@ -678,8 +669,14 @@ def children(pid):
 
 
 def seen(*exits):
-    """Exits as the launcher saw them, in this order, at 10 s, 11 s, ..."""
-    return [Exit(rank, status, 10.0 + i) for i, (rank, status) in enumerate(exits)]
+    """Exits as the launcher saw them, in this order, at 10 s, 11 s, ...: a status above 128
+    is a process killed by that signal, ``"exited 143"`` one that exited with 143."""
+    found = []
+    for i, (rank, status) in enumerate(exits):
+        exited = isinstance(status, str)
+        status = int(str(status).removeprefix("exited "))
+        found.append(Exit(rank, status, 10.0 + i, killed=status > 128 and not exited))
+    return found
 
 
 @pytest.mark.parametrize(
@@ -697,6 +694,11 @@ def seen(*exits):
         (seen((1, 0), (0, 2), (2, 1)), {}, (0, 2)),
         (seen((1, 2), (0, 2)), {0: (9.0, 2), 1: (9.0, 2)}, (0, 2)),  # a tie: the lower rank
         (seen((0, 0)), {1: (9.0, 3)}, None),  # no error exit seen yet: nothing to name
+        # Issue 44: jaxdp train exits 128 + n after a signal, and so do the peers that stop
+        # with it (143): the rank that got it recorded when it came, they when they ended.
+        (seen((0, "exited 143"), (1, "exited 143")), {1: (9.0, 143), 0: (9.5, 143)}, (1, 143)),
+        (seen((0, "exited 143"), (1, "exited 130")), {1: (9.0, 130), 0: (9.5, 143)}, (1, 130)),
+        (seen((0, "exited 143"), (1, 137)), {0: (9.0, 143)}, (1, 137)),  # a SIGKILL still first
     ],
 )
 def test_the_rank_whose_failure_began_first_is_named(exits, records, named):
@@ -726,6 +728,71 @@ def test_the_launcher_reads_the_ranks_records_and_waits_briefly_for_them(tmp_pat
     group.exits = [Exit(0, 1, now - 2 * RECORD_WAIT_S)]  # before rank 2's record
     assert group._first_failure()[:2] == (0, 1)  # waited long enough for rank 1
     assert read_failure(tmp_path / "absent") is None
+
+
+def test_a_rank_that_exits_with_a_signals_status_is_named_by_its_record(tmp_path):
+    """Issue 44, item 4: jaxdp train exits 128 + n after signal n, and the peers that stop
+    with it at the same call exit 143; the launcher took every such status for a kill from
+    outside and named whichever it reaped first (rank 0 for a SIGTERM to rank 1). The rank
+    that got the signal recorded when it came (as jaxdp train's handler does), the peer
+    when it exited: the earlier record is named."""
+    done = run_script(
+        tmp_path,
+        """
+        import os, sys, time
+        from jaxdp.cli._launch_link import record_failure
+        if os.environ["JAXDP_PROCESS_ID"] == "1":
+            record_failure(143)  # SIGTERM came: it stops with its peer, and ends later
+            time.sleep(2)
+        else:
+            time.sleep(0.5)  # it stopped because rank 1 did, and ends first
+        sys.exit(143)
+        """,
+        ["--nprocs", "2", "--grace-s", "30"],
+        timeout=120,
+    )
+    assert done.returncode == 143, done.stderr
+    assert re.search(r"^jaxdp launch: rank 1 \(pid \d+\) exited with status 143", done.stderr, re.M)
+    assert "jaxdp launch: failed: rank 1 exited with status 143 (SIGTERM)" in done.stderr
+
+
+def test_a_rank_that_has_ended_is_never_hung(tmp_path):
+    """Issue 44, item 4: under load the waiter of a rank that had ended had not yet recorded
+    its exit, and a heartbeat older than --hang-timeout-s named it hung (2 of 4 runs at
+    load 30 with 2 s). Ended, not yet reaped (a zombie), its heartbeat a minute old: not
+    hung."""
+    group = Group(io.BytesIO(), io.BytesIO(), tmp_path, watch=True)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # ended, left unreaped
+    group.procs = [proc]
+    beat = group.heartbeat(0)
+    beat.touch()
+    os.utime(beat, (time.time() - 60,) * 2)
+    try:
+        assert group._hung(2.0) is None
+        assert group._hung(None) is None
+    finally:
+        proc.wait()
+
+
+def test_a_rank_whose_work_is_done_is_not_hung_while_it_exits(tmp_path):
+    """Issue 44, item 4: a finished run's rank was called hung under load (exit 137): its
+    exit (JAX's shutdown, interpreter teardown) ran without a heartbeat. Here each rank's
+    exit holds the GIL for 4 s (a C call through ctypes.PyDLL), so no heartbeat thread
+    runs, with --hang-timeout-s 2: the rank stopped beating when its code was done."""
+    done = run_script(
+        tmp_path,
+        """
+        import atexit, ctypes
+        import jaxdp
+        jaxdp.initialize()  # joined: its heartbeat beats
+        atexit.register(ctypes.PyDLL(None).sleep, 4)  # with the GIL held
+        """,
+        ["--nprocs", "2", "--hang-timeout-s", "2"],
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "stopped answering" not in done.stderr
 
 
 def test_the_multi_process_example_runs_unchanged_on_one_process_and_on_two(tmp_path):
@@ -820,7 +887,8 @@ LAUNCH_2X2 = [*LAUNCH, "--nprocs", "2", "--devices-per-process", "2", "--timeout
 # orbax's "save" barrier); "term", a SIGTERM to the launcher after that update (a
 # scheduler's preemption), the rank going on once the launcher has forwarded it, so
 # that the run stops at that call; "stop", a SIGSTOP of itself after that update, its
-# pid and the time (time.monotonic) written to $STOPS first. Rank 0 of a restart first
+# pid and the time (time.monotonic) written to $STOPS first; "int", a SIGINT to itself
+# after that update (a Ctrl-C meant for that rank alone). Rank 0 of a restart first
 # copies the metrics the starts before it left ($RECORDS) to $RECORDS.<restart count>.
 RANK = """
 import json, os, shutil, signal, sys, time
@@ -836,7 +904,7 @@ if os.environ["JAXDP_PROCESS_ID"] == "0" and os.path.exists(os.environ["RECORDS"
 kill = json.loads(os.environ["KILLS"]).get(restart)
 if kill and int(os.environ["JAXDP_PROCESS_ID"]) == kill[0]:
     _, at, where = kill
-    if where in ("step", "term", "stop"):
+    if where in ("step", "term", "stop", "int"):
         updated = _train.Run._updated
 
         def _updated(self, batch, metrics, progress, *rest):
@@ -845,6 +913,8 @@ if kill and int(os.environ["JAXDP_PROCESS_ID"]) == kill[0]:
                 return
             if where == "step":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif where == "int":
+                os.kill(os.getpid(), signal.SIGINT)
             elif where == "term":
                 # jaxdp train's handler gives way to the one before it once it has run.
                 handler = signal.getsignal(signal.SIGTERM)
@@ -872,7 +942,10 @@ if kill and int(os.environ["JAXDP_PROCESS_ID"]) == kill[0]:
             return sync(key, *args, **kwargs)
 
         Checkpoints.save, multihost.sync_global_processes = _save, _sync
-sys.exit(main(["train", *sys.argv[1:]]))
+status = main(["train", *sys.argv[1:]])
+if kill and kill[2] == "int" and int(os.environ["JAXDP_PROCESS_ID"]) == kill[0]:
+    time.sleep(1)  # the rank the signal reached ends after its peer, as in issue 44's trial
+sys.exit(status)
 """
 
 
@@ -915,20 +988,6 @@ def newest_leaves(directory):
     newest = max(int(p.name) for p in directory.iterdir() if p.name.isdigit())
     meta = json.loads((directory / str(newest) / "meta" / "metadata").read_text())
     return newest, {name: leaf["sha256"] for name, leaf in meta["leaves"].items()}
-
-
-def left_behind(mark):
-    """Pids of processes started under ``JAXDP_TEST_MARK=mark`` still running: a rank or
-    a launcher of that launch left behind (the mark is unique per launch, so a launch
-    of another test running at the same time is never counted)."""
-    found = []
-    for environ in pathlib.Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if f"JAXDP_TEST_MARK={mark}".encode() in environ.read_bytes().split(b"\0"):
-                found.append(int(environ.parent.name))
-        except OSError:
-            continue
-    return [pid for pid in found if alive(pid)]
 
 
 def assert_ports_free(tmp_path, name):
@@ -1110,6 +1169,25 @@ def test_three_kills_a_sigterm_and_a_stopped_rank_end_bitwise_as_an_uninterrupte
     assert newest_leaves(tmp_path / "run") == uninterrupted.leaves
     assert left_behind(again.mark) == []
     assert len(assert_ports_free(tmp_path, "run")) == 2 * 4 + 2 * 2  # and 2 starts
+
+
+def test_sigint_to_one_rank_of_jaxdp_train_names_that_rank_and_signal(tmp_path):
+    """Issue 44, item 4: a Ctrl-C meant for rank 1 alone stops every rank at the same step
+    with a checkpoint (as before), and the launcher names rank 1 and SIGINT and exits 130
+    (it blamed rank 0, which exits 143 for a peer's signal, and exited 143)."""
+    launcher = launched(tmp_path, "run", kills={"0": [1, 3, "int"]})
+    out, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 128 + signal.SIGINT, err[-4000:]
+    assert re.search(
+        r"^jaxdp launch: rank 1 \(pid \d+\) exited with status 130 \(SIGINT\)", err, re.M
+    )
+    assert "jaxdp launch: failed: rank 1 exited with status 130 (SIGINT)" in err
+    stops = re.findall(
+        r"^\[rank (\d)\] jaxdp train: process \d stopped at optimizer step (\d+)", err, re.M
+    )
+    assert sorted(stops) == [("0", "3"), ("1", "3")], err[-4000:]
+    assert newest_leaves(tmp_path / "run")[0] == 3
+    assert left_behind(launcher.mark) == []
 
 
 # HSDP (issue 32): the scanned GPT at stage 3, each process one shard group of its 2

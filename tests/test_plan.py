@@ -2,6 +2,7 @@
 
 import pathlib
 import re
+import threading
 
 import jax.numpy as jnp
 import pytest
@@ -9,7 +10,7 @@ import pytest
 import jaxdp
 from jaxdp.cli import main
 from jaxdp.plan import _xla as xla
-from jaxdp.plan._memory import largest_divisor_at_most, parse_count, smallest_fit
+from jaxdp.plan._memory import divisors, largest_divisor_at_most, parse_count, smallest_fit
 
 GB = 10**9
 
@@ -167,6 +168,88 @@ def test_largest_divisor():
     assert largest_divisor_at_most(128, 60) == 32
     assert largest_divisor_at_most(97, 96) == 1  # a prime
     assert largest_divisor_at_most(12, 0) is None
+    assert [largest_divisor_at_most(360, k) for k in range(1, 13)] == [
+        1, 2, 3, 4, 5, 6, 6, 8, 9, 10, 10, 12
+    ]  # fmt: skip
+    assert divisors(1) == [1] and divisors(2**10) == [2**k for k in range(11)]
+    assert all(divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 500))
+
+
+# The products of two primes just below 2**31.5: the largest factors Pollard's rho must find
+# below 2**63 (trial division up to their square root: 3 * 10**9 steps, minutes).
+P, Q = 3037000453, 3037000493
+
+
+def in_time(function, timeout_s=60):
+    """``function()``'s result, failing if it has not returned within ``timeout_s``
+    (a hang guard, not a speed test: the planner answers in milliseconds; before issue
+    44 the cases below took from 34 s to centuries)."""
+    done = []
+
+    def run():
+        try:
+            done.append((function(), None))
+        except Exception as e:
+            done.append((None, e))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert done, f"no answer after {timeout_s} s"
+    result, error = done[0]
+    if error is not None:
+        raise error
+    return result
+
+
+@pytest.mark.parametrize(
+    ("global_batch_size", "num_devices", "micro_batch_size"),
+    [
+        (10**18, 1, 40),  # the issue's command: 2**18 * 5**18 rows, 40 fit
+        (10**18, 8, 40),
+        (P * Q, 1, 1),  # no divisor but 1 fits
+        (P * P, 1, 1),
+        (2 * 3 * 5 * 7 * 11 * 13 * 17 * 19 * 23 * 29 * 31 * 37 * 41 * 43 * 47 * 8, 8, 39),
+        (2**63 - 1, 1, 7),  # 7**2 * 73 * 127 * 337 * 92737 * 649657
+    ],
+)
+def test_a_global_batch_of_any_size_is_split_at_once(
+    global_batch_size, num_devices, micro_batch_size
+):
+    """Issue 44, item 1: the split of a huge global batch comes from its prime factors, not
+    from trial division over its divisors. fp32 SGD, 10**6 parameters: 12 MB fixed, 56 MB of
+    the 68 usable left for 1.4 MB a sample: 40 samples fit."""
+    plan = in_time(
+        lambda: jaxdp.plan.plan_memory(
+            params=10**6,
+            policy="fp32",
+            optimizer="sgd",
+            device_memory=80 * 10**6,
+            num_devices=num_devices,
+            global_batch_size=global_batch_size,
+            activation_bytes_per_sample=1.4 * 10**6,
+        )
+    )
+    assert plan.max_micro_batch_size == 40
+    assert plan.micro_batch_size == micro_batch_size
+    assert num_devices * plan.accum_steps * plan.micro_batch_size == global_batch_size
+
+
+def test_a_size_beyond_any_array_is_refused_at_once_and_a_huge_fit_is_bounded():
+    """A global batch or parameter count past 2**63 - 1 (XLA's sizes are 64-bit) is refused
+    naming the bound; with nothing growing per sample the micro-batch is bounded there, not
+    computed as a float's floor (an OverflowError for 1e-300 bytes a sample)."""
+    for kwargs, name in [
+        (dict(global_batch_size=10**30, activation_bytes_per_sample=GB), "global_batch_size"),
+        (dict(global_batch_size=2**63), "global_batch_size"),
+        (dict(params=10**300), "params"),
+    ]:
+        with pytest.raises(ValueError, match=rf"{name}=\d+ exceeds 2\*\*63 - 1 = 9,223,372,"):
+            in_time(lambda k=kwargs: jaxdp.plan.plan_memory(**{"params": 7e9, **k}))
+    plan = jaxdp.plan.plan_memory(
+        params=10**6, device_memory="80GB", activation_bytes_per_sample=1e-300
+    )
+    assert plan.micro_batch_size == plan.max_micro_batch_size == 2**63 - 1
 
 
 @pytest.mark.parametrize("n, factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
@@ -232,10 +315,55 @@ def test_cli_rejects_bad_values_naming_the_flag(capsys, argv, match):
     assert re.search(match, capsys.readouterr().err)
 
 
-def test_cli_unreachable_global_batch_exits_with_the_rule():
-    with pytest.raises(SystemExit, match=r"global_batch_size=30 is not reachable with num_dev"):
-        main(["plan", "--params", "1e6", "--device-memory", "1GB", "--num-devices", "4",
-              "--global-batch-size", "30"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--zero-stage", "3", "--layers", "0"], "layers=0 must be a positive integer"),
+        (
+            ["--root-params", "2e9", "--params", "1e9"],
+            "root_params=2000000000 must be a count in [0, params=1,000,000,000)",
+        ),
+        (["--num-devices", "0"], "num_devices=0 must be a positive integer"),
+        (
+            ["--num-devices", "4", "--global-batch-size", "30"],
+            "global_batch_size=30 is not reachable with num_devices=4",
+        ),
+        (
+            ["--global-batch-size", str(10**30)],
+            f"global_batch_size={10**30} exceeds 2**63 - 1",
+        ),
+        (
+            ["--model", "cnn", "--model-arg", "width=3"],
+            "model argument(s) ['width'] are not arguments of cnn",
+        ),
+        (
+            ["--model", "cnn", "--model-arg", "channels"],
+            "--model-arg='channels' must be NAME=VALUE",
+        ),
+        (
+            ["--model", "cnn", "--model-arg", "channels=-1"],
+            "model argument channels=-1 of cnn must be a tuple of 2 positive integers, as its "
+            "default (8, 16)",
+        ),
+        (
+            ["--model", "mlp", "--model-arg", "hidden=0"],
+            "model argument hidden=0 of mlp must be a positive integer, as its default 32",
+        ),
+        (["--params", "1e6", "--model-arg", "hidden=3"], "--model-arg needs --model"),
+    ],
+)
+def test_cli_value_errors_are_usage_errors(capsys, argv, message):
+    """Issue 44, item 6: a value the planner refuses is a usage error as argparse's own
+    are: one ``jaxdp plan: error:`` line and exit status 2 (they exited 1, and a bad
+    --model-arg crashed in the model's constructor)."""
+    base = {"--params": "7e9", "--device-memory": "80GB"}
+    if "--model" in argv:
+        base.pop("--params")
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", *[x for pair in base.items() for x in pair], *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxdp plan: error: {message}") and err.count("\n") == 1, err
 
 
 # ---- XLA's memory analysis --------------------------------------------------------
@@ -325,13 +453,6 @@ def test_cli_model_without_device_memory_prints_the_per_device_table(capsys):
     assert "Not decided without --device-memory: whether this fits, and the largest" in out
     assert "FITS" not in out
     assert "XLA's analysis: needs --device-memory" in out
-
-
-def test_cli_model_argument_errors():
-    with pytest.raises(SystemExit, match=r"model argument\(s\) \['width'\] are not arguments"):
-        main(["plan", "--model", "cnn", "--model-arg", "width=3", "--device-memory", "1GB"])
-    with pytest.raises(SystemExit, match=r"--model-arg='channels' must be NAME=VALUE"):
-        main(["plan", "--model", "cnn", "--model-arg", "channels", "--device-memory", "1GB"])
 
 
 def test_bf16_policy_table_matches_the_compiled_arguments():

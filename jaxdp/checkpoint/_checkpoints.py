@@ -40,6 +40,7 @@ from .._train_state import TrainState, check_live
 from . import _format2
 from ._agree import process_0s
 from ._data import OWN, DataPosition, check_data, from_data, restore_data, sizes_of
+from ._interrupted import raise_if_interrupted
 from ._meta import FORMAT, array_sha256, check_sealed, check_sha256, sealed
 from ._quiet import quiet_failed_read_noise
 from ._rules import (
@@ -278,9 +279,15 @@ class Checkpoints:
         meta = sealed({**meta, "leaves": leaves})
         args = {"meta": ocp.args.JsonSave(meta)}
         args.update({item: ocp.args.StandardSave(part) for item, part in items.items()})
+        path = self.directory / str(number)
         try:
             self._manager.save(number, args=ocp.args.Composite(**args), force=True)
         except Exception as e:
+            raise_if_interrupted(
+                e,
+                f"writing checkpoint {path} was interrupted; an unfinished write is removed "
+                "when the directory is next opened",
+            )
             raise self._write_failed(number, e) from e
         if self.verify:
             try:
@@ -289,6 +296,9 @@ class Checkpoints:
                 else:
                     self._read_on_host(number, meta, items)
             except Exception as e:
+                raise_if_interrupted(
+                    e, f"checkpoint {path} was written; reading it back to verify was interrupted"
+                )
                 raise CheckpointError(
                     f"checkpoint {self.directory / str(number)} does not read back intact "
                     f"({_short(e)}); older checkpoints are kept"
@@ -382,6 +392,7 @@ class Checkpoints:
             try:  # the window's sums: read mid-window (they fit), zero at a boundary
                 state = self._read(number, meta, like, accumulators=_mid_window(meta))
             except Exception as e:
+                raise_if_interrupted(e, f"reading checkpoint {path} was interrupted (kept)")
                 failures.append((number, e))
                 quiet_failed_read_noise()
                 continue
@@ -433,6 +444,8 @@ class Checkpoints:
             try:
                 meta = self._read_meta(number)
             except Exception as e:
+                path = self.directory / str(number)
+                raise_if_interrupted(e, f"reading checkpoint {path} was interrupted (kept)")
                 failures.append((number, e))
                 quiet_failed_read_noise()
                 continue

@@ -66,6 +66,9 @@ class Exit(NamedTuple):
     rank: int
     status: int  # the shell's status: 128 + n for signal n
     seen: float  # time.monotonic() when the launcher saw it (after the end itself)
+    # Ended by the signal itself, not exiting with 128 + n (as jaxdp train does after it
+    # stopped on SIGTERM, or because a peer did)
+    killed: bool = False
 
 
 class Outcome(NamedTuple):
@@ -119,11 +122,11 @@ class Group:
 
     def _wait(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         try:
-            status = _wait_unreaped(proc)
+            status, killed = _wait_unreaped(proc)
         except ChildProcessError:  # reaped by kill_all after the start ended
             return
         with self.lock:
-            self.exits.append(Exit(rank, status, time.monotonic()))
+            self.exits.append(Exit(rank, status, time.monotonic(), killed))
 
     def running(self) -> int:
         with self.lock:
@@ -225,7 +228,7 @@ class Group:
         records = self._records()
         accounted = {e.rank for e in exits} | set(records)
         waited = time.monotonic() - errors[0].seen
-        killed = any(_sent_from_outside(e.status) for e in errors)
+        killed = any(_sent_from_outside(e) for e in errors)
         if not final and not killed and waited < RECORD_WAIT_S and len(accounted) < len(self.procs):
             return None
         first = first_to_fail(exits, records)
@@ -250,6 +253,8 @@ class Group:
             if rank in ended:
                 continue
             state = _state(proc.pid)
+            if state in (None, "Z", "X"):  # ended, its waiter not yet run (a loaded machine)
+                continue
             if timeout_s is None:  # also with the watch off: a stopped rank is named
                 if state in ("T", "t"):
                     cause = f"stopped answering ({_STATES[state]})"
@@ -297,12 +302,14 @@ def first_to_fail(
     nothing: that moment comes after the failure began, so such a rank is named
     only if it was seen to end before any peer recorded); the earliest, ties to
     the lower rank. A rank that recorded a failure and has not ended yet counts
-    with the status it recorded.
+    with the status it recorded. A rank that exits with ``128 + n`` after a signal
+    (``jaxdp train`` stops on SIGINT or SIGTERM, and so do its peers, with 143) is
+    ordered by its record: it records when the signal comes, the peers when they exit.
     """
     errors = [e for e in exits if e.status != 0]
     if not errors:
         return None
-    killed = [e for e in errors if _sent_from_outside(e.status)]
+    killed = [e for e in errors if _sent_from_outside(e)]
     if killed:
         return killed[0].rank, killed[0].status
     moments = {e.rank: (e.seen, e.status) for e in errors}
@@ -320,14 +327,18 @@ def _failure(rank: int, status: int, cause: str) -> Failure:
     return Failure(rank, status, cause, time.monotonic(), time.time())
 
 
-def _wait_unreaped(proc: subprocess.Popen[bytes]) -> int:
-    """Waits for ``proc`` to end and returns its status, leaving it unreaped where the
-    system allows (``waitid`` with WNOWAIT): :meth:`Group.kill_all` reaps it."""
+def _wait_unreaped(proc: subprocess.Popen[bytes]) -> tuple[int, bool]:
+    """Waits for ``proc`` to end and returns its status and whether a signal ended it,
+    leaving it unreaped where the system allows (``waitid`` with WNOWAIT):
+    :meth:`Group.kill_all` reaps it."""
     if not hasattr(os, "waitid"):
-        return _status(proc.wait())
+        returncode = proc.wait()
+        return _status(returncode), returncode < 0
     info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
     assert info is not None  # None only with WNOHANG
-    return info.si_status if info.si_code == os.CLD_EXITED else 128 + info.si_status
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status, False
+    return 128 + info.si_status, True
 
 
 def _status(returncode: int) -> int:
@@ -335,8 +346,8 @@ def _status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _sent_from_outside(status: int) -> bool:
-    return status - 128 in _SENT_FROM_OUTSIDE
+def _sent_from_outside(end: Exit) -> bool:
+    return end.killed and end.status - 128 in _SENT_FROM_OUTSIDE
 
 
 def _state(pid: int) -> str | None:

@@ -38,6 +38,7 @@ from .._distributed import (
 )
 from ._command import check_runnable, child_argv
 from ._group import Failure, Group, Outcome
+from ._interrupt import lend_sigint
 from ._launch_link import ENV_FAILURE_FILE, ENV_HEARTBEAT_FILE
 
 DEFAULT_GRACE_S = 10.0
@@ -224,10 +225,13 @@ def _reserved_port() -> Iterator[int]:
 
 
 class _Signals:
-    """Records SIGINT and SIGTERM instead of acting on them, while active."""
+    """Records SIGINT and SIGTERM instead of acting on them, while active (the command's
+    Ctrl-C lent to it: :mod:`jaxdp.cli._interrupt`)."""
 
     def __enter__(self) -> list[int]:
         self.received: list[int] = []
+        self.lent = lend_sigint()
+        self.lent.__enter__()
         self.previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         for s in self.previous:
             signal.signal(s, lambda signum, frame: self.received.append(signum))
@@ -236,6 +240,7 @@ class _Signals:
     def __exit__(self, *exc: object) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        self.lent.__exit__(None, None, None)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -35,6 +35,7 @@ before JAX's own, which comes :data:`JAX_GRACE_S` later.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import socket
@@ -63,7 +64,7 @@ _lock = threading.Lock()
 def start_heartbeat(path: str, *, up: Callable[[], bool] | None = None) -> None:
     """Touches ``path`` every :data:`INTERVAL_S` seconds from a daemon thread, from the
     first beat at which ``up()`` is true (default :func:`joined`) on (once per path and
-    process)."""
+    process), until :func:`stop_heartbeat`."""
     with _lock:
         if path in _started:
             return
@@ -71,17 +72,30 @@ def start_heartbeat(path: str, *, up: Callable[[], bool] | None = None) -> None:
     file = pathlib.Path(path)
     is_up = up or joined
 
-    def beat() -> None:  # ends with the process
+    def beat() -> None:  # ends with the process, or at stop_heartbeat
         while not is_up():
             time.sleep(INTERVAL_S / 10)  # cheap: a dictionary lookup or two
         while True:
-            try:
-                os.utime(file)
-            except OSError:
-                file.touch()  # the first beat, or removed meanwhile
+            with _lock:
+                if path not in _started:
+                    return
+                try:
+                    os.utime(file)
+                except OSError:
+                    file.touch()  # the first beat, or removed meanwhile
             time.sleep(INTERVAL_S)
 
     threading.Thread(target=beat, name="jaxdp-heartbeat", daemon=True).start()
+
+
+def stop_heartbeat(path: str) -> None:
+    """Stops beating and removes ``path``: the launcher watches no file, so a process whose
+    work is done is never called hung while it exits (JAX's shutdown barrier waits for
+    slower peers, and on a loaded machine the beating thread may not run meanwhile)."""
+    with _lock:
+        _started.discard(path)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def joined() -> bool:

@@ -23,6 +23,7 @@ from ._compile_cache import add_compile_options, compile_cache
 from ._config import DEFAULT_EPOCHS, TrainConfig
 from ._extra import require_extra
 from ._help import Parser
+from ._interrupt import interruptible, lend_sigint
 
 DEFAULT_CPU_DEVICES = 4
 
@@ -272,8 +273,8 @@ def _run_train(args: argparse.Namespace) -> int:
                 stack.close()  # releases the checkpoint directory's lock
                 _exit_now(1)
             except (Exception, KeyboardInterrupt) as e:
-                if jax.process_count() == 1:
-                    raise
+                if jax.process_count() == 1 or isinstance(e, KeyboardInterrupt):
+                    raise  # a KeyboardInterrupt: main's one line, at once with several
                 # Not in JAX's shutdown barrier while the peers block in a collective
                 # (under another launcher than jaxdp launch, whose ranks do the same).
                 status = 130 if isinstance(e, KeyboardInterrupt) else 1
@@ -379,24 +380,35 @@ def _show_warning(message: Warning | str, category: type[Warning], *args: Any, *
 
 @contextlib.contextmanager
 def _stop_on_signals() -> Iterator[list[int | None]]:
-    """Turns the first SIGINT/SIGTERM into a request to stop; the second acts as usual."""
+    """Turns the first SIGINT/SIGTERM into a request to stop; the second acts as usual
+    (Ctrl-C: the command's end, :mod:`jaxdp.cli._interrupt`)."""
+    from ._launch_link import record_failure
+
     stopped_by: list[int | None] = [None]
     # None: a handler outside Python (JAX's preemption notifier takes SIGTERM).
     previous = {s: signal.getsignal(s) or signal.SIG_DFL for s in (signal.SIGINT, signal.SIGTERM)}
+    with lend_sigint() as give_back:
 
-    def request(signum: int, frame: Any) -> None:
-        stopped_by[0] = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this micro-batch", file=sys.stderr)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        def request(signum: int, frame: Any) -> None:
+            # For jaxdp launch: this process got the signal; its peers, which stop with it
+            # at the same call, record theirs when they exit.
+            record_failure(128 + signum)
+            stopped_by[0] = signum
+            print(
+                f"\n{signal.Signals(signum).name}: stopping after this micro-batch",
+                file=sys.stderr,
+            )
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            give_back(signum)
 
-    for s in previous:
-        signal.signal(s, request)
-    try:
-        yield stopped_by
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s in previous:
+            signal.signal(s, request)
+        try:
+            yield stopped_by
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 # Per subcommand: its line in "jaxdp --help", and "module:function" (in this package) that
@@ -443,14 +455,35 @@ def version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs ``jaxdp`` on ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    """Runs ``jaxdp`` on ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    As the ``jaxdp`` command (no ``argv``), Ctrl-C ends the process with one line and status
+    130, within seconds (:mod:`jaxdp.cli._interrupt`). Called with ``argv`` in a program of
+    its own, the program's signal handling stays, and a KeyboardInterrupt ends the command
+    with the same line and ``SystemExit(130)``.
+    """
+    own_process = argv is None
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # jaxdp's own options take no value: the first other word names the command.
+    given = next((word for word in argv if not word.startswith("-")), None)
+    # From the start: building a command's parser imports JAX, where a Ctrl-C is dropped.
+    with interruptible(given if given in SUBCOMMANDS else None, own_process) as interrupt:
+        try:
+            status = _run(argv, given)
+        except BaseException as e:  # whatever a Ctrl-C became on its way up
+            if interrupt.requested or isinstance(e, KeyboardInterrupt):
+                interrupt.end(e)
+            raise
+        if interrupt.requested:  # the run went on after it: it ends here
+            interrupt.end(None)
+        return status
+
+
+def _run(argv: list[str], given: str | None) -> int:
     parser = Parser(prog="jaxdp", description=DESCRIPTION)
     help = "print the versions of jaxdp and jax"
     parser.add_argument("--version", action="version", version=version(), help=help)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    argv = sys.argv[1:] if argv is None else list(argv)
-    # jaxdp's own options take no value: the first other word names the command.
-    given = next((word for word in argv if not word.startswith("-")), None)
     for name, (line, where) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=line)
         if name == given:

@@ -241,6 +241,13 @@ def _run_parity_command(args: argparse.Namespace) -> int:
             f"needs PyTorch ({e}); on a CPU machine: pip install torch "
             "--index-url https://download.pytorch.org/whl/cpu (torch_ref ships with jaxdp)"
         )
+    if args.torch_device == "cuda":  # before either side trains (a port's torch goes first)
+        from ..parity._runner import check_torch_gpus
+
+        try:
+            check_torch_gpus(args.num_devices)
+        except ValueError as e:
+            _error(str(e))
     emulate_cpu_devices(max(args.num_devices, 1))  # CPU only; before the backend starts
     jax.config.update("jax_enable_x64", args.dtype == "float64")
     report = _compare_ports(args) if port else _compare_reference(args)

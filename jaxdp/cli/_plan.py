@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import sys
 from typing import Any
 
 from ..plan._memory import (
@@ -170,8 +171,9 @@ def _fraction(text: str, *, name: str) -> float:
 def run(args: argparse.Namespace) -> int:
     try:
         text = plan_report(args)
-    except ValueError as e:
-        raise SystemExit(f"jaxdp plan: error: {e}") from None
+    except ValueError as e:  # a usage error: one line, exit status 2 as argparse's own
+        print(f"jaxdp plan: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(text)
     return 0
 

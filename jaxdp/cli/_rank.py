@@ -6,14 +6,16 @@ process, so it may do what the library may not (end the process on a failure, ro
 fd 1): ``jaxdp.initialize`` leaves the process as it found it.
 
 A failing rank of a multi-process JAX run ends at once: with an uncaught exception
-(status 1, 130 for KeyboardInterrupt, after its traceback) or a non-zero ``sys.exit``
-(its own status). Otherwise the interpreter runs JAX's exit handler, whose shutdown
-barrier waits for every process while its peers are blocked in a collective that
-waits for it: it sat there ``timeout_s`` (100 s) and JAX then aborted it (134), the
-status lost; no heartbeat failed meanwhile, so the launch hung that long.
+(status 1, after its traceback; a KeyboardInterrupt: 130 after one line naming where it
+came) or a non-zero ``sys.exit`` (its own status). Otherwise the interpreter runs JAX's
+exit handler, whose shutdown barrier waits for every process while its peers are
+blocked in a collective that waits for it: it sat there ``timeout_s`` (100 s) and JAX
+then aborted it (134), the status lost; no heartbeat failed meanwhile, so the launch
+hung that long.
 
 Before the rank's code runs, its heartbeat starts: it beats once the rank joined
-the run (the launcher finds a stopped rank by it). A non-zero ``sys.exit`` or an
+the run (the launcher finds a stopped rank by it), until the rank's code is done (its
+exit is never a hang). A non-zero ``sys.exit`` or an
 uncaught exception is recorded first (:mod:`jaxdp.cli._launch_link`): its peers
 fail when this process ends, and the launcher, which may reap them first, names the
 rank whose failure began first.
@@ -48,6 +50,7 @@ import runpy
 import sys
 import threading
 import time
+import traceback
 import types
 
 
@@ -72,14 +75,18 @@ def main() -> None:
     record = link.record_failure
     args = sys.argv[1:]
     try:
-        if args[0] == "-m":
-            sys.argv = [args[1], *args[2:]]  # runpy sets argv[0] to the module's file
-            sys.path[0] = os.getcwd()  # as python -m does
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = args
-            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))  # as python SCRIPT does
-            runpy.run_path(args[0], run_name="__main__")
+        try:
+            if args[0] == "-m":
+                sys.argv = [args[1], *args[2:]]  # runpy sets argv[0] to the module's file
+                sys.path[0] = os.getcwd()  # as python -m does
+                runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = args
+                sys.path[0] = os.path.dirname(os.path.abspath(args[0]))  # as python SCRIPT does
+                runpy.run_path(args[0], run_name="__main__")
+        finally:
+            if beat:  # the rank's code is done: what is left is its exit, never a hang
+                link.stop_heartbeat(beat)
     except SystemExit as e:
         if e.code is None or e.code == 0:
             raise
@@ -92,8 +99,22 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
-    except BaseException as e:  # reported as the interpreter would: 1, or SIGINT's 130
-        status = 130 if isinstance(e, KeyboardInterrupt) else 1
+    except KeyboardInterrupt as e:  # one line, not a traceback per rank; status 130
+        record(130)
+        frames = traceback.extract_tb(e.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        print(
+            f"jaxdp launch: process {os.environ.get('JAXDP_PROCESS_ID', '?')} interrupted "
+            f"(KeyboardInterrupt){where}",
+            file=sys.stderr,
+        )
+        if not _in_a_multi_process_run():
+            raise SystemExit(130) from None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    except BaseException as e:  # reported as the interpreter would: 1
+        status = 1
         record(status)
         if not _in_a_multi_process_run():
             raise

@@ -396,5 +396,23 @@ def check_config(config: ParityConfig) -> None:
             "loss_reduction='weighted' needs a loss of your own returning (loss_sum, count): "
             f"compare_models, not the reference model {config.model!r}"
         )
+    # jaxdp's own rules for the layout (pmap is stage 0 only, shards=1 is DDP), before
+    # either side trains.
+    Parallel(strategy=config.strategy, zero_stage=config.zero_stage, shards=config.shards)
+    if config.torch_device == "cuda":
+        check_torch_gpus(config.num_devices)
     if config.dtype == "float64" and not jax.config.jax_enable_x64:
         raise ValueError("dtype='float64' needs jax_enable_x64 (set it before creating arrays)")
+
+
+def check_torch_gpus(num_devices: int) -> None:
+    """Raises ValueError unless torch sees a GPU for each of ``num_devices`` ranks."""
+    import torch
+
+    visible = torch.cuda.device_count()
+    if visible < num_devices:
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ValueError(
+            f"torch_device='cuda' needs one GPU per rank: num_devices={num_devices}, and torch "
+            f"{torch.__version__} ({build}) sees {visible}; use torch_device='cpu'"
+        )

@@ -115,6 +115,8 @@ def reference_model(
         raise ValueError(
             f"model argument(s) {unknown} are not arguments of {name}; it takes {sorted(defaults)}"
         )
+    for key, value in kwargs.items():
+        _check_size(name, key, value, defaults[key])
     sizes = defaults | kwargs
     takes_rngs = "rngs" in signature.parameters
 
@@ -141,6 +143,26 @@ def reference_model(
 
 def _nbytes(tree: Any) -> int:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _check_size(model: str, key: str, value: Any, default: Any) -> None:
+    """Every argument of a reference model is a size: a positive integer, or a tuple of
+    them as long as its default (the CNN's ``channels``)."""
+
+    def size(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+    if isinstance(default, tuple):
+        if isinstance(value, tuple) and len(value) == len(default) and all(map(size, value)):
+            return
+        rule = f"a tuple of {len(default)} positive integers"
+    elif size(value):
+        return
+    else:
+        rule = "a positive integer"
+    raise ValueError(
+        f"model argument {key}={value!r} of {model} must be {rule}, as its default {default!r}"
+    )
 
 
 def param_count(spec: ModelSpec) -> int:

@@ -203,9 +203,43 @@ def test_bad_input_is_refused_naming_it():
         jaxdp.Parallel(zero_stage=3, regather="layer")
     with pytest.raises(ValueError, match=r"regather='window' needs path='fused'"):
         make(path="multisteps", regather="window")
-    for dtype in ("bfloat17", "int8"):
-        with pytest.raises(ValueError, match=rf"gather_dtype='{dtype}' must be None .* floating"):
+    # float8: accepted before issue 44, then a TypePromotionError at the first step.
+    for dtype in ("bfloat17", "int8", "float8_e4m3fn"):
+        with pytest.raises(
+            ValueError,
+            match=rf"gather_dtype='{dtype}' must be None .* or one of \('bfloat16', 'float16', "
+            r"'float32', 'float64'\): the forward computes on the gathered weights",
+        ):
             jaxdp.Parallel(zero_stage=3, gather_dtype=dtype)
+
+
+def test_a_multisteps_state_of_another_layout_is_refused_naming_both():
+    """Issue 44, item 7: a multisteps window's sums lie per device (stages 0, 1), split
+    (2, 3) or per replica group (HSDP); given to a multisteps step of another layout they
+    failed inside shard_map ("not evenly divisible", a failed reshape). The fused path's
+    state has no window: any layout is taken (test_checkpoint's resumes move a window)."""
+    batch = batches()[0]
+    sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=3, global_batch_size=len(batch[0]))
+    call = jaxdp.micro_batches(batch, sizes)[0]
+    for built, given, said in [
+        (
+            dict(shards=2),
+            dict(zero_stage=0),
+            r"state.window.grads\['blocks'\]\['b'\] has shape \(2, 3, 8\), the sums per "
+            r"replica group, 2 groups \(HSDP, shards=2\); this step \(zero_stage=0\) keeps "
+            r"them per device \(zero_stage 0 or 1\), shape \(4, 3, 8\)",
+        ),
+        (
+            dict(),
+            dict(shards=2),
+            r"\['blocks'\]\['b'\] has shape \(3, 8\), the sums split over the devices "
+            r"\(zero_stage 2 or 3\); this step \(zero_stage=3, shards=2\) keeps them per "
+            r"replica group, 2 groups \(HSDP, shards=2\), shape \(2, 3, 8\)",
+        ),
+    ]:
+        state = make(path="multisteps", **built).init(stacked_params())
+        with pytest.raises(ValueError, match=said + ". The state was built by a multisteps"):
+            make(path="multisteps", **given)(state, call)
 
 
 class OnProcess:

@@ -410,3 +410,15 @@ def test_bad_input_is_refused_naming_it():
         jaxdp.scan_layers(block, {"w": jnp.zeros((3, WIDTH, WIDTH)), "b": jnp.zeros(())}, h)
     with pytest.raises(ValueError, match="layers has no array leaf"):
         jaxdp.scan_layers(block, {}, h)
+    # Issue 44: one layer, or layers in a Sequential, failed inside JAX or flax
+    # ("Incompatible shapes for broadcasting") on slices of one layer's weights.
+    linears = [nnx.Linear(16, 16, rngs=nnx.Rngs(i)) for i in range(3)]
+    stack = r"scan_layers: layers must be a stack of layers on a leading \(layer\) axis, one "
+    stack += r"module built with nnx.vmap \(or a pytree of stacked leaves\); got "
+    one = r"one nnx.Linear \(kernel of shape \(16, 16\): one layer's, no layer axis\)"
+    for layers, got in [
+        (linears[0], one),
+        (nnx.Sequential(*linears), rf"nnx.Sequential, whose layers.layers\[0\] is {one}"),
+    ]:
+        with pytest.raises(ValueError, match=stack + got):
+            jaxdp.scan_layers(lambda layer, h: layer(h), layers, jnp.zeros((2, 16)))
