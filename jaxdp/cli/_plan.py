@@ -11,8 +11,10 @@ from typing import Any
 from ..plan._memory import (
     DEFAULT_HEADROOM,
     DTYPE_POLICIES,
+    GATHER_DTYPES,
     OPTIMIZER_MOMENTS,
     MemoryPlan,
+    check_stage_3,
     parse_bytes,
     parse_count,
     plan_memory,
@@ -140,6 +142,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "norm), gathered whole per micro-batch (default: 0)",
     )
     p.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        metavar="S",
+        help="at --zero-stage 3: HSDP (jaxdp.Parallel(shards=S)), the state split over "
+        "shard groups of S devices (at least 2, dividing --num-devices), gathered within "
+        "the group, and the gradient blocks all-reduced across the groups once per "
+        "optimizer step (default: one group of every device)",
+    )
+    p.add_argument(
+        "--gather-dtype",
+        default=None,
+        metavar="DTYPE",
+        help=f"at --zero-stage 3: what the weights are gathered and computed in, one of "
+        f"{', '.join(GATHER_DTYPES)} (jaxdp.Parallel(gather_dtype=...)) (default: the "
+        "policy's: bfloat16 or float16 for a mixed policy, whose float32 master weights "
+        "alone rest, else the parameters' own)",
+    )
+    p.add_argument(
         "--comm-dtype",
         choices=["bfloat16"],
         default=None,
@@ -201,6 +222,12 @@ def plan_report(args: argparse.Namespace) -> str:
         comm_dtype=args.comm_dtype,
         layers=args.layers,
         root_params=args.root_params,
+        shards=args.shards,
+        gather_dtype=args.gather_dtype,
+    )
+    # Before any work (a --model is built and traced below).
+    check_stage_3(
+        args.zero_stage, args.num_devices, shards=args.shards, gather_dtype=args.gather_dtype
     )
     if args.params is not None:
         if args.model_arg:

@@ -11,10 +11,14 @@ and the all-reduce depend on ``num_devices``. The estimate counts, per device:
   ``accum_dtype`` (float32) and all-reduces that sum, 4 bytes per parameter;
 - the inputs of the per-device batch (``accum_steps * micro_batch_size`` rows)
   and the activations of one micro-batch;
-- at ZeRO stage 3, where weights and gradients rest split too, what the step gathers
-  while it runs: the largest layer of the stack (one at a time, by
-  :func:`jaxdp.scan_layers`) and the root group (the parameters outside the stack,
-  gathered whole for each micro-batch and kept through its backward).
+- at ZeRO stage 3, where the parameters rest split too, what the step holds: at rest
+  the split parameters (the float32 master copy under a mixed policy: no second,
+  half-precision copy rests) and optimizer state; while a micro-batch runs, its
+  gradient blocks, what it gathers (the largest layer of the stack, one at a time by
+  :func:`jaxdp.scan_layers`, and the root group: the parameters outside the stack,
+  gathered whole for each micro-batch and kept through its backward, both in the
+  gather dtype) and their whole gradients before the reduce-scatter, in the
+  parameters' dtype.
 
 Sizes are bytes; GB means 10^9 bytes, GiB 2^30.
 """
@@ -25,7 +29,7 @@ import dataclasses
 import itertools
 import math
 import re
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from .._checks import is_integer
 
@@ -58,6 +62,29 @@ OPTIMIZER_MOMENTS: dict[str, int] = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}
 
 ACCUM_BYTES = 4
 """Bytes per parameter of jaxdp's gradient accumulator (``accum_dtype`` float32)."""
+
+GATHER_DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""Stage 3's gather dtypes (``Parallel(gather_dtype=...)``) and their bytes per parameter."""
+
+# Each policy's compute dtype: the dtype stage 3 gathers in without a gather_dtype (a
+# mixed policy's float32 master weights gathered in half precision, as FSDP2's
+# MixedPrecisionPolicy(param_dtype=bfloat16) does).
+_COMPUTE_DTYPE = {
+    "mixed-bf16": "bfloat16",
+    "mixed-fp16": "float16",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+}
+
+Remat = Literal["full", "activations"]
+"""What a stage-3 step keeps of a micro-batch's forward for its backward: ``"full"``,
+the layers' inputs (the carries of :func:`jaxdp.scan_layers`) and, while its backward
+runs, one layer's activations recomputed; ``"activations"``, every layer's activations,
+as stages 0 to 2 keep them (the gathered weights are gathered again either way)."""
+
+STAGE_3_REMAT: Remat = "full"
+"""The step's remat at stage 3, which ``plan_memory(remat=None)`` plans for: every
+layer loop under ``jax.checkpoint(nothing_saveable)`` (docs/semantics.md)."""
 
 DEFAULT_HEADROOM = 0.15
 
@@ -147,6 +174,9 @@ class MemoryPlan:
 
     Without ``device_memory`` the per-device figures are there, but nothing is
     decided: ``usable`` and ``fits_state`` are None and no micro-batch is chosen.
+    At stage 3 the rows are what the compiled step holds: :attr:`resting` between steps
+    (the step's arguments but the batch), and while a micro-batch runs its gradient
+    blocks, the accumulator, :attr:`gathered` and :attr:`gathered_gradients`.
     """
 
     params: int
@@ -155,12 +185,12 @@ class MemoryPlan:
     num_devices: int
     device_memory: float | None  # None: not given
     headroom: float  # fraction of device_memory kept free
-    weights: float
-    gradients: float
+    weights: float  # at rest; stage 3 under a mixed policy: 0 (the master rests alone)
+    gradients: float  # one micro-batch's; stage 3: its blocks, in the parameters' dtype
     master: float
     optimizer_state: float
     accumulator: float  # jaxdp's float32 gradient sum (the all-reduce buffer)
-    activation_bytes_per_sample: float | None
+    activation_bytes_per_sample: float | None  # kept for the backward, at this stage's remat
     input_bytes_per_sample: float
     max_micro_batch_size: int | None  # memory's limit; None: undecided; 0: none fits
     global_batch_size: int | None
@@ -168,15 +198,29 @@ class MemoryPlan:
     accum_steps: int | None
     allreduce_bytes: float  # payload of the gradient sums' collective per optimizer step
     link_bandwidth: float | None  # bytes/s each device sends at
-    # 1: master weights and moments split over the devices; 2: accumulator too; 3: weights
-    # and gradients too
+    # 1: master weights and moments split over the devices; 2: accumulator too; 3: the
+    # parameters too (only they rest), gradients per micro-batch
     zero_stage: int = 0
     # ZeRO: the all-gathers' payload per optimizer step (stage 3: per micro-batch)
     gather_bytes: float = 0.0
     layers: int | None = None  # stage 3: layers of the stack; None: not given
     root_params: int = 0  # stage 3: parameters outside the stack, gathered whole
-    gathered_layer: float | None = None  # stage 3: one layer's weights; None: layers unknown
-    root_group: float = 0.0  # stage 3: the root group's weights, gathered per micro-batch
+    # Stage 3's transients, per micro-batch (counted at stage 3; at the others, for the
+    # fewest devices stage 3 needs): one layer's weights in the gather dtype (None: layers
+    # unknown) and the root group's; their whole gradients before the reduce-scatter, in
+    # the parameters' dtype.
+    gathered_layer: float | None = None
+    root_group: float = 0.0
+    layer_gradient: float | None = None
+    root_gradient: float = 0.0
+    shards: int | None = None  # stage 3: HSDP's devices per shard group; None: all of them
+    gather_dtype: str | None = None  # stage 3: what the weights travel and compute in
+    remat: Remat | None = None  # stage 3: what a micro-batch keeps for its backward
+
+    @property
+    def split_over(self) -> int:
+        """The devices the split state is split over: a shard group's (HSDP) or all."""
+        return self.shards or self.num_devices
 
     @property
     def gathered(self) -> float:
@@ -187,15 +231,31 @@ class MemoryPlan:
         return (self.gathered_layer or 0.0) + self.root_group
 
     @property
+    def gathered_gradients(self) -> float:
+        """Stage 3: the gathered layer's and the root group's whole gradients, before
+        their reduce-scatters; 0 below stage 3."""
+        if self.zero_stage != 3:
+            return 0.0
+        return (self.layer_gradient or 0.0) + self.root_gradient
+
+    @property
+    def resting(self) -> float:
+        """What rests between optimizer steps: weights, master weights and optimizer state
+        (the compiled step's arguments but the batch and the step's scalars; on the
+        multisteps path the accumulator rests too)."""
+        return self.weights + self.master + self.optimizer_state
+
+    @property
     def state(self) -> float:
-        """Weights + gradients + master weights + optimizer state (the seed's table)."""
-        return self.weights + self.gradients + self.master + self.optimizer_state
+        """Weights + gradients + master weights + optimizer state (the seed's table; at
+        stage 3 :attr:`resting` and one micro-batch's gradient blocks)."""
+        return self.resting + self.gradients
 
     @property
     def fixed(self) -> float:
         """Everything that does not grow with the batch: state and accumulator, and at
-        stage 3 the gathered layer and root group."""
-        return self.state + self.accumulator + self.gathered
+        stage 3 the gathered layer, the root group and their gradients."""
+        return self.state + self.accumulator + self.gathered + self.gathered_gradients
 
     @property
     def usable(self) -> float | None:
@@ -223,17 +283,27 @@ class MemoryPlan:
         return self.fixed + self.inputs + self.activations
 
     @property
+    def replica_bytes(self) -> float:
+        """HSDP: what each device sends per optimizer step in the all-reduce of its block
+        of the gradient sums across the ``num_devices / shards`` replica groups; 0 else."""
+        if self.zero_stage != 3 or self.split_over == self.num_devices:
+            return 0.0
+        groups = self.num_devices // self.split_over
+        return ring_all_reduce_bytes(self.allreduce_bytes / self.split_over, groups)
+
+    @property
     def ring_bytes(self) -> float:
         """What each device sends per optimizer step under ring algorithms: one all-reduce
         (stage 0); a reduce-scatter and an all-gather (stage 1); ``accum_steps``
         reduce-scatters and an all-gather (stage 2); per micro-batch the gathers of the
-        forward and backward and the reduce-scatters of every layer (stage 3)."""
+        forward and backward and the reduce-scatters of every layer, within a shard
+        group, and under HSDP :attr:`replica_bytes` once (stage 3)."""
         if not self.zero_stage:
             return ring_all_reduce_bytes(self.allreduce_bytes, self.num_devices)
         k = self.accum_steps or 1
-        share = (self.num_devices - 1) / self.num_devices
+        share = (self.split_over - 1) / self.split_over
         if self.zero_stage == 3:  # every collective once per micro-batch
-            return share * k * (self.allreduce_bytes + self.gather_bytes)
+            return share * k * (self.allreduce_bytes + self.gather_bytes) + self.replica_bytes
         scatters = k if self.zero_stage == 2 else 1
         return share * (scatters * self.allreduce_bytes + self.gather_bytes)
 
@@ -260,6 +330,11 @@ def plan_memory(
     comm_dtype: str | None = None,
     layers: int | None = None,
     root_params: float = 0,
+    shards: int | None = None,
+    gather_dtype: str | None = None,
+    remat: Remat | None = None,
+    layer_activation_bytes_per_sample: float | None = None,
+    carry_bytes_per_sample: float | None = None,
 ) -> MemoryPlan:
     """Estimates one device's memory for data-parallel training with accumulation.
 
@@ -275,7 +350,10 @@ def plan_memory(
         largest micro-batch that fits and divides ``global_batch_size /
         num_devices``, and ``accum_steps`` completes the product.
       activation_bytes_per_sample: activation bytes one sample of a micro-batch
-        keeps for the backward pass; None: unknown (no micro-batch is sized).
+        keeps for the backward pass; None: unknown (no micro-batch is sized). At stage 3
+        with ``remat="full"`` and the two figures below, the bytes with every layer's
+        activations kept (as at stages 0 to 2), from which the plan derives what full
+        remat keeps; without them it is taken as given.
       input_bytes_per_sample: bytes of one input row (the step holds the whole
         per-device batch of ``accum_steps * micro_batch_size`` rows).
       headroom: fraction of ``device_memory`` kept free (allocator slack,
@@ -285,8 +363,11 @@ def plan_memory(
       zero_stage: 1 splits the master weights and the optimizer moments over
         the devices (``/ num_devices``), 2 the float32 gradient accumulator too
         (:func:`jaxdp.make_train_step`'s ``zero_stage``); weights and one
-        micro-batch's gradients stay whole. 3 splits the weights and gradients too,
-        and counts what the step gathers (``layers``, ``root_params``). Every leaf is
+        micro-batch's gradients stay whole. 3 splits the parameters too: only they rest
+        (under a mixed policy the float32 master weights, gathered in ``gather_dtype``:
+        no half-precision copy rests), with the optimizer state; a micro-batch's
+        gradients are blocks in the parameters' dtype, and the step holds what it
+        gathers and its whole gradient (``layers``, ``root_params``). Every leaf is
         assumed split: the planner has no leaf list, and the leaves jaxdp keeps whole
         (no dimension the device count divides: biases, norms) are small.
       comm_dtype: ``"bfloat16"``: the gradient sums travel in 2 bytes/parameter.
@@ -296,6 +377,20 @@ def plan_memory(
         unknown (the gathered layer is not counted).
       root_params: stage 3: parameters outside the stack (embeddings, head, final
         norm), gathered whole for each micro-batch and kept through its backward.
+      shards: stage 3: HSDP (``Parallel(shards=S)``): the state split over the ``S``
+        devices of a shard group (at least 2, dividing ``num_devices``), the gathers and
+        reduce-scatters within it, and once per optimizer step an all-reduce of each
+        device's block across the ``num_devices / S`` replica groups. None: one group.
+      gather_dtype: stage 3: the dtype the weights are gathered and computed in
+        (``Parallel(gather_dtype=...)``), a key of :data:`GATHER_DTYPES`; None: the
+        policy's (a mixed policy's half precision, else the parameters' own).
+      remat: stage 3: a :data:`Remat`; None: the step's (:data:`STAGE_3_REMAT`).
+      layer_activation_bytes_per_sample: one layer of the stack's share of
+        ``activation_bytes_per_sample``; with ``carry_bytes_per_sample`` (one layer's
+        input per sample), full remat keeps ``activation_bytes_per_sample - (layers - 1)
+        * layer + layers * carry``: every layer's input and one layer's activations, as
+        its backward recomputes them, beside the root group's activations.
+      carry_bytes_per_sample: see ``layer_activation_bytes_per_sample``.
 
     Raises:
       ValueError: naming the argument, its value and the rule it breaks.
@@ -325,12 +420,22 @@ def plan_memory(
     root_params = int(round(root_params))
     if comm_dtype not in (None, "bfloat16"):
         raise ValueError(f"comm_dtype={comm_dtype!r} must be None or 'bfloat16'")
+    check_stage_3(zero_stage, num_devices, shards=shards, gather_dtype=gather_dtype, remat=remat)
+    shards = None if shards is None else int(shards)
     for name, value in (
         ("activation_bytes_per_sample", activation_bytes_per_sample),
         ("input_bytes_per_sample", input_bytes_per_sample),
+        ("layer_activation_bytes_per_sample", layer_activation_bytes_per_sample),
+        ("carry_bytes_per_sample", carry_bytes_per_sample),
     ):
         if value is not None and not value >= 0:
             raise ValueError(f"{name}={value!r} must be a non-negative number of bytes")
+    _check_layer_activations(
+        activation_bytes_per_sample,
+        layers,
+        layer_activation_bytes_per_sample,
+        carry_bytes_per_sample,
+    )
     if global_batch_size is not None and (
         not is_integer(global_batch_size)
         or global_batch_size < num_devices
@@ -345,19 +450,32 @@ def plan_memory(
         global_batch_size = int(global_batch_size)
         _check_count("global_batch_size", global_batch_size, global_batch_size)
     p = DTYPE_POLICIES[policy]
-
-    def split(value: float, from_stage: int) -> float:
-        return value / num_devices if zero_stage >= from_stage else value
-
+    split_over = (shards or num_devices) if zero_stage == 3 else num_devices
+    weights, gradients, master, moments, accumulator = _shares(p, optimizer, zero_stage, split_over)
+    # What stage 3 gathers, in the gather dtype, and the gradient of it before the
+    # reduce-scatter, in the parameters' (counted at stage 3; at the others, for the
+    # fewest devices stage 3 needs).
+    gather = GATHER_DTYPES[gather_dtype or _COMPUTE_DTYPE[policy]]
+    resting = p.master or p.weights
+    gathered_layer = layer_gradient = None
+    if layers is not None:
+        gathered_layer = (params - root_params) / layers * gather
+        layer_gradient = (params - root_params) / layers * resting
+    wire = 2 if comm_dtype else ACCUM_BYTES
     gather_bytes = params * p.weights if zero_stage else 0.0
     if zero_stage == 3:
         # Per micro-batch: each layer gathered in the forward and again in the backward
-        # (the remat keeps no gathered weight), the root group once.
-        gather_bytes = (2 * (params - root_params) + root_params) * p.weights
-    # Counted at stage 3; at the others, for the fewest devices stage 3 needs.
-    gathered_layer = None
-    if layers is not None:
-        gathered_layer = (params - root_params) / layers * p.weights
+        # (no gathered weight is kept for it, whatever the remat), the root group once;
+        # the gradients reduce-scattered in the parameters' dtype (or comm_dtype).
+        gather_bytes = (2 * (params - root_params) + root_params) * gather
+        wire = 2 if comm_dtype else resting
+    per_sample = activation_bytes_per_sample
+    if zero_stage == 3:
+        remat = remat or STAGE_3_REMAT
+    layer, carry = layer_activation_bytes_per_sample, carry_bytes_per_sample
+    if remat == "full" and per_sample is not None and layer is not None:
+        assert layers is not None and carry is not None  # _check_layer_activations
+        per_sample = per_sample - (layers - 1) * layer + layers * carry
 
     plan = MemoryPlan(
         params=params,
@@ -366,27 +484,52 @@ def plan_memory(
         num_devices=num_devices,
         device_memory=device_memory,
         headroom=headroom,
-        weights=split(params * p.weights, 3),
-        gradients=split(params * p.gradients, 3),
-        master=split(params * p.master, 1),
-        optimizer_state=split(params * p.moment * OPTIMIZER_MOMENTS[optimizer], 1),
-        accumulator=split(params * ACCUM_BYTES, 2),
-        activation_bytes_per_sample=activation_bytes_per_sample,
+        weights=params * weights,
+        gradients=params * gradients,
+        master=params * master,
+        optimizer_state=params * moments,
+        accumulator=params * accumulator,
+        activation_bytes_per_sample=per_sample,
         input_bytes_per_sample=input_bytes_per_sample,
         max_micro_batch_size=None,
         global_batch_size=global_batch_size,
         micro_batch_size=None,
         accum_steps=None,
-        allreduce_bytes=params * (2 if comm_dtype else ACCUM_BYTES),
+        allreduce_bytes=params * wire,
         link_bandwidth=link_bandwidth,
         zero_stage=zero_stage,
         gather_bytes=gather_bytes,
         layers=layers,
         root_params=root_params,
         gathered_layer=gathered_layer,
-        root_group=root_params * p.weights,
+        root_group=root_params * gather,
+        layer_gradient=layer_gradient,
+        root_gradient=root_params * resting,
+        shards=shards if zero_stage == 3 else None,
+        gather_dtype=(gather_dtype or _COMPUTE_DTYPE[policy]) if zero_stage == 3 else None,
+        remat=remat,
     )
     return _size_batches(plan)
+
+
+def _shares(
+    p: DtypePolicy, optimizer: str, zero_stage: int, num_devices: int
+) -> tuple[float, float, float, float, float]:
+    """Bytes per parameter on one device at a stage, the state split over
+    ``num_devices``: weights, gradients, master weights, optimizer state, accumulator."""
+    moments = p.moment * OPTIMIZER_MOMENTS[optimizer]
+    n = num_devices
+    if zero_stage == 3:
+        # Only the split parameters rest: under a mixed policy the float32 master, the
+        # weights in half precision existing gathered only. A micro-batch's gradients
+        # come back as blocks in the parameters' dtype (the master's).
+        resting = p.master or p.weights
+        weights = 0 if p.master else p.weights
+        return weights / n, resting / n, p.master / n, moments / n, ACCUM_BYTES / n
+    accumulator = ACCUM_BYTES / n if zero_stage == 2 else ACCUM_BYTES
+    if zero_stage:
+        return p.weights, p.gradients, p.master / n, moments / n, accumulator
+    return p.weights, p.gradients, p.master, moments, ACCUM_BYTES
 
 
 def fixed_bytes(
@@ -398,14 +541,17 @@ def fixed_bytes(
     gathered: float = 0.0,
 ) -> float:
     """Training state and accumulator per device, at a stage on ``num_devices``; stage 3
-    adds ``gathered`` (its gathered layer and root group, the same on any count)."""
+    adds ``gathered`` (its gathered layer and root group and their gradients, the same
+    on any count)."""
     p = DTYPE_POLICIES[policy]
+    if zero_stage == 3:
+        return params * sum(_shares(p, optimizer, zero_stage, num_devices)) + gathered
     split = [p.master + p.moment * OPTIMIZER_MOMENTS[optimizer], ACCUM_BYTES]
     split += [p.weights + p.gradients]
     whole = 0.0
     for stage, part in enumerate(split, start=1):
         whole += part / num_devices if zero_stage >= stage else part
-    return params * whole + (gathered if zero_stage == 3 else 0.0)
+    return params * whole
 
 
 def smallest_fit(plan: MemoryPlan, *, max_devices: int = 4096) -> dict[int, int | None]:
@@ -418,12 +564,76 @@ def smallest_fit(plan: MemoryPlan, *, max_devices: int = 4096) -> dict[int, int 
         n = 1
         while n <= max_devices:
             gathered = (plan.gathered_layer or 0.0) + plan.root_group
+            gathered += (plan.layer_gradient or 0.0) + plan.root_gradient
             need = fixed_bytes(plan.params, plan.policy, plan.optimizer, n, stage, gathered)
             if need <= plan.usable:
                 break
             n = n + 1 if stage else max_devices + 1
         found[stage] = n if n <= max_devices else None
     return found
+
+
+def check_stage_3(
+    zero_stage: int,
+    num_devices: int,
+    *,
+    shards: int | None = None,
+    gather_dtype: str | None = None,
+    remat: str | None = None,
+) -> None:
+    """Raises ``ValueError`` for stage 3's options (HSDP's ``shards``, ``gather_dtype``,
+    ``remat``) where they are not ones, or given below stage 3, as
+    :class:`jaxdp.Parallel` refuses them; cheap, so a command checks them first."""
+    if shards is not None and (not is_integer(shards) or shards < 2):
+        raise ValueError(
+            f"shards={shards!r} must be None (one shard group of every device) or an "
+            "integer of at least 2 (devices per shard group); shards=1 would keep a whole "
+            "copy on every device: that is zero_stage=0 (DDP)"
+        )
+    whole = is_integer(num_devices) and num_devices >= 1  # else plan_memory says so
+    if shards is not None and whole and num_devices % shards:
+        raise ValueError(
+            f"shards={shards} must divide num_devices={num_devices}: HSDP runs "
+            "num_devices / shards replica groups of shards devices each"
+        )
+    if gather_dtype is not None and gather_dtype not in GATHER_DTYPES:
+        raise ValueError(
+            f"gather_dtype={gather_dtype!r} must be None (the policy's compute dtype) or "
+            f"one of {list(GATHER_DTYPES)}"
+        )
+    if remat is not None and remat not in ("full", "activations"):
+        raise ValueError(f"remat={remat!r} must be None (the step's), 'full' or 'activations'")
+    given = [
+        f"{name}={value!r}"
+        for name, value in (("shards", shards), ("gather_dtype", gather_dtype), ("remat", remat))
+        if value is not None
+    ]
+    if given and zero_stage != 3:
+        raise ValueError(
+            f"{', '.join(given)} needs zero_stage=3 (the parameters split at rest), got "
+            f"zero_stage={zero_stage}: stages 0 to 2 keep every parameter whole on every "
+            "device, gather nothing and keep every layer's activations"
+        )
+
+
+def _check_layer_activations(
+    total: float | None, layers: int | None, layer: float | None, carry: float | None
+) -> None:
+    """Full remat's figures: both or neither, with the total and ``layers`` they split."""
+    if layer is None and carry is None:
+        return
+    if layer is None or carry is None or total is None or layers is None:
+        raise ValueError(
+            f"layer_activation_bytes_per_sample={layer!r} and carry_bytes_per_sample="
+            f"{carry!r} go together, with activation_bytes_per_sample={total!r} and "
+            f"layers={layers!r}: full remat keeps the root group's activations, every "
+            "layer's input and one layer's activations"
+        )
+    if layers * layer > total:
+        raise ValueError(
+            f"layers x layer_activation_bytes_per_sample = {layers} x {layer!r} exceeds "
+            f"activation_bytes_per_sample={total!r}, of which the stack's layers are a part"
+        )
 
 
 def _check_choice(name: str, value: str, choices: dict) -> None:

@@ -6,7 +6,14 @@ import dataclasses
 import textwrap
 from typing import Any
 
-from ._memory import ACCUM_BYTES, DTYPE_POLICIES, OPTIMIZER_MOMENTS, MemoryPlan, smallest_fit
+from ._memory import (
+    ACCUM_BYTES,
+    DTYPE_POLICIES,
+    GATHER_DTYPES,
+    OPTIMIZER_MOMENTS,
+    MemoryPlan,
+    smallest_fit,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +61,9 @@ def report(
 
 def _wrap(text: str) -> str:
     return "\n".join(
-        textwrap.fill(line, 100, subsequent_indent="  ") if len(line) > 100 else line
+        textwrap.fill(line, 100, subsequent_indent="  ", break_on_hyphens=False)
+        if len(line) > 100
+        else line
         for line in text.splitlines()
     )
 
@@ -90,18 +99,41 @@ def _zero_line(plan: MemoryPlan) -> list[str]:
     split = "master weights and optimizer state"
     if plan.zero_stage == 2:
         split = "master weights, optimizer state and gradient accumulator"
-    if plan.zero_stage == 3:
-        split = "weights, gradients, master weights, optimizer state and gradient accumulator"
-    lines = [f"zero_stage={plan.zero_stage}: {split} split over the {plan.num_devices} device(s)"]
-    if plan.zero_stage == 3:
-        stack = f"{plan.params - plan.root_params:,} parameters in a stack of "
-        stack += f"{plan.layers} layers" if plan.layers else "layers (--layers not given)"
-        lines.append(
-            f"  {stack} gathered one layer at a time (jaxdp.scan_layers), {plan.root_params:,} "
-            "outside it (--root-params) gathered whole per micro-batch; every leaf assumed "
-            "split (those no device count divides, kept whole, are not counted)"
-        )
-    return lines
+    if plan.zero_stage < 3:
+        return [
+            f"zero_stage={plan.zero_stage}: {split} split over the {plan.num_devices} device(s)"
+        ]
+    s, n = plan.split_over, plan.num_devices
+    where = f"the {n} device(s)"
+    if s != n:
+        where = f"the {s} devices of each of {n // s} shard groups (HSDP, --shards {s})"
+    policy, moments = DTYPE_POLICIES[plan.policy], OPTIMIZER_MOMENTS[plan.optimizer]
+    rest, gather = _rest_dtype(plan), _short(plan.gather_dtype)
+    copy = "master weights" if policy.master else "weights"
+    resting = (policy.master or policy.weights) + moments * policy.moment
+    stack = f"{plan.params - plan.root_params:,} parameters in a stack of "
+    stack += f"{plan.layers} layers" if plan.layers else "layers (--layers not given)"
+    return [
+        f"zero_stage=3: parameters, optimizer state and gradient accumulator split over {where}",
+        f"  at rest per parameter: {rest} {copy} {policy.master or policy.weights} + optimizer "
+        f"state {moments} x {policy.moment} = {resting}, over {s}; no other copy of the weights "
+        f"rests: they are gathered in {gather} ({GATHER_DTYPES[plan.gather_dtype]}) while a "
+        f"micro-batch runs, and its gradients come back in {rest} "
+        f"({policy.master or policy.weights})",
+        f"  {stack} gathered one layer at a time (jaxdp.scan_layers), {plan.root_params:,} "
+        "outside it (--root-params) gathered whole per micro-batch; every leaf assumed "
+        "split (those no device count divides, kept whole, are not counted)",
+    ]
+
+
+def _short(dtype: str | None) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype or "", "?")
+
+
+def _rest_dtype(plan: MemoryPlan) -> str:
+    """The dtype stage 3's split parameters rest in: the master's, else the weights'."""
+    policy = DTYPE_POLICIES[plan.policy]
+    return "fp32" if policy.master or policy.weights == 4 else "bf16"
 
 
 def _table(plan: MemoryPlan) -> str:
@@ -120,21 +152,43 @@ def _table(plan: MemoryPlan) -> str:
         rows[3] = (f"optimizer state ({moments} moment(s), 1/{n})", plan.optimizer_state)
         if plan.zero_stage >= 2:
             rows[5] = (f"gradient accumulator (fp32, 1/{n})", plan.accumulator)
-        if plan.zero_stage == 3:
-            rows[0] = (f"weights (1/{n})", plan.weights)
-            rows[1] = (f"gradients (1/{n})", plan.gradients)
-            layer = plan.gathered_layer
-            named = f"gathered layer (1 of {plan.layers})" if plan.layers else "gathered layer"
-            rows.append((named, "unknown (give --layers)" if layer is None else layer))
-            rows.append(("root group gathered whole", plan.root_group))
+    if plan.zero_stage == 3:
+        rows = _stage_3_rows(plan)
     rows += _batch_rows(plan) if plan.device_memory is None else _fitted_rows(plan)
     lines = ["per device (estimate):"]
+    width = max(34, *(len(name) for name, _ in rows))  # 1/N with N of 10 or more: 35
     for name, value in rows:
         shown = "unknown (give --activation-bytes-per-sample)" if value is None else value
         if not isinstance(shown, str):
             shown = format_bytes(shown)
-        lines.append(f"  {name:<34} {shown:>12}")
+        lines.append(f"  {name:<{width}} {shown:>12}")
     return "\n".join(lines)
+
+
+def _stage_3_rows(plan: MemoryPlan) -> list[tuple[str, float | str | None]]:
+    """What a stage-3 step holds: the split parameters and optimizer state at rest (the
+    step's arguments but the batch), then what a micro-batch adds."""
+    s, rest, gather = plan.split_over, _rest_dtype(plan), _short(plan.gather_dtype)
+    moments = OPTIMIZER_MOMENTS[plan.optimizer]
+    rows: list[tuple[str, float | str | None]] = []
+    if plan.weights:
+        rows.append((f"weights ({rest}, 1/{s})", plan.weights))
+    if plan.master:
+        rows.append((f"master weights (fp32, 1/{s})", plan.master))
+    rows += [
+        (f"optimizer state ({moments} moment(s), 1/{s})", plan.optimizer_state),
+        ("= training state at rest", plan.resting),
+        (f"gradient accumulator (fp32, 1/{s})", plan.accumulator),
+        (f"gradients ({rest}, 1/{s})", plan.gradients),
+    ]
+    if plan.gathered_layer is None:
+        rows.append(("gathered layer", "unknown (give --layers)"))
+    else:
+        rows.append((f"gathered layer (1 of {plan.layers}, {gather})", plan.gathered_layer))
+        rows.append((f"  its gradient ({rest})", plan.layer_gradient))
+    rows.append((f"root group gathered whole ({gather})", plan.root_group))
+    rows.append((f"  its gradient ({rest})", plan.root_gradient))
+    return rows
 
 
 def _fitted_rows(plan: MemoryPlan) -> list[tuple[str, float | None]]:
@@ -239,7 +293,7 @@ def _what_fits(plan: MemoryPlan) -> str:
         what = "state and accumulator"
         if stage == 3:
             what = (
-                "state, accumulator, gathered layer and root group"
+                "state, accumulator, gathered layer, root group and their gradients"
                 if plan.gathered_layer is not None
                 else "state and accumulator (before the gathered layer: give --layers)"
             )
@@ -270,7 +324,7 @@ def _xla(plan: MemoryPlan, xla: XlaFigures) -> str:
     k, b = xla.accum_steps, xla.micro_batch_size
     lines.append(f"  FITS: batch: {_identity(plan, k, b)}")
     inputs = k * b * plan.input_bytes_per_sample
-    estimate_args = plan.weights + plan.master + plan.optimizer_state + inputs
+    estimate_args = plan.resting + inputs
     activations = b * (plan.activation_bytes_per_sample or 0.0)
     estimate_temps = plan.gradients + plan.accumulator + activations
     rows = [
@@ -295,12 +349,19 @@ def _allreduce(plan: MemoryPlan, xla: XlaFigures | None) -> str:
         k = plan.accum_steps
         times = f"{k} per optimizer step" if k else "accum_steps not sized: counted once"
         line = (
-            f"per micro-batch ({times}): each layer all-gathered in the forward and again "
-            "in the backward and the root group once, "
-            f"{format_bytes(plan.gather_bytes)} (the weights), and a reduce-scatter per layer "
-            f"and of the root group, {format_bytes(plan.allreduce_bytes)} ({sums}); no "
-            "all-gather after the update"
+            f"per micro-batch ({times}){_within(plan)}: each layer all-gathered in the "
+            "forward and again in the backward and the root group once, "
+            f"{format_bytes(plan.gather_bytes)} (the weights, {_short(plan.gather_dtype)}), and "
+            "a reduce-scatter per layer and of the root group, "
+            f"{format_bytes(plan.allreduce_bytes)} ({sums}); no all-gather after the update"
         )
+        if plan.replica_bytes:
+            groups = n // plan.split_over
+            line += (
+                f"; once per optimizer step, each device's block of the sums, "
+                f"{format_bytes(plan.allreduce_bytes / plan.split_over)}, all-reduced across "
+                f"the {groups} replica groups"
+            )
     elif plan.zero_stage:
         count = "1 reduce-scatter"
         if plan.zero_stage == 2:
@@ -320,7 +381,15 @@ def _allreduce(plan: MemoryPlan, xla: XlaFigures | None) -> str:
         line += f"; XLA's compiled step: {format_bytes(xla.allreduce_bytes)}"
     if n == 1:
         return line + "\n1 device: nothing to send."
-    if plan.zero_stage:
+    if plan.replica_bytes:
+        s, groups = plan.split_over, n // plan.split_over
+        line += (
+            f"\nring algorithms: each device sends (S-1)/S = {(s - 1) / s:.3f} x each payload "
+            f"within its shard group and 2(R-1)/R = {2 * (groups - 1) / groups:.3f} x its "
+            f"block across the R = {groups} replica groups = {format_bytes(plan.ring_bytes)} "
+            "per step (and receives as much)"
+        )
+    elif plan.zero_stage:
         line += (
             f"\nring algorithms over {n} devices: each sends (N-1)/N = {(n - 1) / n:.3f} x "
             f"each payload = {format_bytes(plan.ring_bytes)} per step (and receives as much)"
@@ -338,6 +407,12 @@ def _allreduce(plan: MemoryPlan, xla: XlaFigures | None) -> str:
             "(bandwidth term only: no latency, no overlap with the backward pass)"
         )
     return line
+
+
+def _within(plan: MemoryPlan) -> str:
+    if plan.split_over == plan.num_devices:
+        return ""
+    return f", within each shard group of {plan.split_over}"
 
 
 def _seconds(t: float) -> str:
