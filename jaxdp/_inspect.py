@@ -148,16 +148,19 @@ class Instruction:
     context: tuple[str, ...]
     executions: tuple[int, int]
     fused_in: str | None = None
+    flops: int = 0
 
 
 def _walk(computations, name, context, low, high, fusion=None) -> Iterator[Instruction]:
+    types = {inst: type_text for inst, type_text, _, _ in computations.get(name, [])}
     for inst, type_text, opcode, rest in computations.get(name, []):
         size, shapes = _array_bytes(type_text)
-        yield Instruction(inst, opcode, size, shapes, context, (low, high), fusion)
+        flops = _dot_flops(type_text, rest, types) if opcode == "dot" else 0
+        yield Instruction(inst, opcode, size, shapes, context, (low, high), fusion, flops)
         if opcode == "while":
             callees = dict(_CALLEE.findall(rest))
             trip = _TRIP.search(rest)
-            n = int(trip.group(1)) if trip else None
+            n = int(trip.group(1)) if trip else _counted_trips(computations, name, callees, rest)
             label = f"while {inst} x{n if n is not None else '?'}"
             # An unknown trip count is reported as -1 executions.
             lo, hi = (low * n, high * n) if n is not None else (-1, -1)
@@ -178,6 +181,52 @@ def _walk(computations, name, context, low, high, fusion=None) -> Iterator[Instr
             if key in ("calls", "to_apply") and opcode in ("call", "fusion", "async-start"):
                 inner = inst if opcode == "fusion" else fusion
                 yield from _walk(computations, callee, context, low, high, inner)
+
+
+def _counted_trips(computations, parent: str, callees: dict[str, str], rest: str) -> int | None:
+    """A loop's trip count where XLA no longer records it (its collective pipeliner peels
+    iterations off a loop and drops the record): ``bound - start`` for a condition
+    ``counter < bound`` whose counter, element 0 of the loop's state, starts at a constant.
+    None where the loop is not of that form."""
+    condition = callees.get("condition")
+    compared = [condition] + [
+        c for _, _, _, r in computations.get(condition, []) for _, c in _CALLEE.findall(r)
+    ]
+    code = [i for c in compared for i in computations.get(c, [])]
+    bounds = [_constant(r) for _, t, op, r in code if op == "constant" and t.startswith("s32[]")]
+    if len(bounds) != 1 or not any(op == "compare" and "direction=LT" in r for *_, op, r in code):
+        return None
+    parent_code = {n: (op, r) for n, _, op, r in computations.get(parent, [])}
+    state = _OPERAND.match(rest)
+    op, operands = parent_code.get(state.group(1) if state else "", ("", ""))
+    first = _OPERAND.match(operands) if op == "tuple" else None
+    op, value = parent_code.get(first.group(1) if first else "", ("", ""))
+    while op in ("copy", "bitcast"):  # the start, copied into the loop's state
+        source = _OPERAND.match(value)
+        op, value = parent_code.get(source.group(1) if source else "", ("", ""))
+    start = _constant(value) if op == "constant" else None
+    if bounds[0] is None or start is None:
+        return None
+    return max(bounds[0] - start, 0)
+
+
+def _constant(rest: str) -> int | None:
+    found = re.match(r"\s*(-?\d+)\)", rest)
+    return int(found.group(1)) if found else None
+
+
+def _dot_flops(type_text: str, rest: str, types: dict[str, str]) -> int:
+    """2 x the multiply-adds of a dot: its result's elements times the product of the
+    left operand's contracting dimensions (read from the operand's own type)."""
+    operand = _OPERAND.match(rest)
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+    lhs = _ARRAY.search(types.get(operand.group(1), "")) if operand else None
+    out = _ARRAY.search(type_text)
+    if not (contracting and lhs and out):
+        return 0
+    dims = [int(d) for d in filter(None, lhs.group(2).split(","))]
+    k = math.prod(dims[int(i)] for i in filter(None, contracting.group(1).split(",")))
+    return 2 * k * math.prod(int(d) for d in filter(None, out.group(2).split(",")))
 
 
 def instructions(compiled_or_hlo: Any) -> list[Instruction]:

@@ -36,14 +36,27 @@ Carry = TypeVar("Carry")
 
 @dataclasses.dataclass(frozen=True)
 class Gather:
-    """How the split leaves travel: the shard axis, its size (a shard group's), the
-    reduce-scatter's wire dtype (None: the gradients' own) and the gather's (None: the
-    parameters' own; ``Parallel.gather_dtype``)."""
+    """How the split leaves travel and what the layer loop keeps: the shard axis, its size
+    (a shard group's), the reduce-scatter's wire dtype (None: the gradients' own), the
+    gather's (None: the parameters' own; ``Parallel.gather_dtype``), the remat policy of
+    :func:`scan_layers`' loop (``Parallel.remat``), and whether the leaves outside the
+    stacks travel packed into one collective per dtype (XLA:CPU) or one per leaf, for
+    XLA to combine and schedule each where it is used."""
 
     axis_name: str
     num_devices: int
     wire: Any = None
     dtype: Any = None
+    remat: Any = "dots"
+    packed: bool = True
+
+    @property
+    def policy(self) -> Callable[..., bool]:
+        """The ``jax.checkpoint`` policy of ``remat``."""
+        if callable(self.remat):
+            return self.remat
+        policies = jax.checkpoint_policies
+        return policies.dots_saveable if self.remat == "dots" else policies.nothing_saveable
 
 
 @dataclasses.dataclass
@@ -108,12 +121,17 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
         return fn(layer, carry), None
 
     if scope is not None and scope.gather is not None:
-        # Nothing saved: the backward gathers the layer again (the peak holds one layer).
-        # At every stage-3 step, also where no leaf is split (one device, leaves kept
-        # whole): the step's temporaries keep one shape, the closed form of
-        # docs/scaling-out.md; without it a 1-device GPT-2 step held 5.6x the temporaries
-        # (BENCHMARKS.md, "The layer loop's price on a GPU").
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        # No gathered weight saved (no policy saves an all-gather's result): the backward
+        # gathers the layer again, so the peak holds one layer's weights. What else the
+        # backward keeps is Parallel.remat's. At every stage-3 step, also where no leaf
+        # is split (one device, leaves kept whole): the step's temporaries keep one shape,
+        # the closed form of docs/scaling-out.md; without it a 1-device GPT-2 step held
+        # 5.6x the temporaries (BENCHMARKS.md, "The layer loop's price on a GPU").
+        # prevent_cse=False: the loop already keeps XLA from merging the backward's
+        # gather with the forward's (JAX's advice for remat inside scan), and the barrier
+        # it would add keeps XLA's collective pipeliner from moving the backward's
+        # gather one layer ahead.
+        body = jax.checkpoint(body, policy=scope.gather.policy, prevent_cse=False)
     return jax.lax.scan(body, carry, leaves)[0]
 
 
@@ -304,8 +322,14 @@ def _gathered(layout: tuple[Any, Any], how: Gather, blocks: tuple[Any, ...]) -> 
 
 
 def _gathered_forward(layout, how, blocks):
-    dims = layout[0]
-    wholes = packed_all_gather(_cast(blocks, how.dtype), dims, how.axis_name, how.num_devices)
+    dims, blocks = layout[0], _cast(blocks, how.dtype)
+    if how.packed:
+        wholes = packed_all_gather(blocks, dims, how.axis_name, how.num_devices)
+    else:  # one each: XLA combines them and schedules each where it is used
+        wholes = [
+            packed_all_gather([x], [d], how.axis_name, how.num_devices)[0]
+            for x, d in zip(blocks, dims, strict=True)
+        ]
     return tuple(wholes), None
 
 
@@ -313,7 +337,12 @@ def _gathered_backward(layout, how, _, cotangents):
     # The gradients go back in the blocks' dtypes (the gather dtype is the forward's).
     dims, dtypes = layout
     blocks = packed_reduce_scatter(
-        _cast(cotangents, dtypes), dims, how.axis_name, how.num_devices, how.wire
+        _cast(cotangents, dtypes),
+        dims,
+        how.axis_name,
+        how.num_devices,
+        how.wire,
+        packed=how.packed,
     )
     return (tuple(blocks),)
 

@@ -35,6 +35,10 @@ AccumulationPath = Literal["fused", "multisteps"]
 Strategy = Literal["shard_map", "pmap"]
 """How the per-device step is mapped over the mesh: ``jax.shard_map`` or the legacy ``jax.pmap``."""
 
+Remat = Literal["dots", "full"] | Callable[..., bool]
+"""What stage 3's layer loop keeps for the backward (``Parallel.remat``): ``"dots"`` the
+matrix products' outputs, ``"full"`` nothing, or a ``jax.checkpoint_policies`` policy."""
+
 Regather = Literal["micro_batch", "window"]
 """When stage 3 gathers the split parameters: ``"micro_batch"`` for each micro-batch's
 forward (least memory), ``"window"`` once per optimizer step, kept through its
@@ -108,6 +112,15 @@ class Parallel:
     Fused path only: on ``"multisteps"`` a window spans calls, and keeping the
     gathered parameters between calls would hold them whole in the state.
 
+    ``remat``: what :func:`jaxdp.scan_layers`' loop keeps of each layer for the
+    backward, which gathers the layer's weights again either way (no gathered weight is
+    kept: the peak holds one layer's weights). ``"dots"`` (default, FSDP2's: activations
+    kept, the weights gathered again): the matrix products' outputs
+    (``jax.checkpoint_policies.dots_saveable``); the backward recomputes the layer's
+    elementwise work, never a matrix product. ``"full"``: nothing but the layer's input
+    (``nothing_saveable``: full activation checkpointing, the least memory; the backward
+    runs each layer's forward again). Or any ``jax.checkpoint_policies`` policy.
+
     ``gather_dtype``: the dtype the parameters travel and compute in (torch FSDP2's
     ``MixedPrecisionPolicy(param_dtype=...)``): ``"bfloat16"`` gathers float32 master
     weights in bfloat16, and the forward and backward compute on those rounded
@@ -122,6 +135,7 @@ class Parallel:
     strategy: Strategy = "shard_map"
     shards: int | None = None
     regather: Regather = "micro_batch"
+    remat: Remat = "dots"
     gather_dtype: Any = None
 
     def __post_init__(self) -> None:
@@ -161,6 +175,11 @@ class Parallel:
             object.__setattr__(self, "shards", int(shards))
         if self.regather not in ("micro_batch", "window"):
             raise ValueError(f"regather={self.regather!r} must be 'micro_batch' or 'window'")
+        if not callable(self.remat) and self.remat not in ("dots", "full"):
+            raise ValueError(
+                f"remat={self.remat!r} must be 'dots' (the matrix products' outputs kept), "
+                "'full' (nothing kept) or a jax.checkpoint_policies policy"
+            )
         dtype = None if self.gather_dtype is None else _dtype_or_none(self.gather_dtype)
         # The forward computes on the gathered weights with the batch: JAX promotes no 8-bit
         # or smaller float with another implicitly (a TypePromotionError at the first step).
@@ -171,7 +190,12 @@ class Parallel:
                 f"dtype) or one of {gather_dtypes}: the forward computes on the gathered "
                 "weights, and JAX promotes no float8 (or smaller) dtype with others"
             )
-        defaults = {"shards": None, "regather": "micro_batch", "gather_dtype": None}
+        defaults = {
+            "shards": None,
+            "regather": "micro_batch",
+            "remat": "dots",
+            "gather_dtype": None,
+        }
         given = [f"{k}={getattr(self, k)!r}" for k, v in defaults.items() if getattr(self, k) != v]
         if given and self.zero_stage != 3:
             raise ValueError(
@@ -378,7 +402,7 @@ class StepOptions:
         if self.mesh.devices.flat[0].platform != "gpu":
             return {}
         cap = int(self.parallel.bucket_cap_mb * 2**20)
-        return {
+        options = {
             "xla_gpu_all_reduce_combine_threshold_bytes": cap,
             "xla_gpu_reduce_scatter_combine_threshold_bytes": max(1, cap // self.shards),
             # Two buckets in flight at once, queued on the collective stream: with one,
@@ -387,6 +411,41 @@ class StepOptions:
             # H100s; 96% of all of them with two). The peak did not change.
             "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
         }
+        if self.zero_stage == 3:
+            # The layer loops' gathers one layer ahead (XLA's collective pipeliner: in
+            # flight while the layer before computes, in the forward and the backward),
+            # each started as soon as its shard is there. Without them no gather of a
+            # scanned GPT-2 small hid under a matrix product on 8 H100s.
+            options |= _collective_pipelining()
+            options["xla_gpu_experimental_collective_start_as_early_as_possible"] = True
+        return options
+
+
+def _collective_pipelining() -> dict[str, Any]:
+    """XLA:GPU's options that pipeline all-gathers and reduce-scatters across a loop's
+    iterations, in the spelling this jaxlib takes: an enum from jaxlib 0.11 or so
+    (``xla_gpu_pipeline_all_gather``), booleans before (``xla_gpu_enable_pipelined_*``,
+    which the later ones refuse); none if it takes neither."""
+    spellings = (
+        ("xla_gpu_pipeline_{}", "COLLECTIVE_PIPELINING_MODE_ON"),
+        ("xla_gpu_enable_pipelined_{}", True),
+    )
+    for name, on in spellings:
+        options = {name.format(kind): on for kind in ("all_gather", "reduce_scatter")}
+        if _takes(tuple(options.items())):
+            return options
+    return {}
+
+
+@functools.cache
+def _takes(options: tuple[tuple[str, Any], ...]) -> bool:
+    """Whether this jaxlib's XLA takes these compile options (their names and values
+    change between releases): a trivial program compiled with them, once per process."""
+    try:
+        jax.jit(lambda x: x, compiler_options=dict(options)).lower(jnp.zeros(())).compile()
+    except Exception:  # XLA's "No such compile option" / "not a valid enum value"
+        return False
+    return True
 
 
 _PLAIN_SPELLING = contextvars.ContextVar("jaxdp_plain_spelling", default=False)

@@ -718,7 +718,8 @@ def _forward(o: StepOptions, parts: _Parts, params, model_state, step, graphdef)
 
 
 def _gather_how(o: StepOptions) -> Gather:
-    return Gather(o.axis_name, o.shards, o.comm, o.parallel.gather_dtype)
+    p = o.parallel
+    return Gather(o.axis_name, o.shards, o.comm, p.gather_dtype, p.remat, packed=o.cpu_spelling)
 
 
 def gather_window(parts: _Parts, params: Any, o: StepOptions) -> Any:

@@ -167,6 +167,8 @@ def test_zero_stage_flags_are_checked_before_either_side_trains(monkeypatch, cap
         (["--zero-stage", "3", "--shards", "3"], "shards=3 must divide num_devices=4"),
         (["--zero-stage", "3", "--strategy", "pmap"], "zero_stage=3 needs strategy='shard_map'"),
         (["--zero-stage", "3", "--shards", "1"], "shards=1 must be None (one shard group"),
+        (["--zero-stage", "3", "--remat", "some"], "remat='some' must be 'dots', 'full' or the"),
+        (["--remat", "full"], "remat='full' needs zero_stage=3"),
         (["--torch-device", "cuda"], "torch_device='cuda' needs one GPU per rank: num_devices=4"),
         ([*port, "--torch-device", "cuda"], "torch_device='cuda' needs one GPU per rank"),
     ]:

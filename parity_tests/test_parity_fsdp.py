@@ -60,18 +60,34 @@ PARITY_RTOL = 1e-10
 PATHS = ["fused", "multisteps"]
 FSDP = [(n, k, path) for n in (2, 4) for k in (1, 3) for path in PATHS]
 HSDP = [(4, k, path) for k in (1, 3) for path in PATHS]
+# Each stage-3 cell under one of the layer loop's remat choices, in turn over FSDP then
+# HSDP: each choice meets both layouts, N 2 and 4, K 1 and 3 and both paths
+# (test_every_remat_choice_meets_every_kind_of_cell). The remat changes what the backward
+# recomputes, never a value: every cell holds the same tolerance.
+REMATS = ["dots", "full", "dots_with_no_batch_dims_saveable"]
+REMAT = {
+    cell: REMATS[i % 3]
+    for i, cell in enumerate([("fsdp", *c) for c in FSDP] + [("hsdp", *c) for c in HSDP])
+}
 CELLS = [(2, 1, "fused", 0)] + [(*cell, 3) for cell in FSDP]
 
 
 def parity_config(
-    num_devices: int, accum_steps: int, path: str, stage: int = 3, shards: int | None = None
+    num_devices: int,
+    accum_steps: int,
+    path: str,
+    stage: int = 3,
+    shards: int | None = None,
+    remat: str = "dots",
 ) -> ParityConfig:
-    """The cell as `jaxdp parity --model stack --zero-stage STAGE [--shards S]` runs it:
-    ParityConfig's zero_stage and shards choose both jaxdp's Parallel and torch's run."""
+    """The cell as `jaxdp parity --model stack --zero-stage STAGE [--shards S] [--remat R]`
+    runs it: ParityConfig's zero_stage and shards choose both jaxdp's Parallel and torch's
+    run, its remat jaxdp's layer loop."""
     return ParityConfig(
         model=MODEL,
         zero_stage=stage,
         shards=shards,
+        remat=remat,
         optimizer=OptimizerSpec(**dataclasses.asdict(OPTIMIZER)),
         num_devices=num_devices,
         accum_steps=accum_steps,
@@ -94,7 +110,8 @@ def runs(torch_batch):
     ids=[f"fsdp-n{n}-k{k}-{path}-stage{stage}" for n, k, path, stage in CELLS],
 )
 def test_stack_trains_as_torch_fsdp2(runs, num_devices, accum_steps, path, stage):
-    config = parity_config(num_devices, accum_steps, path, stage)
+    remat = REMAT[("fsdp", num_devices, accum_steps, path)] if stage == 3 else "dots"
+    config = parity_config(num_devices, accum_steps, path, stage, remat=remat)
     fsdp = ("fsdp", num_devices, accum_steps)
     torch_run, data, initial = torch_jobs()[fsdp]
     # The torch run trains what this config describes (model, data, order, optimizer; at
@@ -119,7 +136,8 @@ def test_stack_trains_as_torch_fsdp2(runs, num_devices, accum_steps, path, stage
 def test_stack_trains_as_torch_hsdp(runs, num_devices, accum_steps, path):
     # 2 replicas x 2 shards: torch's (replicate, shard) device mesh, jaxdp's
     # Parallel(zero_stage=3, shards=2).
-    config = parity_config(num_devices, accum_steps, path, shards=2)
+    remat = REMAT[("hsdp", num_devices, accum_steps, path)]
+    config = parity_config(num_devices, accum_steps, path, shards=2, remat=remat)
     hsdp = ("hsdp", num_devices, accum_steps)
     torch_run, data, initial = torch_jobs()[hsdp]
     assert torch_config(config) == torch_run
@@ -138,6 +156,13 @@ def test_the_grid_is_every_torch_run_on_both_paths():
     grid += [("hsdp", n, k, path) for n, k, path in HSDP]
     assert sorted(grid) == sorted((*key, path) for key in SHARDED for path in PATHS)
     assert len(set(grid)) == 12
+
+
+def test_every_remat_choice_meets_every_kind_of_cell():
+    for remat in REMATS:
+        cells = [cell for cell, r in REMAT.items() if r == remat]
+        for position, values in enumerate([("fsdp", "hsdp"), (2, 4), (1, 3), tuple(PATHS)]):
+            assert {cell[position] for cell in cells} == set(values), (remat, cells)
 
 
 # ---- nn.ModuleList <-> stacked leaves --------------------------------------------------

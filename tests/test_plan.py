@@ -682,13 +682,13 @@ def test_hsdp_splits_the_state_over_a_shard_group_and_all_reduces_the_blocks_acr
 
 def test_remat_full_keeps_the_layer_inputs_and_one_layers_activations():
     """Per sample, with every activation kept A = 10 MB of which each of 4 layers keeps
-    2 MB and its input 0.5 MB: "activations" keeps A, as stages 0 to 2; "full" keeps
+    2 MB and its input 0.5 MB: "dots" keeps A, as measured; "full" keeps
     the root group's 2 MB, every layer's input (4 x 0.5) and one layer's 2 MB. None is
     the step's own choice (STAGE_3_REMAT)."""
     common = dict(params=1e9, zero_stage=3, num_devices=8, layers=4, device_memory="80GB")
     common |= dict(activation_bytes_per_sample=10e6, global_batch_size=8)
     parts = dict(layer_activation_bytes_per_sample=2e6, carry_bytes_per_sample=0.5e6)
-    kept = jaxdp.plan.plan_memory(**common, **parts, remat="activations")
+    kept = jaxdp.plan.plan_memory(**common, **parts, remat="dots")
     full = jaxdp.plan.plan_memory(**common, **parts, remat="full")
     assert kept.activation_bytes_per_sample == 10e6
     assert full.activation_bytes_per_sample == 2e6 + 4 * 0.5e6 + 2e6
@@ -706,7 +706,7 @@ def test_remat_full_keeps_the_layer_inputs_and_one_layers_activations():
         (dict(shards=2.5), r"shards=2.5 must be None"),
         (dict(shards=3), r"shards=3 must divide num_devices=8: HSDP runs"),
         (dict(gather_dtype="float8"), r"gather_dtype='float8' must be None .* \['bfloat16', "),
-        (dict(remat="some"), r"remat='some' must be None \(the step's\), 'full' or 'activations'"),
+        (dict(remat="some"), r"remat='some' must be None \(the step's\), 'dots' or 'full'"),
         (
             dict(zero_stage=2, shards=4, gather_dtype="bfloat16"),
             r"shards=4, gather_dtype='bfloat16' needs zero_stage=3 .*, got zero_stage=2",

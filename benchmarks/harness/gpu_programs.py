@@ -152,6 +152,80 @@ def _activation_bytes_per_sample(cfg: GPTConfig) -> float:
     return (residuals(params, 2) - residuals(params, 1)) / 1
 
 
+def stage_3_plan_bytes(
+    make: Any, loss: Any, state: Any, *, num_devices: int, micro: int, k: int, remat: Any
+) -> float:
+    """``jaxdp plan``'s per-device total for a stage-3 step of a
+    :class:`jaxdp.models.ScannedTransformer` (``make()`` builds it, ``state`` is the step's
+    abstract state) at the step's ``remat`` (a name or a ``jax.checkpoint_policies``
+    policy), for ``micro`` rows per micro-batch and ``k`` micro-batches.
+
+    The activations per sample are the planner's measure, the residuals JAX's autodiff
+    keeps (from abstract traces at one and two rows), with ``scan_layers``' loop under the
+    remat's policy as the step runs it. ``"full"`` plans ``remat="full"`` from every
+    activation ``A``, one layer's share ``a`` and its input ``c`` (the carry, ``block_size
+    x d_model`` in the compute dtype): the root group's activations are what nothing kept
+    leaves beside the ``L`` carries. Any other policy plans its own residuals."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxdp._layers import _SCOPE, Gather, _Scope
+    from jaxdp.plan import plan_memory
+
+    module = nnx.eval_shape(make)
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    layers = jax.tree.leaves(params["blocks"])[0].shape[0]
+    tokens, width = params["pos_emb"]["embedding"].shape
+
+    def per_sample(policy: Any) -> float:
+        """The residuals one more row adds, the layer loop under ``policy``."""
+
+        def residuals(rows: int) -> int:
+            x = jax.ShapeDtypeStruct((rows, tokens), jnp.int32)
+
+            def vjp(p: Any, r: Any, x: Any) -> Any:
+                # scan_layers checkpoints its body with the policy, as inside a stage-3 step
+                # (nothing is split here, so nothing is gathered).
+                scope = _SCOPE.set(_Scope({}, Gather("data", 1, remat=policy)))
+                try:
+                    return jax.vjp(lambda q: loss(nnx.merge(graphdef, q, r), (x, x)), p)[1]
+                finally:
+                    _SCOPE.reset(scope)
+
+            return _nbytes(jax.eval_shape(vjp, params, rest, x))
+
+        return float(residuals(2) - residuals(1))
+
+    weights = _nbytes(params) // 4  # float32 parameters
+    common = dict(
+        params=weights,
+        policy="fp32",
+        optimizer="adamw",
+        num_devices=num_devices,
+        zero_stage=3,
+        layers=layers,
+        root_params=weights - _nbytes(params["blocks"]) // 4,
+        input_bytes_per_sample=2 * 4 * tokens,
+    )
+    policies = jax.checkpoint_policies
+    if remat == "full" or remat is policies.nothing_saveable:
+        every = per_sample(policies.everything_saveable)
+        carry = tokens * width * jnp.dtype(module.dtype or jnp.float32).itemsize
+        root = per_sample(policies.nothing_saveable) - layers * carry
+        plan = plan_memory(
+            **common,
+            remat="full",
+            activation_bytes_per_sample=every,
+            layer_activation_bytes_per_sample=(every - root) / layers,
+            carry_bytes_per_sample=carry,
+        )
+    else:
+        policy = policies.dots_saveable if remat == "dots" else remat
+        plan = plan_memory(**common, remat="dots", activation_bytes_per_sample=per_sample(policy))
+    return dataclasses.replace(plan, micro_batch_size=micro, accum_steps=k).total
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = standard_args(__doc__.split("\n")[0], argv)
     cfg, cells, topologies = (

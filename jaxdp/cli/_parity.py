@@ -17,7 +17,7 @@ from ..models import MODELS
 from ..parity import OPTIMIZERS, RTOL, ParityConfig
 
 # Flags that only a reference model (--model) or only a user's models take.
-REFERENCE_ONLY = ("num_samples", "sync_batchnorm", "zero_stage", "shards")
+REFERENCE_ONLY = ("num_samples", "sync_batchnorm", "zero_stage", "shards", "remat")
 PORT_ONLY = ("loss", "mapping", "jax_optimizer", "locate", "loss_reduction", "schedule")
 
 
@@ -135,6 +135,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--model with --zero-stage 3: HSDP, parameters split over groups of S devices, "
         "num-devices / S replica groups (torch: a (replicate, shard) device mesh) (default: "
         "every device, FSDP)",
+    )
+    p.add_argument(
+        "--remat",
+        metavar="POLICY",
+        default=None,
+        help="--model with --zero-stage 3: what jaxdp's layer loop keeps for the backward "
+        "(Parallel(remat=...)): dots (the matrix products' outputs), full (nothing) or the "
+        "name of a jax.checkpoint_policies policy (default: dots). torch's FSDP2 keeps "
+        "every activation: the values are the same either way",
     )
     p.add_argument(
         "--plot",

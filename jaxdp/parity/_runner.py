@@ -76,6 +76,10 @@ class ParityConfig:
     # and 2 ZeroRedundancyOptimizer on DDP, stage 3 FSDP2 (shards < num_devices: HSDP).
     zero_stage: int = 0
     shards: int | None = None
+    # Stage 3: what jaxdp's layer loop keeps for the backward (Parallel(remat=...)): "dots",
+    # "full" or the name of a jax.checkpoint_policies policy. Torch's FSDP2 keeps every
+    # activation: the remat changes which values are recomputed, never what they are.
+    remat: str = "dots"
     # compare_models: "weighted", a loss of (loss_sum, count) normalized by the global count
     # (jaxdp's loss_reduction="weighted"; torch_ref's num_items_in_batch recipe).
     loss_reduction: Literal["mean", "weighted"] = "mean"
@@ -218,6 +222,7 @@ def _run_jaxdp(
             unused=config.model in UNUSED_BRANCH,
             zero_stage=config.zero_stage,
             shards=config.shards,
+            remat=config.remat,
         ),
     )
     # torch_ref's models are nn.Linear and nn.Conv layers: [out, in, *k].
@@ -229,6 +234,25 @@ def _run_jaxdp(
     )
 
 
+def remat_policy(name: str) -> Any:
+    """``Parallel.remat`` of a name: ``"dots"``, ``"full"``, or the name of a
+    ``jax.checkpoint_policies`` policy (e.g. ``"dots_with_no_batch_dims_saveable"``)."""
+    if name in ("dots", "full"):
+        return name
+    policy = getattr(jax.checkpoint_policies, name, None)
+    if not callable(policy) or name.startswith("_") or name.startswith("save_"):
+        usable = sorted(
+            n
+            for n in dir(jax.checkpoint_policies)
+            if n.endswith(("saveable", "_dots")) and not n.startswith("_")
+        )
+        raise ValueError(
+            f"remat={name!r} must be 'dots', 'full' or the name of a "
+            f"jax.checkpoint_policies policy: {', '.join(usable)}"
+        )
+    return policy
+
+
 def with_groups(
     options: dict[str, Any],
     *,
@@ -236,14 +260,19 @@ def with_groups(
     unused: bool | None = None,
     zero_stage: int = 0,
     shards: int | None = None,
+    remat: str = "dots",
 ) -> dict[str, Any]:
     """:func:`jaxdp.make_train_step`'s keywords: ``options`` with the option groups the
     comparison implies where they give none, ``Parallel(strategy=strategy,
-    zero_stage=zero_stage, shards=shards)`` and (if ``unused`` is set)
+    zero_stage=zero_stage, shards=shards, remat=remat)`` (remat at stage 3 only, a
+    ``jax.checkpoint_policies`` name resolved) and (if ``unused`` is set)
     ``Skips(unused=unused)``. A group given is taken whole."""
     out = dict(options)
     if out.get("parallel") is None:
-        out["parallel"] = Parallel(strategy=strategy, zero_stage=zero_stage, shards=shards)
+        stage_3 = {"remat": remat_policy(remat)} if zero_stage == 3 else {}
+        out["parallel"] = Parallel(
+            strategy=strategy, zero_stage=zero_stage, shards=shards, **stage_3
+        )
     if unused is not None and out.get("skips") is None:
         out["skips"] = Skips(unused=unused)
     return out
@@ -398,7 +427,15 @@ def check_config(config: ParityConfig) -> None:
         )
     # jaxdp's own rules for the layout (pmap is stage 0 only, shards=1 is DDP), before
     # either side trains.
-    Parallel(strategy=config.strategy, zero_stage=config.zero_stage, shards=config.shards)
+    stage_3 = {"remat": remat_policy(config.remat)} if config.zero_stage == 3 else {}
+    Parallel(
+        strategy=config.strategy, zero_stage=config.zero_stage, shards=config.shards, **stage_3
+    )
+    if config.remat != "dots" and config.zero_stage != 3:
+        raise ValueError(
+            f"remat={config.remat!r} needs zero_stage=3 (what the layer loop keeps while the "
+            f"parameters are gathered a layer at a time), got zero_stage={config.zero_stage}"
+        )
     if config.torch_device == "cuda":
         check_torch_gpus(config.num_devices)
     if config.dtype == "float64" and not jax.config.jax_enable_x64:

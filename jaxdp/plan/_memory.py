@@ -76,15 +76,18 @@ _COMPUTE_DTYPE = {
     "bf16": "bfloat16",
 }
 
-Remat = Literal["full", "activations"]
-"""What a stage-3 step keeps of a micro-batch's forward for its backward: ``"full"``,
-the layers' inputs (the carries of :func:`jaxdp.scan_layers`) and, while its backward
-runs, one layer's activations recomputed; ``"activations"``, every layer's activations,
-as stages 0 to 2 keep them (the gathered weights are gathered again either way)."""
+Remat = Literal["dots", "full"]
+"""What a stage-3 step keeps of a micro-batch's forward for its backward
+(``Parallel.remat``): ``"dots"``, every layer's matrix products' outputs (its activations
+but the elementwise work the backward recomputes: ``activation_bytes_per_sample`` as
+measured with ``jax.checkpoint_policies.dots_saveable``, or at most what stages 0 to 2
+keep); ``"full"``, the layers' inputs (the carries of :func:`jaxdp.scan_layers`) and,
+while its backward runs, one layer's activations recomputed. The gathered weights are
+gathered again either way."""
 
-STAGE_3_REMAT: Remat = "full"
-"""The step's remat at stage 3, which ``plan_memory(remat=None)`` plans for: every
-layer loop under ``jax.checkpoint(nothing_saveable)`` (docs/semantics.md)."""
+STAGE_3_REMAT: Remat = "dots"
+"""The step's remat at stage 3 (``Parallel(remat="dots")``, FSDP2's default), which
+``plan_memory(remat=None)`` plans for."""
 
 DEFAULT_HEADROOM = 0.15
 
@@ -601,8 +604,8 @@ def check_stage_3(
             f"gather_dtype={gather_dtype!r} must be None (the policy's compute dtype) or "
             f"one of {list(GATHER_DTYPES)}"
         )
-    if remat is not None and remat not in ("full", "activations"):
-        raise ValueError(f"remat={remat!r} must be None (the step's), 'full' or 'activations'")
+    if remat is not None and remat not in ("dots", "full"):
+        raise ValueError(f"remat={remat!r} must be None (the step's), 'dots' or 'full'")
     given = [
         f"{name}={value!r}"
         for name, value in (("shards", shards), ("gather_dtype", gather_dtype), ("remat", remat))

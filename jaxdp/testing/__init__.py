@@ -8,9 +8,11 @@ and (in the ``jaxdp_pytest`` module, loaded by pytest wherever jaxdp is installe
 
 from .._inspect import AllReduce as AllReduce
 from .._inspect import Collective as Collective
+from .._inspect import Instruction as Instruction
 from .._inspect import all_reduces as all_reduces
 from .._inspect import collectives as collectives
 from .._inspect import format_report as format_report
+from .._inspect import instructions as instructions
 from .._options import plain_spelling as plain_spelling
 from ._collectives import Buckets as Buckets
 from ._collectives import assert_collectives as assert_collectives
@@ -27,6 +29,8 @@ __all__ = [
     "collectives",
     "Collective",
     "format_report",
+    "instructions",
+    "Instruction",
     # Assertions
     "assert_trees_close",
     "Tolerance",

@@ -38,21 +38,22 @@ class Buckets:
         measures it): a step's gradient bytes (``accum_steps`` times them at ZeRO stage
         2, which reduce-scatters every micro-batch). A collective inside the micro-batch
         loop runs once per micro-batch, so a window's reduction there counts
-        ``accum_steps`` times.
+        ``accum_steps`` times. None leaves them unchecked (what XLA moves may be narrower
+        than the leaves: it gathers a weight the program casts to bfloat16 in bfloat16).
       extra: how many bytes more they may carry: the sums that ride with the gradients
         (the loss, the weight, ``aux``, batch statistics).
       hidden: the least share of those bytes in asynchronous collectives with a matrix
         product scheduled between their start and done (``Collective.products_under``);
         None leaves it unchecked. XLA:CPU runs collectives synchronously: nothing hides.
-      at_end: bytes left out of that share: leaves whose gradient is complete only at the
-        end of the backward, with no compute left to hide under (a token embedding tied
-        to the output head, which the first layer's backward finishes).
+      exposed: bytes left out of that share, which have no compute to hide under: a
+        gradient complete only at the end of the backward (a token embedding tied to the
+        output head), the first gather of a micro-batch.
     """
 
-    bytes: int
+    bytes: int | None
     extra: int = 2**16
     hidden: float | None = None
-    at_end: int = 0
+    exposed: int = 0
 
 
 def assert_collectives(
@@ -137,18 +138,17 @@ def _bucket_faults(arg: str, want: Buckets, kind: list[Collective], runs: list[i
     hidden = sum(c.bytes * n for c, n in zip(kind, runs, strict=True) if c.overlapped)
     buckets = sum(1 for n in runs if n)
     faults = []
-    if not want.bytes <= carried <= want.bytes + want.extra:
+    if want.bytes is not None and not want.bytes <= carried <= want.bytes + want.extra:
         faults.append(
             f"{arg}={want}: its {buckets} bucket(s) carry {carried:,} bytes per call, not "
             f"{want.bytes:,} (+ at most {want.extra:,})"
         )
-    counted = carried - want.at_end
+    counted = carried - want.exposed
     if want.hidden is not None and hidden < want.hidden * counted:
         share = hidden / counted if counted > 0 else 0.0
         faults.append(
-            f"{arg}={want}: {share:.1%} of its bytes (those of leaves complete only at the "
-            f"backward's end left out) have a matrix product scheduled under them, not "
-            f"at least {want.hidden:.0%}"
+            f"{arg}={want}: {share:.1%} of its bytes (the exposed ones left out) have a "
+            f"matrix product scheduled under them, not at least {want.hidden:.0%}"
         )
     return faults
 

@@ -12,12 +12,14 @@ from jaxdp.testing import (
     TARGETS,
     TOLERANCES,
     Buckets,
+    Instruction,
     Tolerance,
     assert_collectives,
     assert_trees_close,
     collectives,
     format_report,
     gpu_mesh,
+    instructions,
 )
 
 # ---- assert_trees_close ------------------------------------------------------------------
@@ -151,6 +153,13 @@ def test_an_asynchronous_collective_counts_its_result_and_the_products_under_it(
     assert "products under" in format_report([reduce, scatter])
 
 
+def test_a_dot_counts_its_flops_where_it_sits():
+    """The GEMM fusion's dot: 64 x 64 outputs, each a sum over 64 products: 2 x 64^3."""
+    (dot,) = [i for i in instructions(ASYNC) if i.flops]
+    assert isinstance(dot, Instruction) and (dot.opcode, dot.fused_in) == ("dot", "gemm_fusion_dot")
+    assert dot.flops == 2 * 64**3 and dot.context == ()
+
+
 def test_buckets_assert_the_bytes_and_the_share_hidden():
     assert_collectives(ASYNC, all_reduce=Buckets(4096, hidden=1.0), reduce_scatter=1)
     assert_collectives(ASYNC, reduce_scatter=Buckets(8192, extra=0), all_reduce=None)
@@ -160,7 +169,7 @@ def test_buckets_assert_the_bytes_and_the_share_hidden():
     with pytest.raises(AssertionError, match=r"0.0% of its bytes .* not at least 50%"):
         assert_collectives(ASYNC, reduce_scatter=Buckets(8192, hidden=0.5), all_reduce=None)
     assert_collectives(
-        ASYNC, reduce_scatter=Buckets(8192, hidden=0.5, at_end=8192), all_reduce=None
+        ASYNC, reduce_scatter=Buckets(8192, hidden=0.5, exposed=8192), all_reduce=None
     )
 
 

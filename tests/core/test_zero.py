@@ -289,6 +289,8 @@ def test_bad_zero_options_are_refused_naming_them():
         ({"zero_stage": 4}, "zero_stage=4 must be 0, 1, 2 or 3"),
         ({"zero_stage": 1, "strategy": "pmap"}, "needs strategy='shard_map'"),
         ({"comm_dtype": "float16"}, "comm_dtype='float16' must be None"),
+        ({"remat": "none"}, r"remat='none' must be 'dots' \(the matrix products' outputs"),
+        ({"remat": "full"}, r"remat='full' needs zero_stage=3"),
         ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a positive number of MiB"),
         ({"bucket_cap_mb": True}, r"bucket_cap_mb=True must be a positive number"),
         ({"bucket_cap_mb": float("inf")}, r"bucket_cap_mb=inf must be a positive number"),

@@ -95,7 +95,7 @@ def test_gradients_travel_in_buckets_under_the_backward(topology, stage, path, k
     tied = nbytes(state.params["wte"])  # complete only at the backward's end
     assert 0.3 < tied / gradients < 0.32  # GPT-2 small's vocabulary: 31% of its bytes
     times = k if stage == 2 else 1  # stage 2 reduce-scatters every micro-batch
-    buckets = Buckets(gradients * times, hidden=HIDDEN, at_end=tied * times)
+    buckets = Buckets(gradients * times, hidden=HIDDEN, exposed=tied * times)
     if stage == 0:
         expected = dict(all_reduce=buckets, reduce_scatter=0, all_gather=0)
     else:  # the small psum (norm, loss) and the updated parameters' one all-gather

@@ -1,0 +1,112 @@
+"""ZeRO stage 3 and HSDP compiled by XLA:GPU for 8 and 2 x 8 H100s without a GPU: a scanned
+GPT-2-small-sized model (:class:`jaxdp.models.ScannedTransformer`: 12 blocks of width 768
+looped by ``jaxdp.scan_layers``, vocabulary 50304, 1024 positions, bf16 compute over
+float32 parameters, AdamW, 8 sequences per micro-batch and device).
+
+Issue 42's properties, read from the scheduled program:
+- the next layer's gather is in flight while the current one computes, in the forward and
+  the backward, and each layer's reduce-scatter runs under the following backward work: at
+  least 80% of the all-gather bytes and of the reduce-scatter bytes with a matrix product
+  scheduled between start and done, leaving out what has nothing to hide under (each
+  micro-batch's first gathers, the token embedding's and the first block's, and its last
+  reduce-scatters, the token embedding's and the last block's);
+- at the default remat (``"dots"``) the backward's layer loop runs no forward matrix
+  product again: its matrix FLOPs are twice the forward loop's (the two products of each
+  forward one's backward; full remat adds the forward's own, three times);
+- each device's peak within 1.25x of ``jaxdp plan``'s figure, for each remat choice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import jaxdp
+from benchmarks.harness.gpu_programs import stage_3_plan_bytes
+from jaxdp.plan import compiled_memory
+from jaxdp.testing import Buckets, assert_collectives, gpu_mesh, instructions
+
+SIZES = {"vocab_size": 50304, "block_size": 1024, "d_model": 768, "n_heads": 12, "n_layers": 12}
+MICRO_BATCH_SIZE = 8
+HIDDEN = 0.8  # the share the acceptance asks for
+
+_PROGRAMS: dict[tuple, tuple] = {}
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    logits = model(x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def model():
+    return jaxdp.models.ScannedTransformer(**SIZES, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+
+
+def program(topology: str, k: int, shards: int | None = None, remat: str = "dots"):
+    """``(compiled, abstract state)`` of the cell, compiled once per run."""
+    key = (topology, k, shards, remat)
+    if key not in _PROGRAMS:
+        with jax.enable_x64(False):
+            mesh = gpu_mesh(topology)
+            step = jaxdp.make_train_step(
+                loss_fn,
+                optax.adamw(3e-4, weight_decay=0.1),
+                mesh=mesh,
+                accum_steps=k,
+                parallel=jaxdp.Parallel(zero_stage=3, shards=shards, remat=remat),
+            )
+            state = step.abstract_state(nnx.eval_shape(model))
+            rows = mesh.size * k * MICRO_BATCH_SIZE
+            batch = (jax.ShapeDtypeStruct((rows, SIZES["block_size"]), jnp.int32),) * 2
+            _PROGRAMS[key] = (step.compile(state, batch), state)
+    return _PROGRAMS[key]
+
+
+def nbytes(tree) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+CELLS = [("1x1x8", 1, None), ("1x1x8", 4, None), ("1x2x8", 1, 8), ("1x2x8", 4, 8)]
+
+
+@pytest.mark.parametrize(("topology", "k", "shards"), CELLS)
+def test_gathers_and_reduce_scatters_hide_under_the_layers(topology, k, shards):
+    compiled, state = program(topology, k, shards)
+    params = state.params
+    # Per micro-batch, what has nothing to hide under: the token embedding's gather and the
+    # first block's (in float32; XLA may move them narrower), their reduce-scatters last.
+    block = nbytes(params["blocks"]) // SIZES["n_layers"]
+    exposed = k * (nbytes(params["tok_emb"]) + block)
+    assert_collectives(
+        compiled,
+        all_gather=Buckets(None, hidden=HIDDEN, exposed=exposed),
+        reduce_scatter=Buckets(None, hidden=HIDDEN, exposed=exposed),
+        all_reduce=None,
+    )
+
+
+def test_the_backward_runs_no_forward_matrix_product_again_at_the_default_remat():
+    compiled, _ = program("1x1x8", 1)
+    per_loop: dict[tuple, int] = {}
+    for i in instructions(compiled):
+        if i.flops and len(i.context) == 1 and i.context[0].startswith("while"):
+            per_loop[i.context] = per_loop.get(i.context, 0) + i.flops
+    forward, backward = sorted(per_loop.values())  # the layer loops, one iteration each
+    assert len(per_loop) == 2 and backward == 2 * forward, per_loop
+
+
+@pytest.mark.parametrize("remat", ["dots", "full", "dots_with_no_batch_dims_saveable"])
+def test_the_peak_is_within_a_quarter_of_the_plans_figure(remat):
+    policy = getattr(jax.checkpoint_policies, remat, remat)
+    compiled, state = program("1x1x8", 1, remat=policy)
+    peak = compiled_memory(compiled).peak
+    plan = stage_3_plan_bytes(
+        model, loss_fn, state, num_devices=8, micro=MICRO_BATCH_SIZE, k=1, remat=policy
+    )
+    assert plan / 1.25 <= peak <= 1.25 * plan, (peak, plan, peak / plan)
