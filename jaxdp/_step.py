@@ -434,9 +434,10 @@ def make_train_step(
         raises ``ValueError``).
       parallel: :class:`Parallel`: the ZeRO stage, the gradients' dtype on the
         wire and the mapping strategy (default: stage 0, the accumulator dtype,
-        ``shard_map``); at stage 3 also HSDP's shard groups (``shards``), when
-        the parameters are gathered (``regather``) and in which dtype
-        (``gather_dtype``).
+        ``shard_map``), the gradient buckets' size on GPUs (``bucket_cap_mb``); at
+        stage 3 also HSDP's shard groups (``shards``), when the parameters are
+        gathered (``regather``), what the layer loop keeps for the backward
+        (``remat``) and in which dtype the parameters travel (``gather_dtype``).
       skips: :class:`Skips`: non-finite updates skipped (default) and the limit
         of them in a row, unused parameters left alone.
       **deprecated: the spellings of jaxdp 0.2 (``strategy``, ``zero_stage``,

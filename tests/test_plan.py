@@ -743,6 +743,7 @@ def test_stage_3_bad_options_name_the_argument_and_the_rule(kwargs, match):
         (["--zero-stage", "3", "--gather-dtype", "fp8"], "gather_dtype='fp8' must be None"),
         (["--shards", "4"], "shards=4 needs zero_stage=3 (the parameters split at rest)"),
         (["--gather-dtype", "bfloat16"], "gather_dtype='bfloat16' needs zero_stage=3"),
+        (["--remat", "full"], "remat='full' needs zero_stage=3"),
     ],
 )
 @pytest.mark.parametrize("what", [["--params", "1e9"], ["--model", "transformer"]])
@@ -774,6 +775,19 @@ def test_cli_hsdp_and_gather_dtype_show_in_the_report(capsys):
     said = " ".join(out.split())
     assert "split over the 8 devices of each of 2 shard groups (HSDP, --shards 8)" in said
     assert "all-reduced across the 2 replica groups" in said
+
+
+def test_cli_remat_is_the_plans(capsys):
+    """--remat names what the layer loop keeps; the activations row says which it planned."""
+    argv = ["plan", "--params", "1e9", "--zero-stage", "3", "--layers", "10"]
+    argv += ["--num-devices", "8", "--activation-bytes-per-sample", "1MB"]
+    for remat in ("dots", "full"):
+        assert main([*argv, "--remat", remat]) == 0
+        assert re.search(
+            rf"^  activations per sample \(remat {remat}\) +1.00 MB$", capsys.readouterr().out, re.M
+        )
+    assert main(argv) == 0  # the step's default
+    assert "activations per sample (remat dots)" in capsys.readouterr().out
 
 
 # ---- stage 3 against XLA: what rests is the compiled step's arguments -------------------

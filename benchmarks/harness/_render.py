@@ -448,7 +448,52 @@ def gpu_programs_section(g: dict[str, Any]) -> str:
             )
         devices = next(r["devices"] for r in g["rows"] if r["topology"] == topology)
         parts.append(f"`{topology}` ({devices} H100s):\n\n" + markdown_table(header, rows))
+    if g.get("stage_3"):
+        parts.append(_stage_3_programs(g["stage_3"]))
     return "\n\n".join(parts)
+
+
+def _stage_3_programs(cells: list[dict[str, Any]]) -> str:
+    """Stage 3 and HSDP on the scanned model: the gathers' and reduce-scatters' shares
+    under matrix products, the backward's matrix FLOPs over the forward's, the peak."""
+
+    def share(c: dict[str, Any]) -> str:
+        return (
+            f"{c['collectives']} / {c['bytes'] / 1e6:,.0f} MB / {c['hidden_share']:.0%} / "
+            f"**{c['hidden_share_but_first_and_last']:.0%}**"
+        )
+
+    rows = []
+    for r in cells:
+        layout = f"`{r['topology']}`" + (f", shards {r['shards']}" if r["shards"] else "")
+        peak = r["memory"]["peak"] or 0
+        flops = r.get("backward_over_forward_flops")
+        rows.append(
+            [
+                f"{layout}, K={r['accum_steps']}, remat `{r['remat']}`",
+                share(r["all-gather"]),
+                share(r["reduce-scatter"]),
+                "-" if flops is None else f"{flops:.2f}",
+                f"{peak / 2**30:.2f} GiB",
+                f"{r['plan_bytes'] / 2**30:.2f} GiB ({peak / r['plan_bytes']:.2f}x)",
+                f"{r['compile_seconds']:.0f} s",
+            ]
+        )
+    header = [
+        "stage 3",
+        "all-gathers: per step / bytes / hidden (all) / hidden (but first, last)",
+        "reduce-scatters: the same",
+        "backward / forward matrix FLOPs (layer loops)",
+        "peak per device (XLA)",
+        "`jaxdp plan`",
+        "compile",
+    ]
+    return (
+        "Stage 3 and HSDP, a scanned GPT-2-small-sized model (`jaxdp.models.ScannedTransformer`, "
+        '12 blocks of width 768 looped by `jaxdp.scan_layers`, untied head; "first, last": '
+        "each micro-batch's token embedding and first block gathered first, reduce-scattered "
+        "last, left out):\n\n" + markdown_table(header, rows)
+    )
 
 
 # ---- writing -----------------------------------------------------------------------------------

@@ -153,7 +153,15 @@ def _activation_bytes_per_sample(cfg: GPTConfig) -> float:
 
 
 def stage_3_plan_bytes(
-    make: Any, loss: Any, state: Any, *, num_devices: int, micro: int, k: int, remat: Any
+    make: Any,
+    loss: Any,
+    state: Any,
+    *,
+    num_devices: int,
+    micro: int,
+    k: int,
+    remat: Any,
+    shards: int | None = None,
 ) -> float:
     """``jaxdp plan``'s per-device total for a stage-3 step of a
     :class:`jaxdp.models.ScannedTransformer` (``make()`` builds it, ``state`` is the step's
@@ -203,6 +211,7 @@ def stage_3_plan_bytes(
         policy="fp32",
         optimizer="adamw",
         num_devices=num_devices,
+        shards=shards,
         zero_stage=3,
         layers=layers,
         root_params=weights - _nbytes(params["blocks"]) // 4,
@@ -226,6 +235,108 @@ def stage_3_plan_bytes(
     return dataclasses.replace(plan, micro_batch_size=micro, accum_steps=k).total
 
 
+# Stage 3 and HSDP: a scanned GPT-2-small-sized model, as tests/gpu/test_gpu_stage3.py.
+STAGE_3_SIZES = {"vocab_size": 50304, "block_size": 1024, "d_model": 768, "n_heads": 12}
+STAGE_3_CELLS = (
+    ("1x1x8", None, 1, "dots"),
+    ("1x1x8", None, 4, "dots"),
+    ("1x1x8", None, 1, "full"),
+    ("1x2x8", 8, 1, "dots"),
+    ("1x2x8", 8, 4, "dots"),
+)
+
+
+def stage_3_model(layers: int = 12) -> Any:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jaxdp
+
+    return jaxdp.models.ScannedTransformer(
+        **STAGE_3_SIZES, n_layers=layers, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+    )
+
+
+def stage_3_loss(model: Any, batch: Any) -> Any:
+    import jax.numpy as jnp
+    import optax
+
+    x, y = batch
+    logits = model(x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def compile_stage_3_cell(
+    topology: str, shards: int | None, k: int, remat: str, layers: int = 12
+) -> dict[str, Any]:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jaxdp
+    from jaxdp.plan import compiled_memory
+    from jaxdp.testing import collectives, gpu_mesh, instructions
+
+    make = functools.partial(stage_3_model, layers)
+    mesh = gpu_mesh(topology)
+    step = jaxdp.make_train_step(
+        stage_3_loss,
+        optax.adamw(3e-4, weight_decay=0.1),
+        mesh=mesh,
+        accum_steps=k,
+        parallel=jaxdp.Parallel(zero_stage=3, shards=shards, remat=remat),
+    )
+    state = step.abstract_state(nnx.eval_shape(make))
+    rows = mesh.size * k * MICRO_BATCH_SIZE
+    batch = (jax.ShapeDtypeStruct((rows, STAGE_3_SIZES["block_size"]), jnp.int32),) * 2
+    started = time.perf_counter()
+    compiled = step.compile(state, batch)
+    seconds = time.perf_counter() - started
+    found = collectives(compiled)
+    block = _nbytes(state.params["blocks"]) // layers
+    exposed = k * (_nbytes(state.params["tok_emb"]) + block)
+    row: dict[str, Any] = {
+        "topology": topology,
+        "devices": mesh.size,
+        "shards": shards,
+        "accum_steps": k,
+        "remat": remat,
+        "compile_seconds": seconds,
+    }
+    for kind in ("all-gather", "reduce-scatter"):
+        of_kind = [c for c in found if c.kind == kind]
+        carried = sum(c.bytes * c.executions[0] for c in of_kind)
+        hidden = sum(c.bytes * c.executions[0] for c in of_kind if c.overlapped)
+        row[kind] = {
+            "collectives": sum(c.executions[0] for c in of_kind),
+            "bytes": carried,
+            "hidden_share": hidden / carried if carried else 0.0,
+            "hidden_share_but_first_and_last": hidden / (carried - exposed),
+        }
+    loops: dict[tuple, int] = {}
+    for i in instructions(compiled):
+        if i.flops and len(i.context) == 1 and i.context[0].startswith("while"):
+            loops[i.context] = loops.get(i.context, 0) + i.flops
+    if len(loops) == 2:  # K = 1: the forward's and the backward's layer loops
+        forward, backward = sorted(loops.values())
+        row["backward_over_forward_flops"] = backward / forward
+    row["memory"] = dataclasses.asdict(compiled_memory(compiled))
+    row["plan_bytes"] = stage_3_plan_bytes(
+        make,
+        stage_3_loss,
+        state,
+        num_devices=mesh.size,
+        shards=shards,
+        micro=MICRO_BATCH_SIZE,
+        k=k,
+        remat=remat,
+    )
+    return row
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = standard_args(__doc__.split("\n")[0], argv)
     cfg, cells, topologies = (
@@ -233,6 +344,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     started = time.perf_counter()
     rows = [compile_cell(cfg, topology, *cell) for topology in topologies for cell in cells]
+    stage_3 = [
+        compile_stage_3_cell(*cell, layers=2 if args.quick else 12)
+        for cell in (STAGE_3_CELLS[:1] if args.quick else STAGE_3_CELLS)
+    ]
     result = {
         "quick": args.quick,
         "model": dataclasses.asdict(cfg),
@@ -240,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "target": "h100-sxm",
         "bucket_cap_mb": 25,
         "rows": rows,
+        "stage_3": stage_3,
     }
     write_result(args.out, "gpu_programs", result, started)
 

@@ -161,6 +161,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "alone rest, else the parameters' own)",
     )
     p.add_argument(
+        "--remat",
+        choices=["dots", "full"],
+        default=None,
+        help="at --zero-stage 3: what the layer loop keeps for the backward "
+        "(jaxdp.Parallel(remat=...)): dots, the matrix products' outputs, as the "
+        "--activation-bytes-per-sample given (the default, the step's); full, the layers' "
+        "inputs (give the activations as full remat keeps them)",
+    )
+    p.add_argument(
         "--comm-dtype",
         choices=["bfloat16"],
         default=None,
@@ -224,10 +233,15 @@ def plan_report(args: argparse.Namespace) -> str:
         root_params=args.root_params,
         shards=args.shards,
         gather_dtype=args.gather_dtype,
+        remat=args.remat,
     )
     # Before any work (a --model is built and traced below).
     check_stage_3(
-        args.zero_stage, args.num_devices, shards=args.shards, gather_dtype=args.gather_dtype
+        args.zero_stage,
+        args.num_devices,
+        shards=args.shards,
+        gather_dtype=args.gather_dtype,
+        remat=args.remat,
     )
     if args.params is not None:
         if args.model_arg:

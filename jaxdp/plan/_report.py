@@ -200,7 +200,8 @@ def _fitted_rows(plan: MemoryPlan) -> list[tuple[str, float | None]]:
     elif plan.micro_batch_size:
         k, b = plan.accum_steps, plan.micro_batch_size
         rows.append((f"batch inputs ({k} x {b} rows)", plan.inputs))
-        rows.append((f"activations ({b} samples)", plan.activations))
+        kept = f", remat {plan.remat}" if plan.remat else ""
+        rows.append((f"activations ({b} samples{kept})", plan.activations))
     return rows + [
         ("total" if plan.micro_batch_size else "total before activations", plan.total),
         (f"headroom kept free ({plan.headroom:.0%})", plan.device_memory * plan.headroom),
@@ -214,7 +215,8 @@ def _batch_rows(plan: MemoryPlan) -> list[tuple[str, float | None]]:
     act, inputs = plan.activation_bytes_per_sample, plan.input_bytes_per_sample
     if act is None:
         return [("activations", None), ("total before activations", plan.fixed)]
-    rows: list[tuple[str, float | None]] = [("activations per sample", act)]
+    kept = f" (remat {plan.remat})" if plan.remat else ""
+    rows: list[tuple[str, float | None]] = [(f"activations per sample{kept}", act)]
     if inputs:
         rows.append(("batch inputs per sample", inputs))
     rows.append(("total before the batch", plan.fixed))
