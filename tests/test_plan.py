@@ -5,9 +5,11 @@ import pathlib
 import re
 import threading
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from flax import nnx
 
 import jaxdp
 from jaxdp.cli import main
@@ -775,6 +777,22 @@ def test_cli_hsdp_and_gather_dtype_show_in_the_report(capsys):
     said = " ".join(out.split())
     assert "split over the 8 devices of each of 2 shard groups (HSDP, --shards 8)" in said
     assert "all-reduced across the 2 replica groups" in said
+
+
+def test_activation_bytes_are_the_planners_and_follow_the_remat():
+    """A reference model's figure is the planner's own measure; a stack's under stage 3's
+    remat choices: full keeps the least (a carry per layer), "dots" the matrix products'
+    outputs, no remat every activation."""
+    spec = xla.reference_model("mlp")
+    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1, *s.shape[1:]), s.dtype), spec.batch(1))
+    mlp = jaxdp.plan.activation_bytes(spec.loss, nnx.eval_shape(spec.make), batch)
+    assert mlp == xla.activation_bytes_per_sample(spec)
+    stack = nnx.eval_shape(lambda: jaxdp.models.Stack(rngs=nnx.Rngs(0)))
+    rows = (jax.ShapeDtypeStruct((1, 6), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    loss = jaxdp.models.model_loss("stack")
+    kept = {r: jaxdp.plan.activation_bytes(loss, stack, rows, remat=r) for r in ("full", "dots")}
+    every = jaxdp.plan.activation_bytes(loss, stack, rows)
+    assert 0 < kept["full"] < kept["dots"] < every, (kept, every)
 
 
 def test_cli_remat_is_the_plans(capsys):

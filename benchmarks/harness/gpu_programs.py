@@ -178,32 +178,17 @@ def stage_3_plan_bytes(
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxdp._layers import _SCOPE, Gather, _Scope
-    from jaxdp.plan import plan_memory
+    from jaxdp.plan import activation_bytes, plan_memory
 
     module = nnx.eval_shape(make)
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    _, params, _ = nnx.split(module, nnx.Param, ...)
     layers = jax.tree.leaves(params["blocks"])[0].shape[0]
     tokens, width = params["pos_emb"]["embedding"].shape
+    row = (jax.ShapeDtypeStruct((1, tokens), jnp.int32),) * 2
 
     def per_sample(policy: Any) -> float:
         """The residuals one more row adds, the layer loop under ``policy``."""
-
-        def residuals(rows: int) -> int:
-            x = jax.ShapeDtypeStruct((rows, tokens), jnp.int32)
-
-            def vjp(p: Any, r: Any, x: Any) -> Any:
-                # scan_layers checkpoints its body with the policy, as inside a stage-3 step
-                # (nothing is split here, so nothing is gathered).
-                scope = _SCOPE.set(_Scope({}, Gather("data", 1, remat=policy)))
-                try:
-                    return jax.vjp(lambda q: loss(nnx.merge(graphdef, q, r), (x, x)), p)[1]
-                finally:
-                    _SCOPE.reset(scope)
-
-            return _nbytes(jax.eval_shape(vjp, params, rest, x))
-
-        return float(residuals(2) - residuals(1))
+        return activation_bytes(loss, module, row, remat=policy)
 
     weights = _nbytes(params) // 4  # float32 parameters
     common = dict(
@@ -241,6 +226,7 @@ STAGE_3_CELLS = (
     ("1x1x8", None, 1, "dots"),
     ("1x1x8", None, 4, "dots"),
     ("1x1x8", None, 1, "full"),
+    ("1x1x8", None, 1, "dots_with_no_batch_dims_saveable"),
     ("1x2x8", 8, 1, "dots"),
     ("1x2x8", 8, 4, "dots"),
 )
@@ -287,7 +273,9 @@ def compile_stage_3_cell(
         optax.adamw(3e-4, weight_decay=0.1),
         mesh=mesh,
         accum_steps=k,
-        parallel=jaxdp.Parallel(zero_stage=3, shards=shards, remat=remat),
+        parallel=jaxdp.Parallel(
+            zero_stage=3, shards=shards, remat=getattr(jax.checkpoint_policies, remat, remat)
+        ),
     )
     state = step.abstract_state(nnx.eval_shape(make))
     rows = mesh.size * k * MICRO_BATCH_SIZE
@@ -332,7 +320,7 @@ def compile_stage_3_cell(
         shards=shards,
         micro=MICRO_BATCH_SIZE,
         k=k,
-        remat=remat,
+        remat=getattr(jax.checkpoint_policies, remat, remat),
     )
     return row
 

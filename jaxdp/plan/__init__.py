@@ -15,6 +15,7 @@ from ._memory import parse_bytes as parse_bytes
 from ._memory import plan_memory as plan_memory
 from ._memory import ring_all_reduce_bytes as ring_all_reduce_bytes
 from ._xla import CompiledMemory as CompiledMemory
+from ._xla import activation_bytes as activation_bytes
 from ._xla import compiled_memory as compiled_memory
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "OPTIMIZER_MOMENTS",
     "CompiledMemory",
     "DtypePolicy",
+    "activation_bytes",
     "MemoryPlan",
     "compiled_memory",
     "parse_bytes",

@@ -202,6 +202,48 @@ def activation_bytes_per_sample(spec: ModelSpec) -> float:
     return (large - small) / (_RESIDUAL_ROWS[1] - _RESIDUAL_ROWS[0])
 
 
+def activation_bytes(
+    loss_fn: Callable[..., Any], model: Any, batch: Any, *, remat: Any = None
+) -> float:
+    """What one more sample of a micro-batch keeps for the backward: the bytes of the
+    residuals of ``jax.vjp`` of ``loss_fn(model, batch)`` (what JAX's autodiff saves),
+    from abstract traces at ``batch``'s rows and twice them; nothing runs or is allocated.
+    ``plan_memory(activation_bytes_per_sample=...)``'s figure for a model of your own.
+
+    ``model``: as ``TrainStep.init`` takes it (an NNX module, abstract ones from
+    ``nnx.eval_shape`` too, or a pytree of parameters). ``batch``: one micro-batch's
+    arrays or ``jax.ShapeDtypeStruct`` s, rows first. ``remat``: a stage-3 step's
+    ``Parallel.remat`` (``"dots"``, ``"full"`` or a ``jax.checkpoint_policies`` policy):
+    :func:`jaxdp.scan_layers`' loop under it, as a stage-3 step runs it; None: the loop
+    as stages 0 to 2 run it (every activation kept). Before XLA's optimizations: fusion
+    may recompute cheap values instead of keeping them.
+    """
+    from .._layers import _SCOPE, Gather, _Scope
+
+    graphdef, params, rest = split_model(model)
+
+    def residuals(rows_times: int) -> int:
+        rows = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] * rows_times, *x.shape[1:]), x.dtype),
+            batch,
+        )
+
+        def vjp(p: Any, r: Any, b: Any) -> Any:
+            parts = loss_parts(loss_fn, "mean", graphdef)
+            scope = _SCOPE.set(
+                None if remat is None else _Scope({}, Gather("data", 1, remat=remat))
+            )
+            try:  # at stage 3 scan_layers' loop is under the remat; nothing is split here
+                return jax.vjp(lambda q: parts(q, b, *split_state(r), None)[0], p)[1]
+            finally:
+                _SCOPE.reset(scope)
+
+        return _nbytes(jax.eval_shape(vjp, params, rest, rows))
+
+    first = jax.tree.leaves(batch)[0].shape[0]
+    return (residuals(2) - residuals(1)) / first
+
+
 def make_optimizer(name: str) -> optax.GradientTransformation:
     """The optax transformation the planner compiles for optimizer ``name``."""
     if name == "adamw":

@@ -13,7 +13,9 @@ Issue 42's properties, read from the scheduled program:
 - at the default remat (``"dots"``) the backward's layer loop runs no forward matrix
   product again: its matrix FLOPs are twice the forward loop's (the two products of each
   forward one's backward; full remat adds the forward's own, three times);
-- each device's peak within 1.25x of ``jaxdp plan``'s figure, for each remat choice.
+- each device's peak within 1.25x of ``jaxdp plan``'s figure at the default remat (the
+  other choices' peaks against the plan are BENCHMARKS.md's, section 9, and the closed
+  form of each is tests/core/test_stage3.py's).
 """
 
 from __future__ import annotations
@@ -72,7 +74,10 @@ def nbytes(tree) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-CELLS = [("1x1x8", 1, None), ("1x1x8", 4, None), ("1x2x8", 1, 8), ("1x2x8", 4, 8)]
+# Stage 3 on one node at K = 1, HSDP (shard groups of 8) on two at K = 4: each layout, each
+# K. BENCHMARKS.md, section 9 reads both layouts at both K (`bin/jaxdp bench --only
+# gpu_programs`).
+CELLS = [("1x1x8", 1, None), ("1x2x8", 4, 8)]
 
 
 @pytest.mark.parametrize(("topology", "k", "shards"), CELLS)
@@ -101,12 +106,10 @@ def test_the_backward_runs_no_forward_matrix_product_again_at_the_default_remat(
     assert len(per_loop) == 2 and backward == 2 * forward, per_loop
 
 
-@pytest.mark.parametrize("remat", ["dots", "full", "dots_with_no_batch_dims_saveable"])
-def test_the_peak_is_within_a_quarter_of_the_plans_figure(remat):
-    policy = getattr(jax.checkpoint_policies, remat, remat)
-    compiled, state = program("1x1x8", 1, remat=policy)
+def test_the_peak_is_within_a_quarter_of_the_plans_figure_at_the_default_remat():
+    compiled, state = program("1x1x8", 1)
     peak = compiled_memory(compiled).peak
     plan = stage_3_plan_bytes(
-        model, loss_fn, state, num_devices=8, micro=MICRO_BATCH_SIZE, k=1, remat=policy
+        model, loss_fn, state, num_devices=8, micro=MICRO_BATCH_SIZE, k=1, remat="dots"
     )
     assert plan / 1.25 <= peak <= 1.25 * plan, (peak, plan, peak / plan)
