@@ -166,8 +166,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="at --zero-stage 3: what the layer loop keeps for the backward "
         "(jaxdp.Parallel(remat=...)): dots, the matrix products' outputs, as the "
-        "--activation-bytes-per-sample given (the default, the step's); full, the layers' "
-        "inputs (give the activations as full remat keeps them)",
+        "--activation-bytes-per-sample given; full, the layers' inputs (give the "
+        "activations as full remat keeps them) (default: dots, the step's)",
     )
     p.add_argument(
         "--comm-dtype",
