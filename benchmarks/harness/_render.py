@@ -423,6 +423,7 @@ def gpu_programs_section(g: dict[str, Any]) -> str:
         "in the micro-batch loop",
         "hidden (all)",
         "hidden (but the tied embedding)",
+        "the tied embedding's hidden",
         "all-gathers",
         "peak per device (XLA)",
         "`jaxdp plan`",
@@ -440,6 +441,7 @@ def gpu_programs_section(g: dict[str, Any]) -> str:
                     r["in_loop"],
                     f"{r['hidden_share']:.1%}",
                     f"**{r['hidden_share_but_tied']:.1%}**",
+                    {True: "yes", False: "no", None: "-"}[r.get("tied_hidden")],
                     r["all_gathers"],
                     f"{peak / 2**30:.2f} GiB",
                     f"{r['plan_bytes'] / 2**30:.2f} GiB ({peak / r['plan_bytes']:.2f}x)",
@@ -491,8 +493,9 @@ def _stage_3_programs(cells: list[dict[str, Any]]) -> str:
     return (
         "Stage 3 and HSDP, a scanned GPT-2-small-sized model (`jaxdp.models.ScannedTransformer`, "
         '12 blocks of width 768 looped by `jaxdp.scan_layers`, untied head; "first, last": '
-        "each micro-batch's token embedding and first block gathered first, reduce-scattered "
-        "last, left out):\n\n" + markdown_table(header, rows)
+        "the collectives of each micro-batch's token embedding and of a whole float32 block, "
+        "gathered first and reduce-scattered last, left out by their sizes, the untied head's "
+        "reduce-scatter, of the token embedding's size, with them):\n\n" + markdown_table(header, rows)
     )
 
 

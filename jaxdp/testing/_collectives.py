@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 from .._inspect import _BRANCHES, _CALLEE, Collective, _parse, collectives, format_report
@@ -45,15 +46,18 @@ class Buckets:
       hidden: the least share of those bytes in asynchronous collectives with a matrix
         product scheduled between their start and done (``Collective.products_under``);
         None leaves it unchecked. XLA:CPU runs collectives synchronously: nothing hides.
-      exposed: bytes left out of that share, which have no compute to hide under: a
+      exposed: which collectives are left out of that share (a predicate on a
+        :class:`Collective`), those with no compute to hide under: the one carrying a
         gradient complete only at the end of the backward (a token embedding tied to the
-        output head), the first gather of a micro-batch.
+        output head: ``lambda c: c.bytes >= tied_bytes``, a leaf larger than any bucket
+        travels alone), a micro-batch's first gathers. Left out of both sides: a left-out
+        collective that does hide counts for nothing, so the share is the others' own.
     """
 
     bytes: int | None
     extra: int = 2**16
     hidden: float | None = None
-    exposed: int = 0
+    exposed: Callable[[Collective], bool] | None = None
 
 
 def assert_collectives(
@@ -135,7 +139,6 @@ def _bucket_faults(arg: str, want: Buckets, kind: list[Collective], runs: list[i
     """What of ``want`` the collectives ``kind`` (each running ``runs[i]`` times a call)
     do not meet."""
     carried = sum(c.bytes * n for c, n in zip(kind, runs, strict=True))
-    hidden = sum(c.bytes * n for c, n in zip(kind, runs, strict=True) if c.overlapped)
     buckets = sum(1 for n in runs if n)
     faults = []
     if want.bytes is not None and not want.bytes <= carried <= want.bytes + want.extra:
@@ -143,14 +146,21 @@ def _bucket_faults(arg: str, want: Buckets, kind: list[Collective], runs: list[i
             f"{arg}={want}: its {buckets} bucket(s) carry {carried:,} bytes per call, not "
             f"{want.bytes:,} (+ at most {want.extra:,})"
         )
-    counted = carried - want.exposed
-    if want.hidden is not None and hidden < want.hidden * counted:
-        share = hidden / counted if counted > 0 else 0.0
+    counted = [(c, n) for c, n in zip(kind, runs, strict=True) if not _left_out(want, c)]
+    counted_bytes = sum(c.bytes * n for c, n in counted)
+    counted_hidden = sum(c.bytes * n for c, n in counted if c.overlapped)
+    if want.hidden is not None and counted_hidden < want.hidden * counted_bytes:
+        share = counted_hidden / counted_bytes if counted_bytes > 0 else 0.0
+        left = " (the exposed ones left out)" if want.exposed is not None else ""
         faults.append(
-            f"{arg}={want}: {share:.1%} of its bytes (the exposed ones left out) have a "
-            f"matrix product scheduled under them, not at least {want.hidden:.0%}"
+            f"{arg}={want}: {share:.1%} of its bytes{left} have a matrix product "
+            f"scheduled under them, not at least {want.hidden:.0%}"
         )
     return faults
+
+
+def _left_out(want: Buckets, collective: Collective) -> bool:
+    return want.exposed is not None and bool(want.exposed(collective))
 
 
 def _branch_counts(hlo: str) -> dict[str, tuple[int, int]]:
