@@ -96,7 +96,8 @@ def test_gradients_travel_in_buckets_under_the_backward(topology, stage, path, k
     tied = nbytes(state.params["wte"])  # complete only at the backward's end
     assert 0.3 < tied / gradients < 0.32  # GPT-2 small's vocabulary: 31% of its bytes
     times = k if stage == 2 else 1  # stage 2 reduce-scatters every micro-batch
-    buckets = Buckets(gradients * times, hidden=HIDDEN, exposed=tied * times)
+    # Its reduction is larger than any bucket, so it travels alone: left out by its size.
+    buckets = Buckets(gradients * times, hidden=HIDDEN, exposed=lambda c: c.bytes >= tied)
     if stage == 0:
         expected = dict(all_reduce=buckets, reduce_scatter=0, all_gather=0)
     else:  # the small psum (norm, loss) and the updated parameters' one all-gather
@@ -159,7 +160,7 @@ def test_the_bucket_cap_is_xlas_combine_threshold_in_the_steps_own_program():
             assert step.options.compiler_options == {
                 "xla_gpu_all_reduce_combine_threshold_bytes": cap * 2**20,
                 "xla_gpu_reduce_scatter_combine_threshold_bytes": cap * 2**20 // 8,
-                "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+                "xla_gpu_experimental_parallel_collective_overlap_limit": 1,
             }
             compiled = step.compile(step.abstract_state(model), batch)
             buckets[cap] = sorted(c.bytes for c in collectives(compiled))
