@@ -495,7 +495,8 @@ def _stage_3_programs(cells: list[dict[str, Any]]) -> str:
         '12 blocks of width 768 looped by `jaxdp.scan_layers`, untied head; "first, last": '
         "the collectives of each micro-batch's token embedding and of a whole float32 block, "
         "gathered first and reduce-scattered last, left out by their sizes, the untied head's "
-        "reduce-scatter, of the token embedding's size, with them):\n\n" + markdown_table(header, rows)
+        "reduce-scatter, of the token embedding's size, with them):\n\n"
+        + markdown_table(header, rows)
     )
 
 
