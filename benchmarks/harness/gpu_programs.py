@@ -24,6 +24,7 @@ keeps, from an abstract trace).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -257,21 +258,19 @@ def stage_3_loss(model: Any, batch: Any) -> Any:
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def compile_stage_3_cell(
-    topology: str, shards: int | None, k: int, remat: str, layers: int = 12
-) -> dict[str, Any]:
-    import functools
-
+def stage_3_step(
+    topology: str, shards: int | None, k: int, remat: str = "dots", layers: int = 12
+) -> tuple[Any, Any, Any]:
+    """``(step, abstract state, abstract batch)`` of a stage-3 cell (HSDP with ``shards``)
+    for the scanned model, as tests/gpu/test_gpu_stage3.py and this benchmark compile it."""
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
     import jaxdp
-    from jaxdp.plan import compiled_memory
-    from jaxdp.testing import collectives, gpu_mesh, instructions
+    from jaxdp.testing import gpu_mesh
 
-    make = functools.partial(stage_3_model, layers)
     mesh = gpu_mesh(topology)
     step = jaxdp.make_train_step(
         stage_3_loss,
@@ -282,16 +281,38 @@ def compile_stage_3_cell(
             zero_stage=3, shards=shards, remat=getattr(jax.checkpoint_policies, remat, remat)
         ),
     )
-    state = step.abstract_state(nnx.eval_shape(make))
+    state = step.abstract_state(nnx.eval_shape(functools.partial(stage_3_model, layers)))
     rows = mesh.size * k * MICRO_BATCH_SIZE
     batch = (jax.ShapeDtypeStruct((rows, STAGE_3_SIZES["block_size"]), jnp.int32),) * 2
+    return step, state, batch
+
+
+def stage_3_first_and_last(state: Any) -> set[int]:
+    """The sizes of each micro-batch's first gathers and last reduce-scatters, which have
+    nothing to hide under: the token embedding's and a block's, whole in float32 (the
+    layer loop moves a block in bfloat16). The untied head's reduce-scatter, of the token
+    embedding's size, is left out with them (it hides)."""
+    import jax
+
+    layers = jax.tree.leaves(state.params["blocks"])[0].shape[0]
+    return {_nbytes(state.params["tok_emb"]), _nbytes(state.params["blocks"]) // layers}
+
+
+def compile_stage_3_cell(
+    topology: str, shards: int | None, k: int, remat: str, layers: int = 12
+) -> dict[str, Any]:
+    import jax
+
+    from jaxdp.plan import compiled_memory
+    from jaxdp.testing import collectives, instructions
+
+    step, state, batch = stage_3_step(topology, shards, k, remat, layers)
+    mesh = step.options.mesh
     started = time.perf_counter()
     compiled = step.compile(state, batch)
     seconds = time.perf_counter() - started
     found = collectives(compiled)
-    # Each micro-batch's first gathers and last reduce-scatters, the token embedding's and
-    # a block's whole in float32, left out by their sizes (tests/gpu/test_gpu_stage3.py).
-    first = {_nbytes(state.params["tok_emb"]), _nbytes(state.params["blocks"]) // layers}
+    first = stage_3_first_and_last(state)
     row: dict[str, Any] = {
         "topology": topology,
         "devices": mesh.size,
@@ -322,7 +343,7 @@ def compile_stage_3_cell(
         row["backward_over_forward_flops"] = backward / forward
     row["memory"] = dataclasses.asdict(compiled_memory(compiled))
     row["plan_bytes"] = stage_3_plan_bytes(
-        make,
+        functools.partial(stage_3_model, layers),
         stage_3_loss,
         state,
         num_devices=mesh.size,

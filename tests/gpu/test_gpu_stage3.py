@@ -20,58 +20,34 @@ Issue 42's properties, read from the scheduled program:
 
 from __future__ import annotations
 
-import math
-
 import jax
-import jax.numpy as jnp
-import optax
 import pytest
-from flax import nnx
 
-import jaxdp
-from benchmarks.harness.gpu_programs import stage_3_plan_bytes
+from benchmarks.harness.gpu_programs import (
+    MICRO_BATCH_SIZE,
+    stage_3_first_and_last,
+    stage_3_loss,
+    stage_3_model,
+    stage_3_plan_bytes,
+    stage_3_step,
+)
 from jaxdp.plan import compiled_memory
-from jaxdp.testing import Buckets, assert_collectives, gpu_mesh, instructions
+from jaxdp.testing import Buckets, assert_collectives, instructions
 
-SIZES = {"vocab_size": 50304, "block_size": 1024, "d_model": 768, "n_heads": 12, "n_layers": 12}
-MICRO_BATCH_SIZE = 8
 HIDDEN = 0.8  # the share the acceptance asks for
 
 _PROGRAMS: dict[tuple, tuple] = {}
 
 
-def loss_fn(model, batch):
-    x, y = batch
-    logits = model(x).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
-def model():
-    return jaxdp.models.ScannedTransformer(**SIZES, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-
-
 def program(topology: str, k: int, shards: int | None = None, remat: str = "dots"):
-    """``(compiled, abstract state)`` of the cell, compiled once per run."""
+    """``(compiled, abstract state)`` of the cell, compiled once per run, as
+    ``bin/jaxdp bench --only gpu_programs`` compiles it (its ``stage_3_step``)."""
     key = (topology, k, shards, remat)
     if key not in _PROGRAMS:
         with jax.enable_x64(False):
-            mesh = gpu_mesh(topology)
-            step = jaxdp.make_train_step(
-                loss_fn,
-                optax.adamw(3e-4, weight_decay=0.1),
-                mesh=mesh,
-                accum_steps=k,
-                parallel=jaxdp.Parallel(zero_stage=3, shards=shards, remat=remat),
-            )
-            state = step.abstract_state(nnx.eval_shape(model))
-            rows = mesh.size * k * MICRO_BATCH_SIZE
-            batch = (jax.ShapeDtypeStruct((rows, SIZES["block_size"]), jnp.int32),) * 2
+            step, state, batch = stage_3_step(topology, shards, k, remat)
             _PROGRAMS[key] = (step.compile(state, batch), state)
     return _PROGRAMS[key]
-
-
-def nbytes(tree) -> int:
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 # Stage 3 on one node at K = 1, HSDP (shard groups of 8) on two at K = 4: each layout, each
@@ -83,13 +59,9 @@ CELLS = [("1x1x8", 1, None), ("1x2x8", 4, 8)]
 @pytest.mark.parametrize(("topology", "k", "shards"), CELLS)
 def test_gathers_and_reduce_scatters_hide_under_the_layers(topology, k, shards):
     compiled, state = program(topology, k, shards)
-    params = state.params
     # Per micro-batch, what has nothing to hide under: the token embedding's gather and the
-    # first block's, whole and in float32 (the layer loop's gathers move a block in
-    # bfloat16), and their reduce-scatters last; left out by their sizes (the untied
-    # head's reduce-scatter, the token embedding's size, with them: it hides).
-    block = nbytes(params["blocks"]) // SIZES["n_layers"]
-    first = {nbytes(params["tok_emb"]), block}
+    # first block's, and their reduce-scatters last; left out by their sizes.
+    first = stage_3_first_and_last(state)
     assert_collectives(
         compiled,
         all_gather=Buckets(None, hidden=HIDDEN, exposed=lambda c: c.bytes in first),
@@ -112,6 +84,6 @@ def test_the_peak_is_within_a_quarter_of_the_plans_figure_at_the_default_remat()
     compiled, state = program("1x1x8", 1)
     peak = compiled_memory(compiled).peak
     plan = stage_3_plan_bytes(
-        model, loss_fn, state, num_devices=8, micro=MICRO_BATCH_SIZE, k=1, remat="dots"
+        stage_3_model, stage_3_loss, state, num_devices=8, micro=MICRO_BATCH_SIZE, k=1, remat="dots"
     )
     assert plan / 1.25 <= peak <= 1.25 * plan, (peak, plan, peak / plan)
