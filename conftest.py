@@ -19,6 +19,7 @@ import pathlib
 import resource
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -221,13 +222,17 @@ if os.environ.get("JAXDP_TEST_CPU_LOG"):
     # JAXDP_TEST_CPU_LOG=FILE: one JSON line per test, its CPU seconds (setup, call and
     # teardown; the processes it started and waited for included, launched ranks through
     # their launcher). On two cores the suite is CPU-bound, so these, not durations
-    # (which count the waits for the other workers), say where its time goes.
+    # (which count the waits for the other workers), say where its time goes; the wall
+    # clock at its start and end and the process that ran it (an xdist worker, or the
+    # run's own) say when, to find the cores left idle.
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(item, nextitem):
-        before = _cpu_seconds()
+        before, start = _cpu_seconds(), time.time()
         try:
             return (yield)
         finally:
             record = {"test": item.nodeid, "cpu": round(_cpu_seconds() - before, 3)}
+            record.update(start=round(start, 2), end=round(time.time(), 2))
+            record["worker"] = os.environ.get("PYTEST_XDIST_WORKER", f"pid {os.getpid()}")
             with open(os.environ["JAXDP_TEST_CPU_LOG"], "a") as log:
                 log.write(json.dumps(record) + "\n")
