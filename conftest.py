@@ -58,8 +58,9 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
 
 
 def pytest_unconfigure(config):
-    if _RUN_CACHE is not None:
-        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
+    for made in (_RUN_CACHE, _GPU_KERNELS):
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 # How the suite's programs are compiled: its processes (xdist workers, the processes tests
@@ -107,13 +108,28 @@ if _has_elemental_emitters() and "xla_cpu_use_fusion_emitters" not in os.environ
 # costs CPU, not time). The tests read the scheduled program and its memory, and these
 # are the same: GPT-2 small's stage-0 step compiled for 1x1x8 came out instruction for
 # instruction in the same order with the same memory analysis, only the kernels'
-# backend_config differing, in 16.1 CPU s against 22.9.
+# backend_config differing, in 16.1 CPU s against 22.9. And XLA's own kernel cache
+# (``--xla_gpu_kernel_cache_file``): a kernel compiled for one program (its LLVM IR, its
+# ptxas run) is read back by the next that has it, and the GPT-2 cells share most of
+# theirs; it comes after the scheduling and the buffer assignment the tests read (the
+# same program text and memory with and without it), and took tests/gpu from 215 to 188
+# CPU s. One file per process, removed with it (XLA rewrites the whole file after each
+# compile, so two processes must not share one); a process this one starts inherits the
+# file and compiles while this one waits.
+_GPU_KERNELS = None
 if _GPU_PLUGIN:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "")
-        + " --xla_gpu_autotune_level=0 --xla_gpu_disable_gpuasm_optimizations=true"
-        " --xla_gpu_force_compilation_parallelism=1"
-    ).strip()
+    _GPU_KERNELS = pathlib.Path(tempfile.mkdtemp(prefix="jaxdp-test-gpu-kernels-"))
+    _ours = {
+        "--xla_gpu_autotune_level": "0",
+        "--xla_gpu_disable_gpuasm_optimizations": "true",
+        "--xla_gpu_force_compilation_parallelism": "1",
+        "--xla_gpu_kernel_cache_file": str(_GPU_KERNELS / "kernels.bin"),
+    }
+    # An xdist worker inherits its controller's: each process sets its own.
+    _inherited = [
+        flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag.split("=")[0] not in _ours
+    ]
+    os.environ["XLA_FLAGS"] = " ".join(_inherited + [f"{k}={v}" for k, v in _ours.items()])
 
 OPTIMIZED = (
     "tests/test_examples.py",
