@@ -41,7 +41,7 @@ README_COMMANDS = (
     "bin/jaxdp train   # data-parallel MLP on the digits images, 4 emulated CPU devices, "
     "~98% held-out accuracy",
     "bin/test          # the whole test suite (lint, pytest, the core on the newest jax), "
-    "~16 min on 2 cores",
+    "~15 min on 2 cores",
 )
 README_START = "# jaxdp\n\n```bash\n{}\n```\n\n{}".format(
     "\n".join(README_COMMANDS),
