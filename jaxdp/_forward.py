@@ -220,6 +220,7 @@ def micro_forward(
     *,
     axis_name: str,
     rng_seed: int | None,
+    routing: Any = None,
 ) -> Callable[..., tuple[Any, jax.Array, jax.Array, Any]]:
     """``forward(trainable, micro_batch, batch_stats, micro_index, scale) -> (grads,
     value, weight, new_batch_stats, aux)`` on one device, differentiating ``trainable``
@@ -231,25 +232,38 @@ def micro_forward(
     ``rng_seed`` is set, is keyed by :func:`jaxdp._model_state.micro_key` of ``step``
     (updates applied so far), this device's mesh index and the micro-batch's
     index in its window.
+
+    ``routing`` (:class:`jaxdp._pipeline.Routing`), where ``forward`` is called with
+    ``route=True``: the stacks of layers go to ``loss_fn`` as
+    :class:`jaxdp._layers.Stack` (with ``sums``, the window's gradient sums, when
+    given), and their gradients come back reduced, as :func:`jaxdp.scan_layers`'
+    backward sent them layer by layer.
     """
     _, rngs, constants = split_state(model_state)
     device = jax.lax.axis_index(axis_name)
 
-    def forward(trainable, batch, batch_stats, index, scale):
+    def forward(trainable, batch, batch_stats, index, scale, *, route=False, sums=None):
         seeded = reseed(rngs, step, device, index)
         rng = None
         if rng_seed is not None:
             rng = micro_key(jax.random.key(rng_seed), step, device, index)
 
-        def objective(trainable):
+        def objective(trainable, sinks=None):
+            if sinks is not None:
+                trainable = routing.hand(trainable, sums, sinks)
             full = combine(trainable, params, mask)
             value, aux = parts(full, batch, batch_stats, seeded, constants, rng)
             return value * scale.astype(value.dtype), aux
 
-        (value, (weight, new_stats, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
-            trainable
-        )
-        return grads, value, weight, new_stats, aux
+        if not route:
+            (value, (weight, new_stats, aux)), grads = jax.value_and_grad(objective, has_aux=True)(
+                trainable
+            )
+            return grads, value, weight, new_stats, aux
+        (value, (weight, new_stats, aux)), (grads, sunk) = jax.value_and_grad(
+            objective, argnums=(0, 1), has_aux=True
+        )(trainable, routing.sinks(trainable))
+        return routing.merge(grads, sunk), value, weight, new_stats, aux
 
     return forward
 

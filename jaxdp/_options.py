@@ -121,6 +121,20 @@ class Parallel:
     (``nothing_saveable``: full activation checkpointing, the least memory; the backward
     runs each layer's forward again). Or any ``jax.checkpoint_policies`` policy.
 
+    ``layers``: which parameter leaves are stacks of layers, their first dimension the
+    layer axis, that ``loss_fn`` hands to :func:`jaxdp.scan_layers` (and to nothing
+    else). None (default): the model says, by its sharding metadata, a leaf whose first
+    name is ``"layers"`` (``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME:
+    "layers"})`` over Variables with ``out_sharding``, MaxText's name); a sequence of
+    names: the leaves under a key of one of those names (``("blocks",)``); or a callable
+    ``(path, leaf) -> bool``. At stages 0 to 2 on GPUs each layer's gradient then leaves
+    the loop's backward as that layer's backward ends (all-reduced at stage 0,
+    reduce-scattered at stages 1 and 2, on the micro-batches that communicate), under
+    the backward of the layers before it, as an unrolled model's do; the step hands
+    ``loss_fn`` those leaves as ``jaxdp.scan_layers``' own (a use other than the loop or
+    ``astype`` is refused, naming the leaf). XLA:CPU keeps its program (nothing
+    overlaps there).
+
     ``gather_dtype``: the dtype the parameters travel and compute in (torch FSDP2's
     ``MixedPrecisionPolicy(param_dtype=...)``): ``"bfloat16"`` gathers float32 master
     weights in bfloat16, and the forward and backward compute on those rounded
@@ -137,8 +151,24 @@ class Parallel:
     regather: Regather = "micro_batch"
     remat: Remat = "dots"
     gather_dtype: Any = None
+    layers: Any = None
 
     def __post_init__(self) -> None:
+        layers = self.layers
+        if isinstance(layers, str):
+            object.__setattr__(self, "layers", (layers,))
+        elif layers is not None and not callable(layers):
+            try:
+                names = tuple(layers)
+            except TypeError:
+                names = None
+            if names is None or not all(isinstance(n, str | int) for n in names):
+                raise ValueError(
+                    f"layers={layers!r} must be None (the model's metadata says), a sequence "
+                    "of key names (the leaves under them are stacks of layers) or a callable "
+                    "(path, leaf) -> bool"
+                )
+            object.__setattr__(self, "layers", names)
         if not is_integer(self.zero_stage) or self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={self.zero_stage!r} must be 0, 1, 2 or 3")
         object.__setattr__(self, "zero_stage", int(self.zero_stage))
@@ -390,7 +420,13 @@ class StepOptions:
 
     def plan(self, trainable: Any) -> ShardPlan:
         """Where the trainable leaves lie: split at ZeRO stages, whole at stage 0."""
-        return ShardPlan(trainable, self.device_mesh, self.zero_stage, packed=self.cpu_spelling)
+        return ShardPlan(
+            trainable,
+            self.device_mesh,
+            self.zero_stage,
+            packed=self.cpu_spelling,
+            layers=self.parallel.layers,
+        )
 
     @property
     def compiler_options(self) -> dict[str, int]:

@@ -44,7 +44,8 @@ from jax.sharding import PartitionSpec as P
 from ._forward import check_aux, loss_parts, micro_forward
 from ._frozen import combine, split_trainable, trainable_mask
 from ._guards import check_state_layout, check_window_layout
-from ._layers import Gather, gather, gathered_loss
+from ._layers import Gather, Route, Stack, gather, gathered_loss
+from ._mesh import mark_varying
 from ._mesh_map import is_spec, mesh_map, to_varying
 from ._model_kinds import linen_batch_norms
 from ._model_state import configure, device0, from_wire, split_state
@@ -93,6 +94,78 @@ class Update(NamedTuple):
     report: Report
 
 
+class Routing(NamedTuple):
+    """The stacks of layers (``Parallel.layers``) whose gradients leave
+    :func:`jaxdp.scan_layers`' backward layer by layer, reduced there (stages 0 to 2,
+    the plain spelling), on the micro-batches that communicate: the window's last at
+    stages 0 and 1 (its sums added first), every one at stage 2."""
+
+    routed: tuple[bool, ...]  # per trainable leaf
+    plan: ShardPlan
+    route: Route
+    dtype: Any  # the accumulator's
+    names: tuple[str, ...]  # per trainable leaf, as keystr writes its path
+    with_sums: bool  # stages 0 and 1: the window's sums travel with the last one
+
+    def sinks(self, trainable: Any) -> list[jax.Array]:
+        """Zeros in the reduced gradients' shapes (a block at stages 1 and 2), whose
+        gradients the routed leaves' reduced gradients come out as."""
+        leaves, out = self.plan.treedef.flatten_up_to(trainable), []
+        for x, d, r in zip(leaves, self.plan.dims, self.routed, strict=True):
+            if r:
+                shape = list(x.shape)
+                if self.route.kind == "scatter":
+                    shape[d] //= self.route.n
+                zeros = jnp.zeros(shape, self.dtype)
+                if self.route.kind == "scatter":  # each device its own block
+                    zeros = mark_varying(zeros, (self.route.axes,))
+                out.append(zeros)
+        return out
+
+    def hand(self, trainable: Any, sums: Any, sinks: list[jax.Array]) -> Any:
+        """``trainable`` with the routed leaves as :class:`jaxdp._layers.Stack`."""
+        leaves = self.plan.treedef.flatten_up_to(trainable)
+        summed = [None] * len(leaves) if sums is None else self.plan.treedef.flatten_up_to(sums)
+        it = iter(sinks)
+        for i, (x, s, r) in enumerate(zip(leaves, summed, self.routed, strict=True)):
+            if r:
+                dim = None if self.route.kind == "psum" else self.plan.dims[i] - 1
+                s = None if s is None else s.reshape(x.shape)
+                leaves[i] = Stack(x, s, next(it), dim, self.route, self.names[i])
+        return self.plan.treedef.unflatten(leaves)
+
+    def merge(self, grads: Any, sunk: list[jax.Array]) -> Any:
+        """``grads`` with the routed leaves' reduced gradients in place."""
+        leaves, it = self.plan.treedef.flatten_up_to(grads), iter(sunk)
+        return self.plan.treedef.unflatten(
+            [next(it) if r else g for g, r in zip(leaves, self.routed, strict=True)]
+        )
+
+
+def _routing(o: StepOptions, plan: ShardPlan, trainable: Any) -> Routing | None:
+    """The step's :class:`Routing`, None where nothing is routed: no stack of layers,
+    XLA:CPU's spelling (its collectives are synchronous: nothing would overlap), pmap,
+    stage 3 (its gathers' backward reduce-scatters each layer already), or a stack no
+    dimension of which but the layer axis splits (stages 1 and 2)."""
+    stage = o.zero_stage
+    if o.cpu_spelling or o.parallel.strategy != "shard_map" or stage == 3:
+        return None
+    routed = tuple(
+        bool(s) and (stage == 0 or (d is not None and d >= 1))
+        for s, d in zip(plan.stacked, plan.dims, strict=True)
+    )
+    if not any(routed):
+        return None
+    if stage == 0:
+        route = Route("psum", plan.mesh.axis_names, plan.mesh.devices.size, o.comm)
+    else:
+        route = Route("scatter", plan.axis_name, plan.num_devices, o.comm)
+    paths = jax.tree_util.tree_flatten_with_path(trainable)[0]
+    names = tuple(jax.tree_util.keystr(p) for p, _ in paths)
+    dtype = o.accumulator_dtype(trainable)
+    return Routing(routed, plan, route, dtype, names, with_sums=stage < 2)
+
+
 class _Parts(NamedTuple):
     """What a call trains, and how it lies on the mesh."""
 
@@ -100,6 +173,7 @@ class _Parts(NamedTuple):
     trainable: Any  # the parameters, frozen leaves replaced by optax.MaskedNode()
     batch_stats: Any  # the committed nnx.BatchStat values (None without any)
     plan: ShardPlan
+    routing: Routing | None  # the stacks whose gradients leave the loop layer by layer
 
     @property
     def dims(self) -> list[int | None]:
@@ -114,7 +188,9 @@ class _Parts(NamedTuple):
 def _parts(o: StepOptions, state: TrainState) -> _Parts:
     mask = trainable_mask(state.params, o.trainable)
     trainable = split_trainable(state.params, mask)
-    return _Parts(mask, trainable, split_state(state.model_state)[0], o.plan(trainable))
+    plan = o.plan(trainable)
+    stats = split_state(state.model_state)[0]
+    return _Parts(mask, trainable, stats, plan, _routing(o, plan, trainable))
 
 
 def _param_specs(o: StepOptions, parts: _Parts, params: Any) -> Any:
@@ -150,7 +226,9 @@ def _fused(
             params = gather_window(parts, params, o)
         forward = _forward(o, parts, params, model_state, step, state.graphdef)
         window = accumulate(o, parts, forward, params, model_state, micro, weights)
-        return reduce(parts.plan, window, scattered=o.zero_stage >= 2, wire=o.comm)
+        return reduce(
+            parts.plan, window, scattered=o.zero_stage >= 2, wire=o.comm, done=_done(parts)
+        )
 
     in_specs = (_param_specs(o, parts, state.params), P(), P(), P(o.batch_axes), P())
     mapped = mesh_map(o, per_device, in_specs, _reduced_specs(parts))
@@ -185,18 +263,20 @@ def multisteps_call(
     )
     specs = _window_specs(o, parts, state.window)
 
-    def per_device(params, model_state, step, window, batch, weight):
+    def per_device(params, model_state, step, window, batch, weight, *, ends=False):
         # 1. accumulate: this micro-batch into the device's block of the window
         committed = to_varying(o)(split_state(model_state)[0])
         first = window.position == 0
         stats = jax.tree.map(lambda c, b: jnp.where(first, c, b[0]), committed, window.batch_stats)
+        routing = parts.routing if ends or o.zero_stage == 2 else None
         window = add_micro_batch(
             _forward(o, parts, params, model_state, step, state.graphdef),
             to_varying(o)(split_trainable(params, parts.mask)),
             window._replace(batch_stats=stats),
             batch,
             weight,
-            scatter=_scatter(o, parts.plan),
+            scatter=_scatter(o, parts.plan, routing),
+            routing=routing,
         )
         return window._replace(batch_stats=jax.tree.map(lambda x: x[None], window.batch_stats))
 
@@ -231,8 +311,21 @@ def multisteps_call(
         # the backward and the gradient collectives are one region of the program, so
         # XLA schedules each bucket under the rest of the backward, as on the fused path.
         def last(window: Window) -> tuple[Window, Update]:
-            window = add(window)
-            return window, ending(window)
+            if parts.routing is None:
+                window = add(window)
+                return window, ending(window)
+
+            # A stack's layers reduced in its loop's backward: the add and the reduction
+            # in one map (a routed gradient comes out reduced, at stage 1 a block). The
+            # window returned is the one the call began with: it restarts.
+            def add_and_reduce(*args):
+                added = per_device(*args, ends=True)
+                return _reduce_window(o, parts, added._replace(last=None), done=_done(parts))
+
+            reduced = mesh_map(o, add_and_reduce, in_specs, _reduced_specs(parts))(
+                state.params, state.model_state, state.step, window, batch, micro_weight
+            )
+            return window, update(o, parts, state, reduced)
 
         def inside(window: Window) -> tuple[Window, Update]:
             window = add(window)
@@ -267,6 +360,7 @@ def add_micro_batch(
     scale: jax.Array,
     *,
     scatter: Callable[[Any], Any],
+    routing: Routing | None = None,
 ) -> Window:
     """``window`` plus one micro-batch, its position one further.
 
@@ -277,9 +371,20 @@ def add_micro_batch(
     block of a per-device leaf (multisteps), or at ZeRO stages 2 and 3 its block of a
     split leaf; ``scatter`` reduce-scatters the gradients into that block at stage 2
     (at stage 3 the forward's gather did, in its backward: :mod:`jaxdp._layers`).
+    ``routing``: this micro-batch communicates, and the stacks of layers reduce their
+    gradients in :func:`jaxdp.scan_layers`' backward (:class:`Routing`); at stages 0
+    and 1 the window's sums travel with them, and a routed leaf's entry is then its
+    reduced sum (a block at stage 1), for :func:`reduce` to leave (``done``).
     """
+    sums = window.grads if routing is not None and routing.with_sums else None
     grads, value, weight, stats, aux = forward(
-        trainable, batch, window.batch_stats, window.position, scale
+        trainable,
+        batch,
+        window.batch_stats,
+        window.position,
+        scale,
+        route=routing is not None,
+        sums=sums,
     )
     # The sums' leaves are per-device [1, ...] blocks where the loss sum is (multisteps).
     blocks = window.loss_sum.ndim
@@ -296,7 +401,7 @@ def add_micro_batch(
         # only then (tests/core/test_streaming_program.py: no copy of a parameter's size in
         # a call that does not end the window). One spelling everywhere: the reshape is a
         # bitcast.
-        grads=jax.tree.map(lambda a, g: a + g.reshape(a.shape), window.grads, grads),
+        grads=_added(window.grads, grads, routing),
         loss_sum=window.loss_sum + value.astype(dtype),
         weight=window.weight + weight.astype(dtype) * scale,
         batch_stats=stats,
@@ -324,6 +429,7 @@ def accumulate(
     """
     dtype = o.accumulator_dtype(params)
     scatter = _scatter(o, parts.plan)
+    each = parts.routing if o.zero_stage == 2 else None  # every micro-batch communicates
     trainable = split_trainable(params, parts.mask)
     local = to_varying(o)(trainable)
     stats = split_state(model_state)[0]
@@ -337,9 +443,13 @@ def accumulate(
     sums = to_varying(o)(sums)
     window = Window(*sums[:4], position=jnp.zeros([], jnp.int32), last=None, aux=sums[4])
 
-    def body(window, inputs):
+    def body(window, inputs, routing=each):
         batch, scale = inputs
-        return add_micro_batch(forward, local, window, batch, scale, scatter=scatter), None
+        scattered = _scatter(o, parts.plan, routing)
+        added = add_micro_batch(
+            forward, local, window, batch, scale, scatter=scattered, routing=routing
+        )
+        return added, None
 
     if o.cpu_spelling:
         # XLA:CPU spelling of "the last micro-batch after the loop": every one in the
@@ -356,13 +466,15 @@ def accumulate(
     # After the loop, not before: XLA would otherwise compute the last forward first and
     # hold its activations through the loop.
     grads, batch = jax.lax.optimization_barrier((window.grads, batch))
-    return body(window._replace(grads=grads), (batch, scale))[0]
+    return body(window._replace(grads=grads), (batch, scale), routing=parts.routing)[0]
 
 
 # ---- 2. reduce (per device) ----------------------------------------------------------------
 
 
-def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None) -> Reduced:
+def reduce(
+    plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None, done: Any = None
+) -> Reduced:
     """The global sums of every device's ``window``: the step's one gradient reduction.
 
     Replicated (stage 0): ONE psum of the gradient sums, the loss and weight sums (and
@@ -379,9 +491,12 @@ def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None
     all-reduce of the blocks across the replica groups (the window's only one: DDP's
     ``no_sync`` until here), then the small psum over every device, which counts the
     blocks' squares once (replica group 0's).
+
+    ``done``: per leaf, reduced already (in :func:`jaxdp.scan_layers`' backward, layer
+    by layer: :class:`Routing`), left as it is.
     """
     axes, n, dtype = plan.mesh.axis_names, plan.mesh.devices.size, window.loss_sum.dtype
-    grads = window.grads if scattered else plan.reduce_scatter(window.grads, wire)
+    grads = window.grads if scattered else plan.reduce_scatter(window.grads, wire, done)
     grouped = plan.replica_axis is not None and plan.split
     if grouped:
         r, blocks = plan.mesh.shape[plan.replica_axis], plan.blocks(grads)
@@ -389,8 +504,10 @@ def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None
         blocks = [decompress(x, b.dtype, wire, r) for x, b in zip(summed, blocks, strict=True)]
         grads = plan.with_blocks(grads, blocks)
     whole = plan.whole(grads)
-    dtypes = [x.dtype for x in whole]
-    payload = [[compress(x, wire, n) for x in whole], window.loss_sum, window.weight]
+    done = plan.whole(plan.treedef.unflatten(done or (False,) * len(plan.dims)))
+    sent = [x for x, d in zip(whole, done, strict=True) if not d]
+    dtypes = [x.dtype for x in sent]
+    payload = [[compress(x, wire, n) for x in sent], window.loss_sum, window.weight]
     payload += [device0(window.batch_stats, axes, dtype), window.aux]
     if plan.split:
         squares = _squares(plan.blocks(grads), dtype)
@@ -398,7 +515,8 @@ def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None
             squares = jnp.where(jax.lax.axis_index(plan.replica_axis) == 0, squares, 0)
         payload.append(squares)
     summed = jax.lax.psum(tuple(payload), axes)
-    whole = [decompress(x, d, wire, n) for x, d in zip(summed[0], dtypes, strict=True)]
+    received = iter([decompress(x, d, wire, n) for x, d in zip(summed[0], dtypes, strict=True)])
+    whole = [x if d else next(received) for x, d in zip(whole, done, strict=True)]
     squares = _squares(whole, dtype)
     if plan.split:
         squares = summed[5] + squares
@@ -412,21 +530,23 @@ def reduce(plan: ShardPlan, window: Window, *, scattered: bool, wire: Any = None
     return Reduced(sums, squares)
 
 
-def _reduce_window(o: StepOptions, parts: _Parts, window: Window) -> Reduced:
+def _reduce_window(o: StepOptions, parts: _Parts, window: Window, done: Any = None) -> Reduced:
     """:func:`reduce` on this device's block of the multisteps window (its leading
-    axis of 1 dropped; a split leaf at stages 2 and 3 is a block of its own shape)."""
+    axis of 1 dropped; a split leaf at stages 2 and 3 is a block of its own shape, and
+    so is a leaf ``done``: reduced already, in its own shape)."""
     scattered, grouped = o.zero_stage >= 2, parts.plan.replica_axis is not None
     leaves = parts.plan.treedef.flatten_up_to(window.grads)
+    done = done or (False,) * len(leaves)
     grads = parts.plan.treedef.unflatten(
         [
-            x if scattered and d is not None and not grouped else x[0]
-            for x, d in zip(leaves, parts.plan.dims, strict=True)
+            x if (scattered and d is not None and not grouped) or r else x[0]
+            for x, d, r in zip(leaves, parts.plan.dims, done, strict=True)
         ]
     )
     rows = jax.tree.map(lambda x: x[0], (window.loss_sum, window.weight, window.batch_stats))
     window = window._replace(grads=grads, loss_sum=rows[0], weight=rows[1], batch_stats=rows[2])
     window = window._replace(aux=jax.tree.map(lambda x: x[0], window.aux))
-    return reduce(parts.plan, window, scattered=scattered, wire=o.comm)
+    return reduce(parts.plan, window, scattered=scattered, wire=o.comm, done=done)
 
 
 def _squares(leaves: list[Any], dtype: Any) -> jax.Array:
@@ -714,6 +834,7 @@ def _forward(o: StepOptions, parts: _Parts, params, model_state, step, graphdef)
         step,
         axis_name=o.batch_axes,
         rng_seed=o.rng_seed,
+        routing=parts.routing,
     )
 
 
@@ -729,12 +850,41 @@ def gather_window(parts: _Parts, params: Any, o: StepOptions) -> Any:
     return treedef.unflatten(gather(leaves, parts.dims, _gather_how(o)))
 
 
-def _scatter(o: StepOptions, plan: ShardPlan) -> Callable[[Any], Any]:
+def _scatter(
+    o: StepOptions, plan: ShardPlan, routing: Routing | None = None
+) -> Callable[[Any], Any]:
     """ZeRO stage 2 (and stage 3 gathered per window): each micro-batch's gradients
-    into this device's block of their sum."""
+    into this device's block of their sum, but the ``routing``'s, scattered already."""
     if o.zero_stage == 2 or o.regathers_per_window:
-        return functools.partial(plan.reduce_scatter, wire=o.comm)
+        done = None if routing is None else routing.routed
+        return functools.partial(plan.reduce_scatter, wire=o.comm, done=done)
     return _identity
+
+
+def _done(parts: _Parts) -> tuple[bool, ...] | None:
+    """The leaves the window's last micro-batch reduced in its backward (stages 0 and 1;
+    stage 2's were scattered as each micro-batch was added)."""
+    routing = parts.routing
+    return routing.routed if routing is not None and routing.with_sums else None
+
+
+def _added(sums: Any, grads: Any, routing: Routing | None) -> Any:
+    """The window's sums plus this micro-batch's gradients, added in the sums' own shape;
+    a leaf that ``routing`` reduced with its sums is its new entry as it came."""
+    if routing is None or not routing.with_sums:
+        return jax.tree.map(lambda a, g: a + g.reshape(a.shape), sums, grads)
+    treedef = routing.plan.treedef
+    return treedef.unflatten(
+        [
+            g if r else a + g.reshape(a.shape)
+            for a, g, r in zip(
+                treedef.flatten_up_to(sums),
+                treedef.flatten_up_to(grads),
+                routing.routed,
+                strict=True,
+            )
+        ]
+    )
 
 
 def _identity(x: Any) -> Any:

@@ -46,6 +46,45 @@ def split_dim(shape: tuple[int, ...], num_devices: int, stage: int = 1) -> int |
     return next((k for k in dims if shape[k] >= num_devices and shape[k] % num_devices == 0), None)
 
 
+LAYER_AXIS = "layers"
+"""The name a model's sharding metadata gives a stack's layer axis (MaxText's, and what
+``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: "layers"})`` writes)."""
+
+
+def stacked_leaves(tree: Any, layers: Any = None) -> list[bool]:
+    """Per leaf of ``tree``: a stack of layers, its first dimension the layer axis.
+
+    ``layers`` (``Parallel.layers``): None reads the model's own metadata, a leaf whose
+    sharding names (an NNX Variable's ``out_sharding`` or ``sharding_names``, a Linen
+    ``nn.Partitioned``'s ``names``) start with :data:`LAYER_AXIS`; a sequence of names
+    takes the leaves under a key of one of those names (``("blocks",)``); a callable
+    takes ``(path, leaf)`` (``path`` as ``jax.tree_util.keystr`` writes it) and says."""
+    from flax import linen as nn
+    from flax import nnx
+
+    def boxed(x: Any) -> bool:
+        return isinstance(x, nnx.Variable | nn.Partitioned)
+
+    out = []
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=boxed)[0]:
+        names = ()
+        if isinstance(node, nnx.Variable):
+            meta = node.get_metadata()
+            names = meta.get("out_sharding") or meta.get("sharding_names") or ()
+        elif isinstance(node, nn.Partitioned):
+            names = node.names
+        keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
+        for leaf in jax.tree.leaves(node):
+            if layers is None:
+                stacked = bool(names) and names[0] == LAYER_AXIS
+            elif callable(layers):
+                stacked = bool(layers(jax.tree_util.keystr(path), leaf))
+            else:
+                stacked = any(k in layers for k in keys)
+            out.append(stacked and jnp.ndim(leaf) >= 1)
+    return out
+
+
 def spec(dim: int | None, axis_name: str) -> P:
     return P() if dim is None else P(*(None,) * dim, axis_name)
 
@@ -130,8 +169,11 @@ class ShardPlan:
     (XLA:CPU's spelling), else one per leaf (:func:`packed_reduce_scatter`).
     """
 
-    def __init__(self, trainable: Any, mesh: Mesh, stage: int, *, packed: bool = True):
+    def __init__(
+        self, trainable: Any, mesh: Mesh, stage: int, *, packed: bool = True, layers: Any = None
+    ):
         leaves, self.treedef = jax.tree.flatten(trainable)
+        self.stacked = stacked_leaves(trainable, layers)
         self.packed = packed
         self.mesh, self.axis_name = mesh, mesh.axis_names[-1]
         self.num_devices, self.stage = mesh.shape[self.axis_name], stage
@@ -200,14 +242,18 @@ class ShardPlan:
 
     # ---- inside the mesh map -----------------------------------------------------------
 
-    def reduce_scatter(self, tree: Any, wire: Any = None) -> Any:
+    def reduce_scatter(self, tree: Any, wire: Any = None, done: Any = None) -> Any:
         """The reduce-scatter of every split leaf of this device's ``tree`` (one per
         dtype if ``packed``, else one per leaf): each device gets its block of the
-        global sum. Whole leaves come back as they were."""
+        global sum. Whole leaves, and those ``done`` (per leaf: scattered already, in
+        :func:`jaxdp.scan_layers`' backward), come back as they were."""
         if not self.split:
             return tree
         leaves = self._split_leaves(tree)
-        which = [i for i, d in enumerate(self.dims) if d is not None]
+        done = done or (False,) * len(self.dims)
+        which = [i for i, d in enumerate(self.dims) if d is not None and not done[i]]
+        if not which:
+            return tree
         blocks = packed_reduce_scatter(
             [leaves[i] for i in which],
             [self.dims[i] for i in which],
