@@ -452,7 +452,35 @@ def gpu_programs_section(g: dict[str, Any]) -> str:
         parts.append(f"`{topology}` ({devices} H100s):\n\n" + markdown_table(header, rows))
     if g.get("stage_3"):
         parts.append(_stage_3_programs(g["stage_3"]))
+    if g.get("scanned"):
+        parts.append(_scanned_programs(g["scanned"]))
     return "\n\n".join(parts)
+
+
+def _scanned_programs(cells: list[dict[str, Any]]) -> str:
+    """Stages 0 to 2 on the scanned model, its stack undeclared and declared
+    (``Parallel(layers=...)``): the share of the gradient bytes hidden."""
+    header = ["stage, path, K", "stack", "gradient collectives", "hidden (all)"]
+    header += ["hidden (but the embeddings)", "compile"]
+    rows = [
+        [
+            f"{r['zero_stage']}, {r['path']}, {r['accum_steps']}",
+            "declared" if r["declared"] else "-",
+            r["gradient_collectives"],
+            f"{r['hidden_share']:.1%}",
+            f"**{r['hidden_share_but_embeddings']:.1%}**",
+            f"{r['compile_seconds']:.0f} s",
+        ]
+        for r in cells
+    ]
+    topology = cells[0]["topology"]
+    return (
+        f"The scanned GPT-2-small-sized model (the stage-3 rows' model, an untied head) at "
+        f"stages 0 to 2 on `{topology}`, its blocks undeclared and declared a stack of "
+        "layers (`Parallel(layers=('blocks',))`: each layer's gradients leave the unrolled "
+        "loop's backward as the layer ends); the embeddings: the token embedding's and the "
+        "head's, 154.5 MB each:\n\n" + markdown_table(header, rows)
+    )
 
 
 def _stage_3_programs(cells: list[dict[str, Any]]) -> str:

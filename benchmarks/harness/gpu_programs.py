@@ -287,6 +287,69 @@ def stage_3_step(
     return step, state, batch
 
 
+def compile_scanned_cell(
+    topology: str, stage: int, path: str, k: int, *, layers: Any = None
+) -> tuple[Any, Any]:
+    """``(compiled, abstract state)`` of the scanned GPT-2-small-sized model at ZeRO
+    ``stage`` 0 to 2, its blocks declared a stack of layers when ``layers`` is given
+    (``Parallel(layers=...)``): each layer's gradients then leave the backward as the
+    layer ends. As tests/gpu/test_gpu_programs.py and this benchmark compile it."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jaxdp
+    from jaxdp.testing import gpu_mesh
+
+    mesh = gpu_mesh(topology)
+    step = jaxdp.make_train_step(
+        stage_3_loss,
+        optax.adamw(3e-4, weight_decay=0.1),
+        mesh=mesh,
+        accum_steps=k,
+        path=path,
+        parallel=jaxdp.Parallel(zero_stage=stage, layers=layers),
+    )
+    state = step.abstract_state(nnx.eval_shape(stage_3_model))
+    rows = mesh.size * (k if path == "fused" else 1) * MICRO_BATCH_SIZE
+    batch = (jax.ShapeDtypeStruct((rows, STAGE_3_SIZES["block_size"]), jnp.int32),) * 2
+    return step.compile(state, batch), state
+
+
+def scanned_row(topology: str, stage: int, path: str, k: int, layers: Any) -> dict[str, Any]:
+    """The gradient collectives' hidden share of :func:`compile_scanned_cell`'s program,
+    of all the bytes and of those but the two embedding-sized leaves' (the token
+    embedding's, complete at the backward's end, and the untied head's)."""
+    from jaxdp.testing import collectives
+
+    started = time.perf_counter()
+    compiled, state = compile_scanned_cell(topology, stage, path, k, layers=layers)
+    seconds = time.perf_counter() - started
+    kind = "all-reduce" if stage == 0 else "reduce-scatter"
+    branch = path == "multisteps"
+    grads = [c for c in collectives(compiled) if c.kind == kind and c.bytes > 2**16]
+    embedding = _nbytes(state.params["tok_emb"])
+
+    def share(cs: list[Any]) -> float:
+        runs = [c.executions[1] if branch else c.executions[0] for c in cs]
+        total = sum(c.bytes * r for c, r in zip(cs, runs, strict=True))
+        hidden = sum(c.bytes * r for c, r in zip(cs, runs, strict=True) if c.overlapped)
+        return hidden / total if total else 0.0
+
+    return {
+        "topology": topology,
+        "zero_stage": stage,
+        "path": path,
+        "accum_steps": k,
+        "declared": layers is not None,
+        "compile_seconds": seconds,
+        "gradient_collectives": len(grads),
+        "hidden_share": share(grads),
+        "hidden_share_but_embeddings": share([c for c in grads if c.bytes < embedding]),
+    }
+
+
 def stage_3_first_and_last(state: Any) -> set[int]:
     """The sizes of each micro-batch's first gathers and last reduce-scatters, which have
     nothing to hide under: the token embedding's and a block's, whole in float32 (the
@@ -366,6 +429,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         compile_stage_3_cell(*cell, layers=2 if args.quick else 12)
         for cell in (STAGE_3_CELLS[:1] if args.quick else STAGE_3_CELLS)
     ]
+    # The scanned model at stages 0 to 2, its stack undeclared and declared, on one node.
+    scanned = [
+        scanned_row(TOPOLOGIES[0], *cell, layers)
+        for cell in (QUICK_CELLS if args.quick else CELLS)
+        for layers in (None, ("blocks",))
+    ]
     result = {
         "quick": args.quick,
         "model": dataclasses.asdict(cfg),
@@ -374,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "bucket_cap_mb": 25,
         "rows": rows,
         "stage_3": stage_3,
+        "scanned": scanned,
     }
     write_result(args.out, "gpu_programs", result, started)
 
