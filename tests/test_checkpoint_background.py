@@ -4,7 +4,9 @@ background write leaves the newest complete checkpoint, restored bitwise.
 
 Run as a script, this file is the process that is killed: ``python THIS POINT DIR``
 trains two steps, saves after each in the background, holds the second save at
-``POINT`` and says so on stdout; the test then kills it with SIGKILL.
+``POINT`` and says so on stdout; the test then kills it with SIGKILL. ``python THIS
+ENDING DIR`` is a script that ends (``ENDING``: at its last line, by ``sys.exit(0)``,
+by an exception) while its background save is still taking the SHA-256s.
 """
 
 import os
@@ -124,6 +126,44 @@ def test_a_kill_during_a_background_save_leaves_the_newest_complete_checkpoint(t
     assert sorted(p.name for p in directory.iterdir()) == [str(n) for n in range(1, newest + 1)]
 
 
+def ending(how: str, directory: pathlib.Path) -> None:
+    """Saves step 1 in the background and ends ``how`` while the save is still hashing
+    (each SHA-256 is 0.2 s late); the saved kernel goes to ``step1.npy`` first."""
+    from jaxdp.checkpoint import _checkpoints
+
+    step = make_step()
+    state, _ = step(init(step), batch(1))
+    np.save(directory.parent / "step1.npy", np.asarray(state.params["w"]))
+    sha256 = _checkpoints.array_sha256
+    _checkpoints.array_sha256 = lambda x: (time.sleep(0.2), sha256(x))[1]
+    Checkpoints(directory, background=True).save(state)
+    if how == "exit":
+        sys.exit(0)
+    if how == "raise":
+        raise RuntimeError("the script fails after its save")
+
+
+ENDINGS = {"end": 0, "exit": 0, "raise": 1}  # how the script ends: its exit status
+
+
+@pytest.mark.parametrize("how", sorted(ENDINGS))
+def test_a_script_that_ends_during_a_background_save_leaves_it_complete(tmp_path, how):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    ended = subprocess.run(
+        [sys.executable, __file__, how, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert ended.returncode == ENDINGS[how], ended.stderr
+    assert "background save" not in ended.stderr  # neither failed nor abandoned
+    assert sorted(p.name for p in directory.iterdir()) == ["1"]  # no temporary directory
+    restored = Checkpoints(directory).restore(init(make_step()))  # its SHA-256s checked
+    np.testing.assert_array_equal(restored.state.params["w"], np.load(tmp_path / "step1.npy"))
+
+
 def test_a_background_save_s_failure_is_raised_at_the_next_call_and_keeps_the_older(
     tmp_path, monkeypatch, capfd
 ):
@@ -170,4 +210,7 @@ def test_a_background_save_beside_jax_distributed_is_refused_before_writing(shar
 if __name__ == "__main__":
     jaxdp.emulate_cpu_devices(1)
     jax.config.update("jax_enable_x64", True)
-    child(sys.argv[1], pathlib.Path(sys.argv[2]))
+    if sys.argv[1] in ENDINGS:
+        ending(sys.argv[1], pathlib.Path(sys.argv[2]))
+    else:
+        child(sys.argv[1], pathlib.Path(sys.argv[2]))
