@@ -115,15 +115,21 @@ def test_a_kill_during_a_background_save_leaves_the_newest_complete_checkpoint(t
     # The save of step 2 never ended, and the step after it ran: save(state) had returned.
     assert sorted(lines) == [f"held at {point}", "trained step 3"]
 
-    checkpoints = Checkpoints(directory)
+    step, checkpoints = make_step(), Checkpoints(directory)
     newest = KILLED_AT[point]
     assert checkpoints.steps == list(range(1, newest + 1))
-    restored = checkpoints.restore(init(make_step()))
+    restored = checkpoints.restore(init(step))
     assert int(restored.state.step) == newest
     np.testing.assert_array_equal(
         restored.state.params["w"], np.load(tmp_path / f"step{newest}.npy")
     )
-    assert sorted(p.name for p in directory.iterdir()) == [str(n) for n in range(1, newest + 1)]
+    # Opening and restoring remove nothing; the next save, with no save running (the dead
+    # one's lock went with it), removes what the killed save left.
+    left = [p.name for p in directory.iterdir() if not p.name.isdigit()]
+    assert sorted(left) == (["2.orbax-checkpoint-tmp", "jaxdp.saving"] if point == "rename" else [])
+    state, _ = step(restored.state, batch(newest + 1))
+    checkpoints.save(state)
+    assert sorted(p.name for p in directory.iterdir()) == [str(n) for n in range(1, newest + 2)]
 
 
 def ending(how: str, directory: pathlib.Path) -> None:
@@ -194,6 +200,59 @@ def test_a_background_save_restores_bitwise_and_refuses_a_bad_flag(tmp_path):
     assert checkpoints.steps == [1]  # waits for the save
     restored = checkpoints.restore(init(step))
     np.testing.assert_array_equal(restored.state.params["w"], saved)
+
+
+def test_an_opening_or_a_save_during_a_save_leaves_it_to_finish(tmp_path, monkeypatch):
+    """A reader opening the directory and a second writer saving there while step 2 is
+    written (held before orbax's rename, its temporary directory complete)."""
+    from orbax.checkpoint._src.path import atomicity
+
+    rename, reached, go = (
+        atomicity.AtomicRenameTemporaryPath.finalize,
+        threading.Event(),
+        threading.Event(),
+    )
+
+    async def finalize(self):
+        if self.get().name.startswith("2."):
+            reached.set()
+            go.wait(60)
+        await rename(self)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize)
+    step = make_step()
+    writer = Checkpoints(tmp_path, background=True)
+    state, _ = step(init(step), batch(1))
+    writer.save(state)
+    state, _ = step(state, batch(2))
+    writer.save(state)
+    assert reached.wait(60)
+    assert Checkpoints(tmp_path).steps == [1]  # a reader: opens, lists
+    other, _ = step(state, batch(3))
+    Checkpoints(tmp_path).save(other)  # another writer's save while step 2's is unfinished
+    go.set()
+    writer.wait_until_finished()  # step 2's save ends well
+    assert Checkpoints(tmp_path).steps == [1, 2, 3]
+    restored = Checkpoints(tmp_path).restore(init(step))  # 3, then 2 once 3 is set aside
+    np.testing.assert_array_equal(restored.state.params["w"], other.params["w"])
+    (tmp_path / "3").rename(tmp_path / "3.moved")
+    restored = Checkpoints(tmp_path).restore(init(step))
+    np.testing.assert_array_equal(restored.state.params["w"], state.params["w"])
+
+
+def test_two_openings_over_a_leftover_both_save_and_the_leftover_goes(tmp_path):
+    step = make_step()
+    state, _ = step(init(step), batch(1))
+    leftover = tmp_path / "5.orbax-checkpoint-tmp"  # a save that died before its rename
+    (leftover / "replicated").mkdir(parents=True)
+    for i in range(1000):  # orbax's clean-up on opening took long enough for two to meet
+        (leftover / "replicated" / str(i)).write_bytes(b"x")
+    first, second = Checkpoints(tmp_path), Checkpoints(tmp_path)
+    first.save(state)
+    state, _ = step(state, batch(2))
+    second.save(state)
+    assert first.steps == second.steps == [1, 2]
+    assert not leftover.exists()
 
 
 @pytest.mark.devices(2, processes=2)

@@ -22,6 +22,7 @@ into this run's layout of them (:mod:`._window`); checkpoints of jaxdp 0.2
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - its exit hook registered before ours
+import contextlib
 import functools
 import pathlib
 import sys
@@ -54,6 +55,7 @@ from ._rules import (
     leaf_name,
     named,
 )
+from ._saving import saving
 from ._tree import abstract, join, kind, saved_tree, split, state_from_tree, zeros
 from ._window import param_shape, read_as, relaid, relay
 from ._write_failure import no_room, quiet_writer_thread_logs
@@ -142,9 +144,9 @@ class Checkpoints:
             max_to_keep=None,
             enable_async_checkpointing=False,
             create=True,
-            # A save that crashed before its rename left only a temporary
-            # directory, never a checkpoint: orbax removes those on opening.
-            cleanup_tmp_directories=True,
+            # Not on opening: a temporary directory may be another process's save in
+            # progress. A save removes the leftovers when none runs (:mod:`._saving`).
+            cleanup_tmp_directories=False,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._verified: set[int] = set()
@@ -282,13 +284,16 @@ class Checkpoints:
         args = {"meta": ocp.args.JsonSave(meta)}
         args.update({item: ocp.args.StandardSave(part) for item, part in items.items()})
         path = self.directory / str(number)
+        # Process 0 creates the temporary directory and renames it; it holds the lock.
+        lock = saving(self.directory) if jax.process_index() == 0 else contextlib.nullcontext()
         try:
-            self._manager.save(number, args=ocp.args.Composite(**args), force=True)
+            with lock:
+                self._manager.save(number, args=ocp.args.Composite(**args), force=True)
         except Exception as e:
             raise_if_interrupted(
                 e,
                 f"writing checkpoint {path} was interrupted; an unfinished write is removed "
-                "when the directory is next opened",
+                "by a later save there",
             )
             raise self._write_failed(number, e) from e
         if self.verify:
@@ -476,7 +481,7 @@ class Checkpoints:
             kept = "no checkpoint was written before it"
         return CheckpointError(
             f"checkpoint {path} could not be written ({cause}); {kept}; the partial write is "
-            "removed when the directory is next opened"
+            "removed by a later save there"
         )
 
     def _read_meta(self, number: int) -> dict[str, Any]:
