@@ -372,7 +372,7 @@ def test_a_crash_before_the_commit_leaves_no_checkpoint_and_resume_redoes_it(
     summary = train(config)
     assert summary["steps"] == 12 and summary["checkpoint"] == str(directory / "12")
     assert jaxdp.checkpoint.Checkpoints(directory).steps == [6, 9, 12]
-    # Opening the directory again removed the crashed save's temporary directory.
+    # The next save (of step 12, with no save running) removed the crashed one's leftover.
     assert sorted(p.name for p in directory.iterdir()) == ["12", "6", "9"]
 
 

@@ -4,7 +4,9 @@ background write leaves the newest complete checkpoint, restored bitwise.
 
 Run as a script, this file is the process that is killed: ``python THIS POINT DIR``
 trains two steps, saves after each in the background, holds the second save at
-``POINT`` and says so on stdout; the test then kills it with SIGKILL.
+``POINT`` and says so on stdout; the test then kills it with SIGKILL. ``python THIS
+ENDING DIR`` is a script that ends (``ENDING``: at its last line, by ``sys.exit(0)``,
+by an exception) while its background save is still taking the SHA-256s.
 """
 
 import os
@@ -113,15 +115,59 @@ def test_a_kill_during_a_background_save_leaves_the_newest_complete_checkpoint(t
     # The save of step 2 never ended, and the step after it ran: save(state) had returned.
     assert sorted(lines) == [f"held at {point}", "trained step 3"]
 
-    checkpoints = Checkpoints(directory)
+    step, checkpoints = make_step(), Checkpoints(directory)
     newest = KILLED_AT[point]
     assert checkpoints.steps == list(range(1, newest + 1))
-    restored = checkpoints.restore(init(make_step()))
+    restored = checkpoints.restore(init(step))
     assert int(restored.state.step) == newest
     np.testing.assert_array_equal(
         restored.state.params["w"], np.load(tmp_path / f"step{newest}.npy")
     )
-    assert sorted(p.name for p in directory.iterdir()) == [str(n) for n in range(1, newest + 1)]
+    # Opening and restoring remove nothing; the next save, with no save running (the dead
+    # one's lock went with it), removes what the killed save left.
+    left = [p.name for p in directory.iterdir() if not p.name.isdigit()]
+    assert sorted(left) == (["2.orbax-checkpoint-tmp", "jaxdp.saving"] if point == "rename" else [])
+    state, _ = step(restored.state, batch(newest + 1))
+    checkpoints.save(state)
+    assert sorted(p.name for p in directory.iterdir()) == [str(n) for n in range(1, newest + 2)]
+
+
+def ending(how: str, directory: pathlib.Path) -> None:
+    """Saves step 1 in the background and ends ``how`` while the save is still hashing
+    (each SHA-256 is 0.2 s late); the saved kernel goes to ``step1.npy`` first."""
+    from jaxdp.checkpoint import _checkpoints
+
+    step = make_step()
+    state, _ = step(init(step), batch(1))
+    np.save(directory.parent / "step1.npy", np.asarray(state.params["w"]))
+    sha256 = _checkpoints.array_sha256
+    _checkpoints.array_sha256 = lambda x: (time.sleep(0.2), sha256(x))[1]
+    Checkpoints(directory, background=True).save(state)
+    if how == "exit":
+        sys.exit(0)
+    if how == "raise":
+        raise RuntimeError("the script fails after its save")
+
+
+ENDINGS = {"end": 0, "exit": 0, "raise": 1}  # how the script ends: its exit status
+
+
+@pytest.mark.parametrize("how", sorted(ENDINGS))
+def test_a_script_that_ends_during_a_background_save_leaves_it_complete(tmp_path, how):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    ended = subprocess.run(
+        [sys.executable, __file__, how, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert ended.returncode == ENDINGS[how], ended.stderr
+    assert "background save" not in ended.stderr  # neither failed nor abandoned
+    assert sorted(p.name for p in directory.iterdir()) == ["1"]  # no temporary directory
+    restored = Checkpoints(directory).restore(init(make_step()))  # its SHA-256s checked
+    np.testing.assert_array_equal(restored.state.params["w"], np.load(tmp_path / "step1.npy"))
 
 
 def test_a_background_save_s_failure_is_raised_at_the_next_call_and_keeps_the_older(
@@ -156,6 +202,59 @@ def test_a_background_save_restores_bitwise_and_refuses_a_bad_flag(tmp_path):
     np.testing.assert_array_equal(restored.state.params["w"], saved)
 
 
+def test_an_opening_or_a_save_during_a_save_leaves_it_to_finish(tmp_path, monkeypatch):
+    """A reader opening the directory and a second writer saving there while step 2 is
+    written (held before orbax's rename, its temporary directory complete)."""
+    from orbax.checkpoint._src.path import atomicity
+
+    rename, reached, go = (
+        atomicity.AtomicRenameTemporaryPath.finalize,
+        threading.Event(),
+        threading.Event(),
+    )
+
+    async def finalize(self):
+        if self.get().name.startswith("2."):
+            reached.set()
+            go.wait(60)
+        await rename(self)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize)
+    step = make_step()
+    writer = Checkpoints(tmp_path, background=True)
+    state, _ = step(init(step), batch(1))
+    writer.save(state)
+    state, _ = step(state, batch(2))
+    writer.save(state)
+    assert reached.wait(60)
+    assert Checkpoints(tmp_path).steps == [1]  # a reader: opens, lists
+    other, _ = step(state, batch(3))
+    Checkpoints(tmp_path).save(other)  # another writer's save while step 2's is unfinished
+    go.set()
+    writer.wait_until_finished()  # step 2's save ends well
+    assert Checkpoints(tmp_path).steps == [1, 2, 3]
+    restored = Checkpoints(tmp_path).restore(init(step))  # 3, then 2 once 3 is set aside
+    np.testing.assert_array_equal(restored.state.params["w"], other.params["w"])
+    (tmp_path / "3").rename(tmp_path / "3.moved")
+    restored = Checkpoints(tmp_path).restore(init(step))
+    np.testing.assert_array_equal(restored.state.params["w"], state.params["w"])
+
+
+def test_two_openings_over_a_leftover_both_save_and_the_leftover_goes(tmp_path):
+    step = make_step()
+    state, _ = step(init(step), batch(1))
+    leftover = tmp_path / "5.orbax-checkpoint-tmp"  # a save that died before its rename
+    (leftover / "replicated").mkdir(parents=True)
+    for i in range(1000):  # orbax's clean-up on opening took long enough for two to meet
+        (leftover / "replicated" / str(i)).write_bytes(b"x")
+    first, second = Checkpoints(tmp_path), Checkpoints(tmp_path)
+    first.save(state)
+    state, _ = step(state, batch(2))
+    second.save(state)
+    assert first.steps == second.steps == [1, 2]
+    assert not leftover.exists()
+
+
 @pytest.mark.devices(2, processes=2)
 def test_a_background_save_beside_jax_distributed_is_refused_before_writing(shared_tmp_path):
     mesh = jaxdp.initialize()  # 2 processes x 2 devices: JAX's runtime is up
@@ -170,4 +269,7 @@ def test_a_background_save_beside_jax_distributed_is_refused_before_writing(shar
 if __name__ == "__main__":
     jaxdp.emulate_cpu_devices(1)
     jax.config.update("jax_enable_x64", True)
-    child(sys.argv[1], pathlib.Path(sys.argv[2]))
+    if sys.argv[1] in ENDINGS:
+        ending(sys.argv[1], pathlib.Path(sys.argv[2]))
+    else:
+        child(sys.argv[1], pathlib.Path(sys.argv[2]))

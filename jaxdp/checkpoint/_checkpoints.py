@@ -21,6 +21,8 @@ into this run's layout of them (:mod:`._window`); checkpoints of jaxdp 0.2
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 - its exit hook registered before ours
+import contextlib
 import functools
 import pathlib
 import sys
@@ -53,6 +55,7 @@ from ._rules import (
     leaf_name,
     named,
 )
+from ._saving import saving
 from ._tree import abstract, join, kind, saved_tree, split, state_from_tree, zeros
 from ._window import param_shape, read_as, relaid, relay
 from ._write_failure import no_room, quiet_writer_thread_logs
@@ -108,12 +111,13 @@ class Checkpoints:
     next ``save``, ``restore``, ``metadata``, ``steps`` and
     :meth:`wait_until_finished` wait for it first and raise its error, if any,
     as :class:`CheckpointError` (a failure is also printed on stderr when it
-    happens, for a script that never asks again). The thread is not a daemon:
-    a script that ends after its last ``save`` exits once that checkpoint is
-    written. Only in a process without ``jax.distributed`` (one process): orbax's
-    save runs its barriers between processes as device collectives and reads JAX's
-    preemption sync point (which :meth:`preempted` keys on the step), neither safe
-    from a second thread beside the step.
+    happens, for a script that never asks again). A script that ends with a save
+    in flight (normally, by ``sys.exit``, by an exception) exits once that
+    checkpoint is written and verified. Only in a process without
+    ``jax.distributed`` (one process): orbax's save runs its barriers between
+    processes as device collectives and reads JAX's preemption sync point (which
+    :meth:`preempted` keys on the step), neither safe from a second thread beside
+    the step.
     """
 
     def __init__(
@@ -140,9 +144,9 @@ class Checkpoints:
             max_to_keep=None,
             enable_async_checkpointing=False,
             create=True,
-            # A save that crashed before its rename left only a temporary
-            # directory, never a checkpoint: orbax removes those on opening.
-            cleanup_tmp_directories=True,
+            # Not on opening: a temporary directory may be another process's save in
+            # progress. A save removes the leftovers when none runs (:mod:`._saving`).
+            cleanup_tmp_directories=False,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._verified: set[int] = set()
@@ -166,9 +170,9 @@ class Checkpoints:
         """Waits for the background save in flight, if any; raises its error
         (:class:`CheckpointError`) once. Without ``background=True`` there is none."""
         writing = self._writing
-        if writing is None or writing.thread is threading.current_thread():
+        if writing is None or writing is threading.current_thread():
             return
-        writing.thread.join()  # a Ctrl-C here leaves it in flight, waited for next time
+        writing.join()  # a Ctrl-C here leaves it in flight, waited for next time
         self._writing = None
         if writing.error is not None:
             raise writing.error
@@ -280,13 +284,16 @@ class Checkpoints:
         args = {"meta": ocp.args.JsonSave(meta)}
         args.update({item: ocp.args.StandardSave(part) for item, part in items.items()})
         path = self.directory / str(number)
+        # Process 0 creates the temporary directory and renames it; it holds the lock.
+        lock = saving(self.directory) if jax.process_index() == 0 else contextlib.nullcontext()
         try:
-            self._manager.save(number, args=ocp.args.Composite(**args), force=True)
+            with lock:
+                self._manager.save(number, args=ocp.args.Composite(**args), force=True)
         except Exception as e:
             raise_if_interrupted(
                 e,
                 f"writing checkpoint {path} was interrupted; an unfinished write is removed "
-                "when the directory is next opened",
+                "by a later save there",
             )
             raise self._write_failed(number, e) from e
         if self.verify:
@@ -474,7 +481,7 @@ class Checkpoints:
             kept = "no checkpoint was written before it"
         return CheckpointError(
             f"checkpoint {path} could not be written ({cause}); {kept}; the partial write is "
-            "removed when the directory is next opened"
+            "removed by a later save there"
         )
 
     def _read_meta(self, number: int) -> dict[str, Any]:
@@ -577,26 +584,72 @@ class Checkpoints:
                 self._verified.discard(number)
 
 
-class _Writing:
+class _Writing(threading.Thread):
     """A background save: a thread running ``write()``, its error kept for the next call of
-    :class:`Checkpoints` (and printed when it happens)."""
+    :class:`Checkpoints` (and printed when it happens).
+
+    Not a daemon, and joined when the script ends before Python's shutdown refuses new
+    ``concurrent.futures`` work (:func:`_finish_saves_at_exit`): orbax runs every file
+    operation of a save through ``asyncio.to_thread``."""
 
     def __init__(self, path: pathlib.Path, write: Callable[[], None]):
+        super().__init__(name=f"jaxdp-checkpoint-{path.name}", daemon=False)
+        self.path, self.write = path, write
         self.error: BaseException | None = None
-        self.thread = threading.Thread(
-            target=self._run,
-            args=(path, write),
-            name=f"jaxdp-checkpoint-{path.name}",
-            daemon=False,  # a script that ends after its last save exits once it is written
-        )
-        self.thread.start()
+        self.abandoned = False  # a Ctrl-C at exit gave it up: its failure says nothing new
+        _finish_saves_at_exit()
+        self.start()
 
-    def _run(self, path: pathlib.Path, write: Callable[[], None]) -> None:
+    def run(self) -> None:
         try:
-            write()
+            self.write()
         except BaseException as e:  # noqa: BLE001 - kept and raised in the caller's thread
             self.error = e
-            print(f"jaxdp.checkpoint: the background save of {path} failed: {e}", file=sys.stderr)
+            if not self.abandoned:
+                hint = _AT_SHUTDOWN if "interpreter shutdown" in str(e) else ""
+                print(
+                    f"jaxdp.checkpoint: the background save of {self.path} failed: {e}{hint}",
+                    file=sys.stderr,
+                )
+
+
+# Python 3.12.0 to 3.12.2 refuse every new thread once the script has ended, also to the
+# non-daemon threads Python is about to join (CPython gh-113964, fixed in 3.12.3).
+_AT_SHUTDOWN = (
+    " (the script ended with this save in flight, and this Python starts no thread after "
+    "that: 3.12.0 to 3.12.2, CPython gh-113964; call wait_until_finished() before it ends)"
+)
+
+
+@functools.cache
+def _finish_saves_at_exit() -> None:
+    """Has the saves in flight joined when the script ends (once per process).
+
+    At its end (a normal end, ``sys.exit``, an uncaught exception) Python first calls
+    ``threading``'s exit hooks, among them ``concurrent.futures``' own, which from then
+    on refuses new work (``cannot schedule new futures after interpreter shutdown``),
+    and only then joins the non-daemon threads: a save still in flight would fail in
+    orbax's next file operation. A hook registered after ``concurrent.futures.thread``'s
+    runs before it (they run in reverse order), so the save ends as it would have in
+    the script. This is the hook ``concurrent.futures`` itself joins its workers from;
+    no ``atexit``, ``excepthook`` or signal handler of the process is touched.
+    """
+    threading._register_atexit(_join_saves)  # the stdlib's own exit hook
+
+
+def _join_saves() -> None:
+    for thread in threading.enumerate():
+        if isinstance(thread, _Writing):
+            try:
+                thread.join()
+            except KeyboardInterrupt:  # the user gives the save up: one line, no traceback
+                thread.abandoned = True
+                print(
+                    f"jaxdp.checkpoint: the background save of {thread.path} was abandoned "
+                    "at exit (Ctrl-C); the checkpoints before it stand",
+                    file=sys.stderr,
+                )
+                return
 
 
 def on_host(tree: Any) -> Any:

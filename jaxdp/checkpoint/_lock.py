@@ -1,8 +1,8 @@
 """One run at a time in a checkpoint directory: a lock file naming its owner.
 
 Two runs resuming from one directory at once interleave their checkpoints, and
-the second one's start removes the temporary directory the first is writing
-(orbax clears unfinished saves when it opens a directory). The lock is an
+write the same step numbers: orbax's save of a step removes the temporary
+directory of that step that the other run is writing. The lock is an
 ``flock`` on ``<directory>/jaxdp.lock``, which holds the owner's host, pid,
 start time and command: the kernel releases it when the owner dies however it
 dies, so a lock file left by a dead run is stale by construction and the next
