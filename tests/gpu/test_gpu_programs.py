@@ -166,3 +166,34 @@ def test_the_bucket_cap_is_xlas_combine_threshold_in_the_steps_own_program():
             buckets[cap] = sorted(c.bytes for c in collectives(compiled))
     assert len(buckets[25]) == 3 and max(buckets[25]) == 4096 * 4096 * 4
     assert len(buckets[128]) == 1 and buckets[128][0] == sum(buckets[25])
+
+
+@pytest.mark.parametrize("cap", [0.5, 1e-9])
+def test_every_gradient_byte_is_seen_also_in_collective_fusions(cap):
+    """A bucket smaller than a leaf (``bucket_cap_mb=0.5`` with 1 MiB kernels; ``1e-9``:
+    every leaf alone): XLA:GPU runs such a leaf's all-reduce in a collective fusion
+    (``fusion-start`` calling a computation that holds the all-reduce). The inspector
+    counts it with the others: every gradient byte, in flight between start and done."""
+    with jax.enable_x64(False):
+        mesh = gpu_mesh("1x1x8")
+        model = nnx.eval_shape(
+            lambda: jaxdp.models.MLP(512, hidden=512, num_classes=512, rngs=nnx.Rngs(0))
+        )
+        batch = (
+            jax.ShapeDtypeStruct((8 * 4, 512), jnp.float32),
+            jax.ShapeDtypeStruct((8 * 4,), jnp.int32),
+        )
+        step = jaxdp.make_train_step(
+            jaxdp.models.model_loss("mlp"),
+            optax.sgd(0.1),
+            mesh=mesh,
+            parallel=jaxdp.Parallel(bucket_cap_mb=cap),
+        )
+        state = step.abstract_state(model)
+        compiled = step.compile(state, batch)
+    assert "fusion-start" in compiled.as_text()  # the form this test is about
+    gradients = nbytes(state.params)  # 3 kernels of 1 MiB, 3 biases
+    assert_collectives(compiled, all_reduce=Buckets(gradients))  # with the loss and weight
+    found = collectives(compiled)
+    assert all(c.asynchronous for c in found)
+    assert sum(c.bytes for c in found if c.bytes >= 2**20) == 3 * 2**20
