@@ -183,6 +183,13 @@ def test_trackers_write_tensorboard_and_wandb_in_one_line(tmp_path, monkeypatch)
     }
     assert run.logged == [(1, {"loss": 0.5, "mfu": 0.25}), (2, {"loss": 0.25})]
     assert run.finished
+    with Trackers("tensorboard", tmp_path / "refused") as trackers:
+        with pytest.raises(TypeError, match=r"values\['note'\]='warmup' must be a real number"):
+            trackers.log({"loss": 0.5, "note": "warmup"}, step=1)
+        with pytest.raises(TypeError, match=r"values\['hist'\]=.* must be a real number"):
+            trackers.log({"hist": np.zeros(3)}, step=1)
+        trackers.log({"n": np.int64(3), "x": jnp.float32(0.5), "b": np.bool_(True)}, step=1)
+    assert set(tensorboard_scalars(tmp_path / "refused" / "jaxdp")) == {"n", "x", "b"}
     with pytest.raises(ValueError, match=r"log_with='comet' must name trackers of"):
         Trackers("comet", tmp_path)
     monkeypatch.setitem(sys.modules, "wandb", None)
