@@ -197,3 +197,10 @@ def test_every_gradient_byte_is_seen_also_in_collective_fusions(cap):
     found = collectives(compiled)
     assert all(c.asynchronous for c in found)
     assert sum(c.bytes for c in found if c.bytes >= 2**20) == 3 * 2**20
+
+
+def test_a_target_file_xla_cannot_read_is_named_not_taken_for_a_missing_plugin(tmp_path):
+    bad = tmp_path / "mine.txtpb"
+    bad.write_text("gpu_device_info {\n  threads_per_block_limit: oops\n")
+    with pytest.raises(ValueError, match=r"target='.*mine.txtpb': XLA:GPU cannot read this file"):
+        gpu_mesh("1x1x8", target=str(bad))
