@@ -9,7 +9,10 @@ a ``conditional`` branch runs at most once, only when that branch is taken.
 A compiled program is scheduled: each computation lists its instructions in the
 order they run. XLA:GPU splits a collective it runs asynchronously into a start and
 a done (``all-reduce-start`` ... ``all-reduce-done``); what is scheduled between the
-two runs while the collective is in flight. XLA:CPU runs every collective
+two runs while the collective is in flight. It also wraps a collective in a collective
+fusion (``fusion-start`` ... ``fusion-done``, calling a computation that holds the
+collective: a Triton all-reduce of a small bucket); that collective is counted as any
+other, in flight between the fusion's start and done. XLA:CPU runs every collective
 synchronously: nothing runs under it.
 """
 
@@ -64,6 +67,9 @@ _KINDS = {
 _PRODUCTS = frozenset({"dot", "convolution", "ragged-dot"})
 _PRODUCT_CALL = re.compile(r'custom_call_target="[^"]*(gemm|matmul|conv)[^"]*"', re.IGNORECASE)
 _OPERAND = re.compile(r"^\s*%?([\w.\-]+)")
+# The instructions whose called computation runs as part of them: a collective fusion
+# (``fusion-start``) holds its collective there.
+_CALLERS = ("call", "fusion", "fusion-start", "async-start")
 
 
 class _Placed:
@@ -178,8 +184,8 @@ def _walk(computations, name, context, low, high, fusion=None) -> Iterator[Instr
                 )
             continue
         for key, callee in _CALLEE.findall(rest):
-            if key in ("calls", "to_apply") and opcode in ("call", "fusion", "async-start"):
-                inner = inst if opcode == "fusion" else fusion
+            if key in ("calls", "to_apply") and opcode in _CALLERS:
+                inner = inst if opcode in ("fusion", "fusion-start") else fusion
                 yield from _walk(computations, callee, context, low, high, inner)
 
 
@@ -328,8 +334,11 @@ def collectives(compiled_or_hlo: Any) -> list[Collective]:
         if kind is None:
             continue
         size, shapes, under = i.bytes, i.shapes, ()
+        started = i.name if i.name in windows else i.fused_in
         if i.name in windows:  # a start: the done's result is the collective's
             (size, shapes), under = windows[i.name]
+        elif started in windows:  # in a collective fusion: in flight until its done
+            under = windows[started][1]
         devices = _group_size(rests.get(i.name, ""))
         size = size * devices if kind == "reduce-scatter" else size
         found.append(
@@ -341,7 +350,7 @@ def collectives(compiled_or_hlo: Any) -> list[Collective]:
                 shapes,
                 i.context,
                 i.executions,
-                asynchronous=i.name in windows,
+                asynchronous=started in windows,
                 products_under=under,
             )
         )

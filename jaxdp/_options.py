@@ -12,7 +12,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import math
 import numbers
 import warnings
 from collections.abc import Callable
@@ -77,11 +76,12 @@ class Parallel:
     HSDP's all-reduce across replicas.
 
     ``bucket_cap_mb``: the most gradient bytes one collective carries, in MiB (DDP's
-    ``bucket_cap_mb``, default 25), where collectives run asynchronously (GPUs): the
-    window's gradient all-reduce (stage 0) or reduce-scatter (stages 1 and 2) goes out
-    in buckets of at most this size as the last micro-batch's backward computes them,
-    each scheduled under the rest of that backward (DDP's overlap); nothing travels on
-    the window's other micro-batches (stage 2 reduce-scatters each micro-batch's
+    ``bucket_cap_mb``, default 25; above 0 and below 2**43, XLA's int64 of bytes),
+    where collectives run asynchronously (GPUs): the window's gradient all-reduce
+    (stage 0) or reduce-scatter (stages 1 and 2) goes out in buckets of at most this
+    size as the last micro-batch's backward computes them, each scheduled under the
+    rest of that backward (DDP's overlap); nothing travels on the window's other
+    micro-batches (stage 2 reduce-scatters each micro-batch's
     gradients the same way under its own backward). It is XLA's combine threshold for
     the step's own program (``TrainStep`` compiles with it; the process's ``XLA_FLAGS``
     are left alone). XLA:CPU runs collectives synchronously: there the reduction is
@@ -180,9 +180,11 @@ class Parallel:
                 "accumulator dtype) or 'bfloat16'"
             )
         cap = self.bucket_cap_mb
-        if not isinstance(cap, numbers.Real) or isinstance(cap, bool) or not 0 < cap < math.inf:
+        # XLA takes the cap as an int64 count of bytes: below 2**63 bytes, 2**43 MiB.
+        if not isinstance(cap, numbers.Real) or isinstance(cap, bool) or not 0 < cap < 2**43:
             raise ValueError(
-                f"bucket_cap_mb={cap!r} must be a positive number of MiB (DDP's default: 25)"
+                f"bucket_cap_mb={cap!r} must be a positive number of MiB below 2**43 "
+                "(XLA's combine threshold is an int64 count of bytes; DDP's default: 25)"
             )
         object.__setattr__(self, "bucket_cap_mb", float(cap))
         self._check_stage_3_fields()

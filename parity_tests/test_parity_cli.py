@@ -180,6 +180,36 @@ def test_zero_stage_flags_are_checked_before_either_side_trains(monkeypatch, cap
         assert err.startswith(f"jaxdp parity: error: {said}") and err.count("\n") == 1, err
 
 
+def test_a_sum_and_count_loss_without_weighted_is_one_line_before_torch_trains(
+    tmp_path, monkeypatch, capsys
+):
+    """Issue 50, item 7: a (loss_sum, count) loss under the default loss_reduction='mean'
+    ran torch_ref for 77 s, then a 32-line traceback (a tuple divided by accum_steps); it is
+    a usage error when jaxdp's step first traces the loss, before either side trains."""
+    x, y = token_lm.data()
+    np.savez(tmp_path / "tokens.npz", x=x, y=y)
+    monkeypatch.setattr("jaxdp._mesh.emulate_cpu_devices", lambda num_devices: None)
+    monkeypatch.setattr(
+        "jaxdp.parity._compare_models.run_torch_port", lambda port: pytest.fail("torch trained")
+    )
+    lm = pathlib.Path(__file__).parent / "token_lm.py"
+    with pytest.raises(SystemExit) as exit_:
+        main(
+            ["parity", "--torch-model", f"{lm}:TorchLM", "--jax-model", f"{lm}:JaxLM"]
+            + ["--data", str(tmp_path / "tokens.npz")]
+            + ["--loss", f"{lm}:torch_token_loss,jax_token_loss"]
+            + ["--num-devices", "1", "--micro-batch-size", "3", "--steps", "2"]
+        )
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(
+        "jaxdp parity: error: loss jax_token_loss returns a tuple of 2 values, and "
+        "loss_reduction='mean' takes one scalar"
+    ), err
+    assert "--loss-reduction weighted" in err
+
+
 def test_parity_command_on_a_weighted_scheduled_script_in_files_of_its_own(
     tmp_path, monkeypatch, capsys
 ):

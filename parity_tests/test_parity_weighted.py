@@ -50,6 +50,23 @@ def test_one_cycle_lr_trains_like_its_optax_twin():
     assert report.passed, format_parity(report)
 
 
+def test_a_loss_of_the_other_reduction_is_refused_before_torch_trains(monkeypatch):
+    monkeypatch.setattr(
+        "jaxdp.parity._compare_models.run_torch_port", lambda port: pytest.fail("torch trained")
+    )
+    pair = (token_lm.torch_token_loss, token_lm.jax_token_loss)
+    with pytest.raises(ValueError, match=r"returns a tuple of 2 values, and loss_reduction='mean"):
+        compare_models(token_lm.TorchLM, token_lm.JaxLM, token_lm.data(), loss=pair)
+    with pytest.raises(ValueError, match=r"returns an array of shape \(\), and loss_reduction='w"):
+        compare_models(
+            token_lm.TorchLM,
+            token_lm.JaxLM,
+            token_lm.data(),
+            loss=(token_lm.torch_token_loss, lambda out, y: token_lm.jax_token_loss(out, y)[0]),
+            loss_reduction="weighted",
+        )
+
+
 def test_an_optax_schedule_rounded_to_float32_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"returns float32 .*jnp.asarray\(count, jnp.int64\)"):
         compare_models(

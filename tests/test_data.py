@@ -212,11 +212,15 @@ def test_a_worker_that_dies_raises_in_the_loop_instead_of_hanging():
         (dict(prefetch=1.5), "prefetch=1.5 must be a positive integer"),
         (dict(epochs=0), "epochs=0 must be a positive integer or None"),
         (dict(transform="upper"), "transform='upper' must be callable"),
+        # Issue 50, item 9: said "source has 103 rows, too few for one optimizer step".
+        (dict(last_window="keep"), r"^last_window='keep' must be 'drop' or 'step'$"),
     ],
 )
 def test_bad_options_are_refused(kwargs, message):
+    source = Counting(N)
     with pytest.raises((ValueError, TypeError), match=message):
-        loader(**kwargs)
+        loader(source, **kwargs)
+    assert source.read == []  # before any record is read
 
 
 # ---- through the step and checkpoints ---------------------------------------------------

@@ -225,6 +225,36 @@ def test_ctrl_c_to_jaxdp_launch_before_the_first_step_is_one_line_per_process(tm
     assert left_behind(command.mark) == []
 
 
+# SIGINT to the process itself while it imports the command line's modules, in the
+# `jaxdp` script's two lines: the moment is the import, not a clock's guess.
+IMPORTING = """import os, signal, sys
+class Hook:
+    def find_spec(self, name, path=None, target=None):
+        if name == "jaxdp.cli._main":
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, Hook())
+sys.argv = ["jaxdp", *sys.argv[1:]]
+from jaxdp.cli import main
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_while_jaxdp_launch_imports_is_one_line(tmp_path):
+    """Issue 50, item 9: before the command line's own SIGINT handling was up (its modules
+    importing) a Ctrl-C printed Python's traceback, 12 lines."""
+    script = tmp_path / "jaxdp_script.py"
+    script.write_text(IMPORTING)
+    run = subprocess.run(
+        [sys.executable, "-c", SHIM, str(script), *LAUNCH],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 130, (run.returncode, run.stderr)
+    assert run.stderr.splitlines() == [INTERRUPTED.format("launch")], run.stderr
+    assert run.stdout == ""
+
+
 def _ranks(launcher):
     """Pids of the launcher's ranks (its children)."""
     found = []

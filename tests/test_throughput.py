@@ -69,7 +69,10 @@ def test_meter_reads_metrics_and_gives_rates_mfu_and_a_schedules_rate():
         with jax.transfer_guard_device_to_host("disallow"):  # no float() per metric
             values = meter(state, metrics)
         assert values["loss"] == float(metrics["loss"]) and values["step"] == int(state.step)
-        assert all(isinstance(v, float) for v in values.values())
+        exact = {k for k, v in metrics.items() if not jnp.issubdtype(v.dtype, jnp.inexact)}
+        integers = {"step", *exact}
+        assert all(type(values[k]) is int for k in integers)  # the skip counters, "finite"
+        assert all(type(v) is float for k, v in values.items() if k not in integers)
         logged.append(values)
     # The rate of the update just applied, as optax computed it: at its int32 count
     # before the update, step - 1 (float32 from linear_schedule, as optax applied it).
@@ -98,6 +101,33 @@ def test_meter_says_once_why_a_plain_schedule_has_no_rate_and_takes_inject_hyper
     assert Meter(step, state, batch)(state, metrics)["learning_rate"] == 0.25
     with pytest.raises(ValueError, match="peak_flops_per_device=0 must be a number > 0"):
         Meter(step, state, batch, peak_flops_per_device=0)
+
+
+def test_meter_reports_every_integer_exactly_at_any_size():
+    """A float32 holds integers exactly only to 2**24 (float64 to 2**53): the step and
+    every integer metric come back as Python ints, bit for bit, in the one transfer."""
+    with jax.enable_x64(False):  # jax's default 32-bit types, as a user's script runs
+        step, state, batch = setup(1)
+        state, metrics = step(state, batch)
+        state = state._replace(step=jnp.asarray(2**24 + 1, jnp.int32))
+        extra = {"tokens": jnp.int32(2**31 - 1), "bytes": jnp.uint32(2**32 - 1)}
+        values = Meter(step, state, batch, learning_rate=1e-3)(state, {**metrics, **extra})
+    assert values["step"] == 2**24 + 1 and type(values["step"]) is int  # was 16777216.0
+    assert (values["tokens"], values["bytes"]) == (2**31 - 1, 2**32 - 1)
+    assert values["loss"] == float(np.float32(metrics["loss"]))
+    step, state, batch = setup(1)  # x64 on (tests/conftest.py): 64-bit integers
+    state, metrics = step(state, batch)
+    extra = {"tokens": jnp.int64(2**53 + 1), "bytes": jnp.uint64(2**64 - 1)}
+    values = Meter(step, state, batch, learning_rate=1e-3)(state, {**metrics, **extra})
+    assert (values["tokens"], values["bytes"]) == (2**53 + 1, 2**64 - 1)
+
+
+def test_meter_refuses_a_learning_rate_that_is_not_a_number_or_a_scalar_schedule():
+    step, state, batch = setup(1)
+    with pytest.raises(TypeError, match=r"learning_rate='cosine' must be a number, an optax"):
+        Meter(step, state, batch, learning_rate="cosine")
+    with pytest.raises(ValueError, match=r"learning_rate=.* returns shape \(3,\) at a step"):
+        Meter(step, state, batch, learning_rate=lambda count: jnp.full(3, 0.1))
 
 
 def tensorboard_scalars(directory):
@@ -153,6 +183,13 @@ def test_trackers_write_tensorboard_and_wandb_in_one_line(tmp_path, monkeypatch)
     }
     assert run.logged == [(1, {"loss": 0.5, "mfu": 0.25}), (2, {"loss": 0.25})]
     assert run.finished
+    with Trackers("tensorboard", tmp_path / "refused") as trackers:
+        with pytest.raises(TypeError, match=r"values\['note'\]='warmup' must be a real number"):
+            trackers.log({"loss": 0.5, "note": "warmup"}, step=1)
+        with pytest.raises(TypeError, match=r"values\['hist'\]=.* must be a real number"):
+            trackers.log({"hist": np.zeros(3)}, step=1)
+        trackers.log({"n": np.int64(3), "x": jnp.float32(0.5), "b": np.bool_(True)}, step=1)
+    assert set(tensorboard_scalars(tmp_path / "refused" / "jaxdp")) == {"n", "x", "b"}
     with pytest.raises(ValueError, match=r"log_with='comet' must name trackers of"):
         Trackers("comet", tmp_path)
     monkeypatch.setitem(sys.modules, "wandb", None)

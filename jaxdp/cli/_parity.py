@@ -288,7 +288,7 @@ def _compare_ports(args: argparse.Namespace) -> Any:
 
     from torch_ref import load_attr
 
-    from ..parity import compare_models
+    from ..parity._compare_models import checked_port, compared
 
     with np.load(args.data) as npz:
         data = {k: npz[k] for k in npz.files}
@@ -297,28 +297,32 @@ def _compare_ports(args: argparse.Namespace) -> Any:
         jax_optimizer = load_attr(args.jax_optimizer)
         if not hasattr(jax_optimizer, "update"):  # a factory
             jax_optimizer = jax_optimizer()
-    return compare_models(
-        args.torch_model,
-        args.jax_model,
-        data,
-        loss=args.loss or "cross_entropy",
-        optimizer=args.optimizer,
-        jax_optimizer=jax_optimizer,
-        mapping=load_attr(args.mapping) if args.mapping else None,
-        num_devices=args.num_devices,
-        accum_steps=args.accum_steps,
-        micro_batch_size=args.micro_batch_size,
-        steps=args.steps,
-        dtype=args.dtype,
-        path=args.path,
-        strategy=args.strategy,
-        seed=args.seed,
-        last_window=args.last_window,
-        torch_device=args.torch_device,
-        locate=args.locate,
-        loss_reduction=args.loss_reduction or "mean",
-        schedule=_schedule(args.schedule),
-    )
+    try:  # every check, and jaxdp's step traced, before either side trains
+        port = checked_port(
+            args.torch_model,
+            args.jax_model,
+            data,
+            loss=args.loss or "cross_entropy",
+            optimizer=args.optimizer,
+            jax_optimizer=jax_optimizer,
+            mapping=load_attr(args.mapping) if args.mapping else None,
+            num_devices=args.num_devices,
+            accum_steps=args.accum_steps,
+            micro_batch_size=args.micro_batch_size,
+            steps=args.steps,
+            dtype=args.dtype,
+            path=args.path,
+            strategy=args.strategy,
+            seed=args.seed,
+            last_window=args.last_window,
+            torch_device=args.torch_device,
+            locate=args.locate,
+            loss_reduction=args.loss_reduction or "mean",
+            schedule=_schedule(args.schedule),
+        )
+    except ValueError as e:
+        _error(str(e))
+    return compared(port, locate=args.locate, rtol=None, atol=None)
 
 
 def _schedule(spec: str | None) -> tuple[str, str] | None:

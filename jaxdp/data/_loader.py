@@ -16,7 +16,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 import numpy as np
 from jax.sharding import NamedSharding
@@ -178,6 +178,8 @@ class Loader:
         self.read_timeout_s = read_timeout_s
         if epochs is not None and (not is_integer(epochs) or epochs < 1):
             raise ValueError(f"epochs={epochs!r} must be a positive integer or None (endless)")
+        if last_window not in get_args(LastWindow):  # before the source, and its rows' error
+            raise ValueError(f"last_window={last_window!r} must be 'drop' or 'step'")
         if not is_integer(seed) or seed < 0:  # before the schedule, whose error says rows
             raise ValueError(f"seed={seed!r} must be a non-negative integer")
         self.source = Source(source, transform)

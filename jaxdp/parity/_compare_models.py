@@ -14,7 +14,15 @@ from ._locate import locate as _locate
 from ._main_guard import check_main_guard
 from ._mapping import Mapping_
 from ._optim import OptimizerSpec
-from ._port import Loss, prepare, run_jax_port, run_torch_port, torch_trajectory
+from ._port import (
+    Loss,
+    Port,
+    prepare,
+    run_jax_port,
+    run_torch_port,
+    torch_trajectory,
+    trace_jax_port,
+)
 from ._report import format_parity
 from ._runner import Dtype, ParityReport, compare
 
@@ -106,6 +114,9 @@ def compare_models(
     ``num_items_in_batch``): counts the window's items first, all-reduces the count, and
     backpropagates ``loss_sum * world_size / count``. The divergence locator replays
     mean losses only: with ``"weighted"`` it does not run (``locate=True`` is refused).
+    A loss of the other form (a ``(loss_sum, count)`` pair under ``"mean"``, a scalar
+    under ``"weighted"``) raises ``ValueError`` when jaxdp's step first traces it, before
+    either side trains.
 
     ``schedule=(torch_scheduler, optax_schedule)``: the learning rate of each step.
     ``torch_scheduler`` is a factory ``optimizer -> LRScheduler`` (``lambda opt:
@@ -119,14 +130,7 @@ def compare_models(
     (``optax.linear_schedule`` does) is refused with the fix, before anything trains:
     its rounding alone is about 5e-8 relative, beyond float64's tolerance.
     """
-    if loss_reduction == "weighted" and locate:
-        raise ValueError(
-            "locate=True replays mean losses only; with loss_reduction='weighted' leave it "
-            "at None (the per-step comparison still runs)"
-        )
-    if num_devices > 1:
-        check_main_guard(f"compare_models(num_devices={num_devices})")
-    port = prepare(
+    port = checked_port(
         torch_model,
         jax_model,
         data,
@@ -146,14 +150,42 @@ def compare_models(
         seed=seed,
         last_window=last_window,
         torch_device=torch_device,
+        locate=locate,
         loss_reduction=loss_reduction,
         schedule=schedule,
     )
+    return compared(port, locate=locate, rtol=rtol, atol=atol)
+
+
+def checked_port(
+    torch_model: Any, jax_model: Any, data: Any, *, locate: bool | None, **options: Any
+) -> Port:
+    """:func:`compare_models`' first half: everything resolved and checked, and jaxdp's
+    step traced on the first call (a loss that does not return what ``loss_reduction``
+    takes fails here), before either side trains. ``jaxdp parity`` reports what this
+    raises as a usage error."""
+    if options["loss_reduction"] == "weighted" and locate:
+        raise ValueError(
+            "locate=True replays mean losses only; with loss_reduction='weighted' leave it "
+            "at None (the per-step comparison still runs)"
+        )
+    if options["num_devices"] > 1:
+        check_main_guard(f"compare_models(num_devices={options['num_devices']})")
+    port = prepare(torch_model, jax_model, data, **{"step_options": None, **options})
+    trace_jax_port(port)
+    return port
+
+
+def compared(
+    port: Port, *, locate: bool | None, rtol: float | None, atol: float | None
+) -> ParityReport:
+    """:func:`compare_models`' second half: both sides trained and compared."""
     result = run_torch_port(port)
     report = compare(
         port.config, run_jax_port(port), torch_trajectory(port, result), rtol=rtol, atol=atol
     )
-    if locate or (locate is None and not report.passed and loss_reduction == "mean"):
+    mean = port.config.loss_reduction == "mean"
+    if locate or (locate is None and not report.passed and mean):
         step = report.first_failure or 1 + int(np.argmax([max(r.values()) for r in report.max_rel]))
         report.divergence = _locate(port, result.states, step, report.rtol, report.atol)
     return report

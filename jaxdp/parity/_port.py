@@ -75,8 +75,12 @@ class Port:
 
     def loss_fn(self, model: Any, batch: tuple[Any, Any]) -> jax.Array:
         """jaxdp's ``loss_fn(model, (x, y))``: one micro-batch's loss, from the port's
-        training-mode output (:meth:`Framework.__call__`)."""
-        return self.jax_loss(self.weights.framework(model, batch[0]), batch[1])
+        training-mode output (:meth:`Framework.__call__`), of the form
+        ``loss_reduction`` takes (checked while the step traces)."""
+        out = self.jax_loss(self.weights.framework(model, batch[0]), batch[1])
+        if not self.step_options.get("has_aux"):
+            _check_loss_form(out, self.config.loss_reduction, self.jax_loss)
+        return out
 
     def torch_job(self) -> tuple[Any, tuple[np.ndarray, np.ndarray], dict[str, np.ndarray]]:
         """``(torch_ref.TrainConfig, data, initial_state)``: a job for ``torch_ref``."""
@@ -177,20 +181,58 @@ def torch_trajectory(port: Port, result: Any) -> Trajectory:
     return Trajectory([port.weights.to_jax(s) for s in result.states], list(result.losses))
 
 
+def _check_loss_form(out: Any, reduction: str, loss: Any) -> None:
+    """A ``(loss_sum, count)`` pair under ``"weighted"``, anything else under ``"mean"``
+    (the step checks that it is a scalar)."""
+    name = getattr(loss, "__name__", None) or repr(loss)
+    pair = isinstance(out, (tuple, list))
+    if reduction == "mean" and pair:
+        raise ValueError(
+            f"loss {name} returns a {type(out).__name__} of {len(out)} values, and "
+            "loss_reduction='mean' takes one scalar, a micro-batch's mean: a (loss_sum, count) "
+            "loss needs loss_reduction='weighted' (jaxdp parity --loss-reduction weighted)"
+        )
+    if reduction == "weighted" and not (pair and len(out) == 2):
+        shape = getattr(out, "shape", None)
+        what = f"an array of shape {shape}" if shape is not None else f"a {type(out).__name__}"
+        what = f"a {type(out).__name__} of {len(out)} values" if pair else what
+        raise ValueError(
+            f"loss {name} returns {what}, and "
+            "loss_reduction='weighted' takes a (loss_sum, count) pair: a mean loss needs "
+            "loss_reduction='mean' (the default)"
+        )
+
+
+def _jax_step(port: Port, config: ParityConfig) -> Any:
+    return make_train_step(
+        port.loss_fn,
+        port.jax_optimizer,
+        mesh=data_mesh(config.num_devices),
+        accum_steps=config.accum_steps,
+        path=config.path,
+        **port.step_kwargs(),
+    )
+
+
+def trace_jax_port(port: Port) -> None:
+    """Traces jaxdp's step on the port's first call, nothing allocated or run: a loss
+    that does not return what ``loss_reduction`` takes (a ``(loss_sum, count)`` pair
+    under ``"mean"``) raises the step's one-line error here, before torch trains."""
+    config = port.config
+    calls = config.accum_steps if config.path == "fused" else 1
+    rows = config.num_devices * calls * config.micro_batch_size
+    with jax.default_matmul_precision("highest"):
+        step = _jax_step(port, config)
+        step.trace(step.abstract_state(port.jax_module), tuple(a[:rows] for a in port.data))
+
+
 def run_jax_port(port: Port, path: AccumulationPath | None = None) -> Trajectory:
     """jaxdp's step on the port, in torch's data order (``path`` overrides the config's)."""
     import torch_ref
 
     config = port.config if path is None else dataclasses.replace(port.config, path=path)
     with jax.default_matmul_precision("highest"):
-        step = make_train_step(
-            port.loss_fn,
-            port.jax_optimizer,
-            mesh=data_mesh(config.num_devices),
-            accum_steps=config.accum_steps,
-            path=config.path,
-            **port.step_kwargs(),
-        )
+        step = _jax_step(port, config)
         state = step.init(port.jax_module)
         return train_steps(config, step, state, port.data, torch_ref.torch_permutation, snapshot)
 

@@ -53,7 +53,9 @@ def gpu_mesh(
     the same process.
 
     Raises:
-      ValueError: ``topology`` or ``target`` is not one of the forms above.
+      ValueError: ``topology`` or ``target`` is not one of the forms above, or XLA:GPU
+        cannot read ``target``'s file (where it describes the topology for a target of
+        :data:`TARGETS`).
       RuntimeError: XLA:GPU cannot describe the topology here, with what to install or set.
     """
     if not isinstance(topology, str) or not _TOPOLOGY.match(topology):
@@ -70,6 +72,11 @@ def gpu_mesh(
             platform="cuda", target_config=config, topology=topology
         )
     except Exception as error:  # the plugin's own errors name no remedy
+        if target not in TARGETS and _describes(topology):  # the plugin works: the file
+            raise ValueError(
+                f"target={target!r}: XLA:GPU cannot read this file as a GpuTargetConfigProto "
+                f"text file ({error}); the targets {TARGETS} describe {topology!r} here"
+            ) from error
         packages = _PACKAGES.format(v=jax.__version__)
         platforms = os.environ.get("JAX_PLATFORMS")
         raise RuntimeError(
@@ -78,6 +85,19 @@ def gpu_mesh(
             f"JAX_PLATFORMS=cpu set before JAX starts (JAX_PLATFORMS is {platforms!r})"
         ) from error
     return Mesh(np.array(described.devices), (axis_name,))
+
+
+def _describes(topology: str) -> bool:
+    """Whether XLA:GPU describes ``topology`` for a target of ours: its CUDA plugin works."""
+    from jax.experimental import topologies
+
+    try:
+        topologies.get_topology_desc(
+            platform="cuda", target_config=_target_config("h100"), topology=topology
+        )
+    except Exception:
+        return False
+    return True
 
 
 def _target_config(target: str) -> str:

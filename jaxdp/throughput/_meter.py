@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._step import TrainStep
 from ..checkpoint._rules import named  # "aux/name" paths, as checkpoints name leaves
@@ -23,15 +24,18 @@ class Meter:
     :meth:`TrainStep.lower` takes them): ``flops`` is :func:`step_flops` (per optimizer
     step, every device), ``samples`` the global batch size. Called after each optimizer
     step (every call on the fused path; on the ``multisteps`` path the call that ends a
-    window, ``metrics["emitted"]``), it returns a dict of Python floats:
+    window, ``metrics["emitted"]``), it returns a dict of Python numbers:
 
     - every metric of the step (``aux`` leaves as ``"aux/NAME"``) and ``"step"``, read
-      with ONE device-to-host transfer (the scalars stacked on the device first, in
-      float64 where x64 is on, else float32), where ``float()`` per metric waits once each;
+      with ONE device-to-host transfer (the scalars stacked on the device first), where
+      ``float()`` per metric waits once each: an integer or boolean metric (``"step"``,
+      ``"emitted"``, the skip counters) as an exact Python ``int`` at any size, a
+      floating one as a ``float`` (float64 where x64 is on, else float32);
     - ``"learning_rate"``: the rate of the update just applied. From the metrics where
       the optimizer reports it (``optax.inject_hyperparams``); else from
       ``learning_rate=`` (a number, or the optax schedule given to the optimizer, read
-      on the device at the update's count, ``step - 1``, in the same transfer); else
+      on the device at the update's count, ``step - 1``, in the same transfer; a
+      schedule must return a scalar, checked when the meter is built); else
       left out, said once in a warning: a
       plain ``optax.adamw(schedule)`` keeps only a count in its state, and reading the
       schedule back out of optax's closures is not done;
@@ -57,6 +61,7 @@ class Meter:
         ):
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name}={value!r} must be a number > 0, or None")
+        _check_rate(learning_rate)
         self.flops = step_flops(step, state, batch)
         sizes = step.sizes(batch)
         calls = step.accum_steps if step.path == "multisteps" else 1
@@ -68,7 +73,7 @@ class Meter:
         self._last: float | None = None
         self._told = False
 
-    def __call__(self, state: Any, metrics: dict[str, Any]) -> dict[str, float]:
+    def __call__(self, state: Any, metrics: dict[str, Any]) -> dict[str, int | float]:
         names, leaves = zip(*named({"step": state.step, **metrics}), strict=True)
         schedule = None
         if "learning_rate" not in metrics:
@@ -77,8 +82,9 @@ class Meter:
             elif self.learning_rate is None:
                 self._say_why_no_rate()
         # One transfer: the scalars (and the schedule's rate) stacked on the device first.
+        kinds = tuple(_kind(x) for x in leaves) + (("float",) if schedule else ())
         host = jax.device_get(_stacked(leaves, state.step, schedule))
-        values = dict(zip(names, host.tolist(), strict=True))
+        values = dict(zip(names, _numbers(host, kinds), strict=True))
         if "learning_rate" not in values and self.learning_rate is not None:
             values["learning_rate"] = float(self.learning_rate)
         now = time.perf_counter()
@@ -105,15 +111,69 @@ class Meter:
             )
 
 
+def _check_rate(learning_rate: Any) -> None:
+    """``learning_rate``: a number, a schedule returning a scalar (traced abstractly at
+    count 0, as optax calls it), or None."""
+    if learning_rate is None or isinstance(learning_rate, (int, float)):
+        return
+    if not callable(learning_rate):
+        raise TypeError(
+            f"learning_rate={learning_rate!r} must be a number, an optax schedule "
+            "(a function of the step count), or None"
+        )
+    shape = jax.eval_shape(learning_rate, jax.ShapeDtypeStruct((), jnp.int32)).shape
+    if shape != ():
+        raise ValueError(
+            f"learning_rate={learning_rate!r} returns shape {shape} at a step count; "
+            "a schedule must return a scalar, the rate of one update"
+        )
+
+
+def _kind(x: Any) -> str:
+    """How ``_stacked`` carries a leaf: ``"float"``, ``"signed"`` (also a bool) or
+    ``"unsigned"``."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return "unsigned"
+    if jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_:
+        return "signed"
+    return "float"
+
+
+def _widths() -> dict[str, Any]:
+    """The float, signed and unsigned dtypes of one width: 64 bits with x64, else 32."""
+    if jax.config.jax_enable_x64:
+        return {"float": jnp.float64, "signed": jnp.int64, "unsigned": jnp.uint64}
+    return {"float": jnp.float32, "signed": jnp.int32, "unsigned": jnp.uint32}
+
+
+def _numbers(host: Any, kinds: tuple[str, ...]) -> list[int | float]:
+    """The host vector as Python numbers: an integer leaf's bits read back as its
+    integer, a float leaf as a float."""
+    views = {kind: host.view(dtype) for kind, dtype in _widths().items()}
+    return [views[kind][i].item() for i, kind in enumerate(kinds)]
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _stacked(
     leaves: tuple[Any, ...], step: jax.Array, schedule: Callable[[Any], Any] | None
 ) -> jax.Array:
     """The scalar leaves as one vector; with ``schedule`` its rate for the update just
-    applied, at optax's count before it, ``step - 1``, last."""
-    dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
-    values = [jnp.asarray(x).astype(dtype).reshape(()) for x in leaves]
+    applied, at optax's count before it, ``step - 1``, last. A float leaf is cast to
+    the vector's dtype; an integer or boolean one is carried exactly, its bits as an
+    integer of the vector's width (a float32 holds integers exactly only to 2**24)."""
+    widths = _widths()
+    floating = widths["float"]
+
+    def carried(x: Any) -> jax.Array:
+        x = jnp.asarray(x).reshape(())
+        kind = _kind(x)
+        if kind == "float":
+            return x.astype(floating)
+        return jax.lax.bitcast_convert_type(x.astype(widths[kind]), floating)
+
+    values = [carried(x) for x in leaves]
     if schedule is not None:
         count = jnp.maximum(step - 1, 0)
-        values.append(jnp.asarray(schedule(count)).astype(dtype).reshape(()))
+        values.append(jnp.asarray(schedule(count)).astype(floating).reshape(()))
     return jnp.stack(values)

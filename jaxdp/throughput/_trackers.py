@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 TRACKERS = ("tensorboard", "wandb")
 
@@ -66,7 +68,15 @@ class Trackers:
                 self._writers.append(_WandB(run))
 
     def log(self, values: Mapping[str, float], step: int) -> None:
-        """Writes ``values`` (name -> number) at ``step`` to every tracker."""
+        """Writes ``values`` (name -> number) at ``step`` to every tracker. A value that
+        is not a real number (a Python or NumPy number, a 0-d array) raises
+        ``TypeError`` naming its key, before any tracker writes."""
+        for key, value in values.items():
+            if not _is_number(value):
+                raise TypeError(
+                    f"values[{key!r}]={value!r} must be a real number (a Python or NumPy "
+                    "number, or a 0-d array): trackers log scalars"
+                )
         for writer in self._writers:
             writer.log(values, int(step))
 
@@ -80,6 +90,17 @@ class Trackers:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, numbers.Real):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return (
+        getattr(value, "shape", None) == ()
+        and dtype is not None
+        and any(jnp.issubdtype(dtype, kind) for kind in (jnp.integer, jnp.floating, jnp.bool_))
+    )
 
 
 def _names(log_with: str | Sequence[str]) -> list[str]:

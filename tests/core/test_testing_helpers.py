@@ -153,6 +153,48 @@ def test_an_asynchronous_collective_counts_its_result_and_the_products_under_it(
     assert "products under" in format_report([reduce, scatter])
 
 
+# XLA:GPU's collective fusion (trimmed): a bucket smaller than a leaf, the leaf's
+# all-reduce run by a Triton kernel in a fusion, started before a GEMM and done after it.
+COLLECTIVE_FUSION = """HloModule jit_step, is_scheduled=true
+
+%a (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%gemm_computation (p0: f32[64,64], p1: f32[64,64]) -> f32[64,64] {
+  %p0 = f32[64,64]{1,0} parameter(0)
+  %p1 = f32[64,64]{1,0} parameter(1)
+  ROOT %dot = f32[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_psum (param_0: f32[262144]) -> f32[262144] {
+  %param_0 = f32[262144]{0} parameter(0)
+  ROOT %psum.2 = f32[262144]{0} all-reduce(%param_0), replica_groups=[1,8]<=[8], to_apply=%a
+}
+
+ENTRY %main (x: f32[64,64], g: f32[262144]) -> (f32[64,64], f32[262144]) {
+  %x = f32[64,64]{1,0} parameter(0)
+  %g = f32[262144]{0} parameter(1)
+  %fusion-start = ((f32[262144]{0}), f32[262144]{0}) fusion-start(%g), calls=%fused_psum
+  %gemm_fusion_dot = f32[64,64]{1,0} fusion(%x, %x), kind=kCustom, calls=%gemm_computation
+  %fusion-done = f32[262144]{0} fusion-done(%fusion-start)
+  ROOT %o = (f32[64,64]{1,0}, f32[262144]{0}) tuple(%gemm_fusion_dot, %fusion-done)
+}
+"""
+
+
+def test_a_collective_in_a_collective_fusion_counts_in_flight_between_its_start_and_done():
+    (found,) = collectives(COLLECTIVE_FUSION)
+    assert (found.kind, found.name, found.bytes) == ("all-reduce", "psum.2", 2**20)
+    assert found.devices == 8
+    assert found.asynchronous and found.products_under == ("gemm_fusion_dot",)
+    assert_collectives(COLLECTIVE_FUSION, all_reduce=Buckets(2**20, extra=0, hidden=1.0))
+    with pytest.raises(AssertionError, match="all_reduce=0: found 1 per call"):
+        assert_collectives(COLLECTIVE_FUSION)
+
+
 def test_a_dot_counts_its_flops_where_it_sits():
     """The GEMM fusion's dot: 64 x 64 outputs, each a sum over 64 products: 2 x 64^3."""
     (dot,) = [i for i in instructions(ASYNC) if i.flops]

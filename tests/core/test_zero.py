@@ -294,6 +294,7 @@ def test_bad_zero_options_are_refused_naming_them():
         ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a positive number of MiB"),
         ({"bucket_cap_mb": True}, r"bucket_cap_mb=True must be a positive number"),
         ({"bucket_cap_mb": float("inf")}, r"bucket_cap_mb=inf must be a positive number"),
+        ({"bucket_cap_mb": 1e13}, r"bucket_cap_mb=10000000000000.0 must be .* MiB below 2\*\*43"),
     ]:
         with pytest.raises(ValueError, match=match):
             jaxdp.make_train_step(

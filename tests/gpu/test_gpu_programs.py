@@ -188,3 +188,41 @@ def test_a_declared_stack_sends_each_layers_gradients_under_the_backward():
     layer = nbytes(state.params["blocks"]) // 12
     stack = [c for c in collectives(compiled) if c.kind == "all-reduce" and c.bytes < embedding]
     assert len(stack) >= 12 and max(c.bytes for c in stack) < 2 * layer  # layer by layer
+
+
+@pytest.mark.parametrize("cap", [0.5, 1e-9])
+def test_every_gradient_byte_is_seen_also_in_collective_fusions(cap):
+    """A bucket smaller than a leaf (``bucket_cap_mb=0.5`` with 1 MiB kernels; ``1e-9``:
+    every leaf alone): XLA:GPU runs such a leaf's all-reduce in a collective fusion
+    (``fusion-start`` calling a computation that holds the all-reduce). The inspector
+    counts it with the others: every gradient byte, in flight between start and done."""
+    with jax.enable_x64(False):
+        mesh = gpu_mesh("1x1x8")
+        model = nnx.eval_shape(
+            lambda: jaxdp.models.MLP(512, hidden=512, num_classes=512, rngs=nnx.Rngs(0))
+        )
+        batch = (
+            jax.ShapeDtypeStruct((8 * 4, 512), jnp.float32),
+            jax.ShapeDtypeStruct((8 * 4,), jnp.int32),
+        )
+        step = jaxdp.make_train_step(
+            jaxdp.models.model_loss("mlp"),
+            optax.sgd(0.1),
+            mesh=mesh,
+            parallel=jaxdp.Parallel(bucket_cap_mb=cap),
+        )
+        state = step.abstract_state(model)
+        compiled = step.compile(state, batch)
+    assert "fusion-start" in compiled.as_text()  # the form this test is about
+    gradients = nbytes(state.params)  # 3 kernels of 1 MiB, 3 biases
+    assert_collectives(compiled, all_reduce=Buckets(gradients))  # with the loss and weight
+    found = collectives(compiled)
+    assert all(c.asynchronous for c in found)
+    assert sum(c.bytes for c in found if c.bytes >= 2**20) == 3 * 2**20
+
+
+def test_a_target_file_xla_cannot_read_is_named_not_taken_for_a_missing_plugin(tmp_path):
+    bad = tmp_path / "mine.txtpb"
+    bad.write_text("gpu_device_info {\n  threads_per_block_limit: oops\n")
+    with pytest.raises(ValueError, match=r"target='.*mine.txtpb': XLA:GPU cannot read this file"):
+        gpu_mesh("1x1x8", target=str(bad))
