@@ -104,28 +104,31 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
         graphdef, state = nnx.split(layers)
     leaves, treedef = jax.tree.flatten(state)
     stacks = [x if isinstance(x, Stack) else None for x in leaves]
-    if any(
-        s is not None for s in stacks
-    ):  # the step's stacks of layers (Parallel.layers): routed per layer
+    declared = next((x for x in stacks if x is not None), None)  # Parallel.layers
+    if declared is not None and declared.route.kind != "gather":
         return _scan_routed(fn, graphdef, treedef, leaves, stacks, carry)
-    _check_layers(state)
-    scope, dims = _SCOPE.get(), [None] * len(leaves)
+    scope, dims, how = _SCOPE.get(), [None] * len(leaves), None
+    if declared is not None:  # stage 3: the blocks handed over, gathered here
+        leaves = [x if s is None else s.value for x, s in zip(leaves, stacks, strict=True)]
+        dims, how = [None if s is None else s.dim for s in stacks], declared.route.gather
+        scope = None
+    _check_layers(treedef.unflatten(leaves))
     if scope is not None:
         found = [scope.leaves.get(id(x)) for x in leaves]
         if scope.gather is None:
             scope.seen.update(f[0] for f in found if f is not None)
         else:  # a layer's split dimension is one less than its stack's
-            dims = [None if f is None else f[1] - 1 for f in found]
+            dims, how = [None if f is None else f[1] - 1 for f in found], scope.gather
 
     def body(carry, xs):
-        if scope is not None and scope.gather is not None:
-            xs = gather(xs, dims, scope.gather)
+        if how is not None:
+            xs = gather(xs, dims, how)
         layer = treedef.unflatten(xs)
         if graphdef is not None:
             layer = nnx.merge(graphdef, layer)
         return fn(layer, carry), None
 
-    if scope is not None and scope.gather is not None:
+    if how is not None:
         # No gathered weight saved (no policy saves an all-gather's result): the backward
         # gathers the layer again, so the peak holds one layer's weights. What else the
         # backward keeps is Parallel.remat's. At every stage-3 step, also where no leaf
@@ -136,7 +139,7 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
         # gather with the forward's (JAX's advice for remat inside scan), and the barrier
         # it would add keeps XLA's collective pipeliner from moving the backward's
         # gather one layer ahead.
-        body = jax.checkpoint(body, policy=scope.gather.policy, prevent_cse=False)
+        body = jax.checkpoint(body, policy=how.policy, prevent_cse=False)
     return jax.lax.scan(body, carry, leaves)[0]
 
 
@@ -201,13 +204,16 @@ class Route:
     """How the gradients of a stack's layers leave :func:`scan_layers`' backward at ZeRO
     stages 0 to 2 on a GPU mesh: ``"psum"`` (stage 0) all-reduces each layer's gradient
     (plus the window's sums of it) over ``axes``; ``"scatter"`` (stages 1 and 2)
-    reduce-scatters it over ``axes`` along each leaf's split dimension. ``n``: the
-    devices it runs over; ``wire``: ``Parallel.comm_dtype`` (None: the sums' own)."""
+    reduces-scatters it over ``axes`` along each leaf's split dimension; ``"gather"``
+    (stage 3) gathers each layer's blocks in the loop (``gather``), whose backward
+    reduce-scatters them. ``n``: the devices it runs over; ``wire``:
+    ``Parallel.comm_dtype`` (None: the sums' own)."""
 
     kind: str
     axes: Any
     n: int
     wire: Any = None
+    gather: Any = None  # "gather" (stage 3): the blocks' Gather, gathered in the loop
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -350,16 +356,25 @@ def gathered_loss(
     dims: list[int | None],
     how: Gather,
     warn: Callable[[str], None],
+    declared: list[bool] | None = None,
 ) -> Callable[..., Any]:
     """``parts(params, *rest)`` (:func:`jaxdp._forward.loss_parts`) on the parameters
     as this device holds them at stage 3: ``dims`` per parameter leaf, the dimension
     it is split along (None: whole). The leaves outside every stack are gathered up
     front in one collective per dtype; the stacked ones go to :func:`scan_layers` as
-    blocks. ``warn`` gives a warning once per step."""
+    blocks. ``warn`` gives a warning once per step.
+
+    ``declared``: per parameter leaf, a stack of layers (``Parallel.layers``). Where any
+    split leaf is, those go to ``loss_fn`` as :class:`Stack`, for :func:`scan_layers`
+    alone (a use elsewhere is refused by name), and ``loss_fn`` is traced once; else
+    the stacks are found by an abstract trace of ``loss_fn``, as the module says."""
+    stacked_by_name = {
+        i for i, d in enumerate(dims) if declared and declared[i] and d is not None and d >= 1
+    }
 
     def parts_at_stage_3(params: Any, *rest: Any) -> Any:
         leaves, treedef = jax.tree.flatten(params)
-        stacked = _stacked(parts, leaves, treedef, rest, dims, how, warn)
+        stacked = stacked_by_name or _stacked(parts, leaves, treedef, rest, dims, how, warn)
         up_front = [None if i in stacked else d for i, d in enumerate(dims)]
         which = [i for i, d in enumerate(up_front) if d is not None]
         if which:
@@ -373,6 +388,13 @@ def gathered_loss(
             for i, x in zip(which, blocks, strict=True):
                 leaves[i] = x
         leaves = gather(leaves, up_front, how)
+        if stacked_by_name:
+            route = Route("gather", how.axis_name, how.num_devices, how.wire, gather=how)
+            paths = jax.tree_util.tree_flatten_with_path(params)[0]
+            for i in stacked:
+                name = jax.tree_util.keystr(paths[i][0])
+                leaves[i] = Stack(leaves[i], None, None, dims[i] - 1, route, name)
+            return parts(treedef.unflatten(leaves), *rest)
         scope = _Scope({id(leaves[i]): (i, dims[i]) for i in stacked}, how)
         token = _SCOPE.set(scope)
         try:

@@ -176,6 +176,12 @@ class _Parts(NamedTuple):
     routing: Routing | None  # the stacks whose gradients leave the loop layer by layer
 
     @property
+    def declared(self) -> list[bool]:
+        """Per parameter leaf: a stack of layers (``Parallel.layers``; frozen: no)."""
+        stacked = iter(self.plan.stacked)
+        return [next(stacked) if trains else False for trains in self.mask]
+
+    @property
     def dims(self) -> list[int | None]:
         """Per parameter leaf, the dimension it is split along at rest: the plan's at
         stage 3, else None (whole)."""
@@ -825,7 +831,9 @@ def _forward(o: StepOptions, parts: _Parts, params, model_state, step, graphdef)
         has_aux=o.has_aux,
     )
     if o.zero_stage == 3 and not o.regathers_per_window:  # gathered for the loss
-        parts_of_loss = gathered_loss(parts_of_loss, parts.dims, _gather_how(o), o.warn_once)
+        parts_of_loss = gathered_loss(
+            parts_of_loss, parts.dims, _gather_how(o), o.warn_once, parts.declared
+        )
     return micro_forward(
         parts_of_loss,
         params,

@@ -156,3 +156,37 @@ def test_the_stack_is_read_from_the_models_sharding_metadata():
     state = nnx.state(blocks(nnx.Rngs(0)), nnx.Param)
     assert stacked_leaves(state) == [False, True]  # b, w in key order
     assert stacked_leaves(state, lambda path, leaf: path.startswith("['b']")) == [True, False]
+
+
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+def test_a_declared_stack_at_stage_3_is_handed_over_and_loss_fn_traced_as_at_stage_0(path):
+    """Declared, a stage-3 stack reaches scan_layers as its blocks, without the abstract
+    trace that finds an undeclared one: loss_fn is traced as often as at stage 0, and
+    the updates are stage 0's."""
+    traces = {}
+
+    def counted(stage, layers):
+        def counting(params, batch):
+            traces[stage, layers] = traces.get((stage, layers), 0) + 1
+            return loss(params, batch)
+
+        step = jaxdp.make_train_step(
+            counting,
+            optimizer(),
+            mesh=jaxdp.data_mesh(4),
+            accum_steps=3,
+            path=path,
+            parallel=jaxdp.Parallel(zero_stage=stage, layers=layers),
+        )
+        state, (x, y) = step.init(stacked_params(3)), batch()
+        calls = 1 if path == "fused" else 3
+        for c in range(calls):
+            rows = slice(c * GLOBAL_BATCH // calls, (c + 1) * GLOBAL_BATCH // calls)
+            state, _ = step(state, (x[rows], y[rows]))
+        return jax.device_get(state.params)
+
+    declared = counted(3, ("blocks",))
+    assert_trees_close(declared, counted(0, None))
+    assert traces[3, ("blocks",)] == traces[0, None]
+    counted(3, None)
+    assert traces[3, None] > traces[0, None]  # undeclared: found by one more trace
