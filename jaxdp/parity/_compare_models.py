@@ -14,7 +14,7 @@ from ._locate import locate as _locate
 from ._main_guard import check_main_guard
 from ._mapping import Mapping_
 from ._optim import OptimizerSpec
-from ._port import Loss, prepare, run_jax_port, run_torch_port, torch_trajectory
+from ._port import Loss, Port, prepare, run_jax_port, run_torch_port, torch_trajectory
 from ._report import format_parity
 from ._runner import Dtype, ParityReport, compare
 
@@ -97,15 +97,20 @@ def compare_models(
     ``RTOL[dtype]``/``ATOL[dtype]`` unless given. ``locate``: run the divergence
     locator at the first step beyond tolerance (None, the default), also when every
     step passes (True, at the step that differs most), or never (False); its
-    :class:`Divergence` is ``report.divergence``.
+    :class:`Divergence` is ``report.divergence``: the first quantity that differs in the
+    order the step computes them (each micro-batch's output and loss, its gradients, the
+    accumulated gradient, the learning rate, the optimizer's moments, the update) and its
+    ``kind`` (the loss's normalization, the schedule, the optimizer's formula, weight decay
+    or a mask, ...).
 
     ``loss_reduction="weighted"``: the loss returns ``(loss_sum, count)`` of a micro-batch
     (a token-weighted loss over padded rows: the sum over the real tokens and their
     number), on both sides. jaxdp's step divides the sum over every micro-batch and
     device by the global count; torch_ref does what a DDP script must (Hugging Face's
     ``num_items_in_batch``): counts the window's items first, all-reduces the count, and
-    backpropagates ``loss_sum * world_size / count``. The divergence locator replays
-    mean losses only: with ``"weighted"`` it does not run (``locate=True`` is refused).
+    backpropagates ``loss_sum * world_size / count``. The divergence locator compares
+    each micro-batch's ``loss_sum / global count`` and its count (the port's step may
+    reduce otherwise through ``step_options``: the bug it then names).
 
     ``schedule=(torch_scheduler, optax_schedule)``: the learning rate of each step.
     ``torch_scheduler`` is a factory ``optimizer -> LRScheduler`` (``lambda opt:
@@ -119,11 +124,6 @@ def compare_models(
     (``optax.linear_schedule`` does) is refused with the fix, before anything trains:
     its rounding alone is about 5e-8 relative, beyond float64's tolerance.
     """
-    if loss_reduction == "weighted" and locate:
-        raise ValueError(
-            "locate=True replays mean losses only; with loss_reduction='weighted' leave it "
-            "at None (the per-step comparison still runs)"
-        )
     if num_devices > 1:
         check_main_guard(f"compare_models(num_devices={num_devices})")
     port = prepare(
@@ -149,11 +149,17 @@ def compare_models(
         loss_reduction=loss_reduction,
         schedule=schedule,
     )
-    result = run_torch_port(port)
-    report = compare(
-        port.config, run_jax_port(port), torch_trajectory(port, result), rtol=rtol, atol=atol
-    )
-    if locate or (locate is None and not report.passed and loss_reduction == "mean"):
+    return report_of(port, run_torch_port(port), rtol=rtol, atol=atol, locate=locate)
+
+
+def report_of(
+    port: Port, result: Any, *, rtol: float | None, atol: float | None, locate: bool | None
+) -> ParityReport:
+    """The port trained and compared with torch_ref's ``result`` (a ``torch_ref.Result``
+    of ``port.torch_job()``, or its first steps), the locator run as ``locate`` says."""
+    torch_run = torch_trajectory(port, result)
+    report = compare(port.config, run_jax_port(port), torch_run, rtol=rtol, atol=atol)
+    if locate or (locate is None and not report.passed):
         step = report.first_failure or 1 + int(np.argmax([max(r.values()) for r in report.max_rel]))
         report.divergence = _locate(port, result.states, step, report.rtol, report.atol)
     return report
