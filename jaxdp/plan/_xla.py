@@ -16,7 +16,7 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -203,7 +203,13 @@ def activation_bytes_per_sample(spec: ModelSpec) -> float:
 
 
 def activation_bytes(
-    loss_fn: Callable[..., Any], model: Any, batch: Any, *, remat: Any = None
+    loss_fn: Callable[..., Any],
+    model: Any,
+    batch: Any,
+    *,
+    remat: Any = None,
+    loss_reduction: Literal["mean", "weighted"] = "mean",
+    has_aux: bool = False,
 ) -> float:
     """What one more sample of a micro-batch keeps for the backward: the bytes of the
     residuals of ``jax.vjp`` of ``loss_fn(model, batch)`` (what JAX's autodiff saves),
@@ -216,9 +222,17 @@ def activation_bytes(
     ``Parallel.remat`` (``"dots"``, ``"full"`` or a ``jax.checkpoint_policies`` policy):
     :func:`jaxdp.scan_layers`' loop under it, as a stage-3 step runs it; None: the loop
     as stages 0 to 2 run it (every activation kept). Before XLA's optimizations: fusion
-    may recompute cheap values instead of keeping them.
+    may recompute cheap values instead of keeping them. ``loss_reduction`` and
+    ``has_aux``: ``loss_fn``'s, as :func:`jaxdp.make_train_step` takes them (a
+    ``(loss_sum, count)`` loss, a ``(loss, aux)`` one); the residuals are those of the
+    loss the step differentiates (the mean, or ``loss_sum``).
     """
     from .._layers import _SCOPE, Gather, _Scope
+
+    if loss_reduction not in ("mean", "weighted"):
+        raise ValueError(f"loss_reduction={loss_reduction!r} must be 'mean' or 'weighted'")
+    if not isinstance(has_aux, bool):
+        raise ValueError(f"has_aux={has_aux!r} must be True or False")
 
     graphdef, params, rest = split_model(model)
 
@@ -229,7 +243,7 @@ def activation_bytes(
         )
 
         def vjp(p: Any, r: Any, b: Any) -> Any:
-            parts = loss_parts(loss_fn, "mean", graphdef)
+            parts = loss_parts(loss_fn, loss_reduction, graphdef, has_aux=has_aux)
             scope = _SCOPE.set(
                 None if remat is None else _Scope({}, Gather("data", 1, remat=remat))
             )
