@@ -82,6 +82,22 @@ def test_meter_reads_metrics_and_gives_rates_mfu_and_a_schedules_rate():
     assert last["mfu"] == pytest.approx(last["flops_per_s"] / (1e9 * 2))
 
 
+def test_meter_counts_the_tokens_the_loss_weights_not_the_padding():
+    """tokens_per_s from the call's count of real items (a device scalar, in the one
+    transfer), not samples_per_s * tokens_per_sample, which counts every position."""
+    step, state, batch = setup(2)
+    meter = Meter(step, state, batch, tokens_per_sample=7)
+    real = jnp.sum(jnp.arange(meter.samples * 7) % 7 < 3)  # 3 of each row's 7 are real
+    for _ in range(2):
+        state, metrics = step(state, batch)
+        with jax.transfer_guard_device_to_host("disallow"):
+            values = meter(state, metrics, tokens=real)
+    assert values["tokens_per_s"] == pytest.approx(3 * values["samples_per_s"])
+    assert "tokens" not in values
+    with pytest.raises(ValueError, match=r"tokens must be a scalar .* got shape \(2,\)"):
+        meter(state, metrics, tokens=jnp.ones(2))
+
+
 def test_meter_says_once_why_a_plain_schedule_has_no_rate_and_takes_inject_hyperparams():
     step, state, batch = setup(1, optimizer=optax.adam(optax.linear_schedule(0.1, 0.0, 10)))
     meter = Meter(step, state, batch)
