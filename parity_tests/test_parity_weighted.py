@@ -88,6 +88,18 @@ PLANTED = {
         "schedule",
         ["lr"],
     ),
+    # The same in the port's own optimizer: its rate read from inject_hyperparams' state.
+    "schedule_one_step_ahead_in_its_own_optimizer": (
+        dict(
+            jax_optimizer=optax.inject_hyperparams(optax.adamw)(
+                learning_rate=schedule_one_step_ahead, eps=1e-8, eps_root=0.0, weight_decay=1e-2
+            ),
+            **OWN_OPTIMIZER,
+        ),
+        "learning rate",
+        "schedule",
+        ["lr"],
+    ),
     "loss_averaged_per_micro_batch": (
         dict(
             loss=(token_lm.torch_token_loss, jax_mean_token_loss),
@@ -113,6 +125,7 @@ PLANTED = {
 # What each finding reads, beyond its kind.
 READING = {
     "schedule_one_step_ahead": "an optax schedule of f(count + 1) is a step ahead",
+    "schedule_one_step_ahead_in_its_own_optimizer": "f(count + 1) is a step ahead",
     "loss_averaged_per_micro_batch": "the port averages per micro-batch",
     "adam_eps_inside_the_square_root": "torch adds eps outside the square root",
     "no_weight_decay_on_biases": "the port does not decay them; torch does",

@@ -484,7 +484,11 @@ class _TorchReplay:
             self.scheduler.step()
         moments = {}
         for key in MOMENTS:
-            held = {n: p for n, p in self.params.items() if key in self.optimizer.state.get(p, {})}
+            held = {
+                n: p
+                for n, p in self.params.items()
+                if isinstance(self.optimizer.state.get(p, {}).get(key), torch.Tensor)
+            }
             if held:
                 tensors = {n: self.optimizer.state[p][key].numpy() for n, p in held.items()}
                 converted = self.locator.to_jax(tensors)
@@ -547,7 +551,9 @@ class _JaxReplay:
 
 
 def _is_hyperparams(x: Any) -> bool:
-    return isinstance(x, optax.InjectHyperparamsState)
+    # optax.inject_hyperparams builds the stateful kind (optax 0.2.8).
+    kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    return isinstance(x, kinds)
 
 
 def _reduction(weighted: bool) -> str:
