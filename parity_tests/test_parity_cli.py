@@ -232,3 +232,29 @@ def test_parity_command_on_a_weighted_scheduled_script_in_files_of_its_own(
     assert status == 0, out.out + out.err
     assert out.out.splitlines()[-1] == "PASS: every step within tolerance"
     assert str(tmp_path) not in sys.path  # the file's folder was on it while it ran only
+
+
+def test_parity_command_names_the_kind_of_a_planted_bug(tmp_path, monkeypatch, capsys):
+    """The team's port with its optax schedule a step ahead of torch's LambdaLR: the report
+    of ``jaxdp parity`` ends with the locator's finding, the learning rate, its kind."""
+    shutil.copy(pathlib.Path(__file__).parent / "token_lm.py", tmp_path / "team_lm.py")
+    (tmp_path / "team_port.py").write_text(
+        "from team_lm import JaxLM as Port, jax_token_loss, optax_schedule\n\n\n"
+        "def ahead(count):\n    return optax_schedule(count + 1)\n"
+    )
+    x, y = token_lm.data()
+    np.savez(tmp_path / "tokens.npz", x=x, y=y)
+    monkeypatch.setattr("jaxdp._mesh.emulate_cpu_devices", lambda num_devices: None)
+    lm, port = tmp_path / "team_lm.py", tmp_path / "team_port.py"
+    status = main(
+        ["parity", "--torch-model", f"{lm}:TorchLM", "--jax-model", f"{port}:Port"]
+        + ["--data", str(tmp_path / "tokens.npz"), "--loss-reduction", "weighted"]
+        + ["--loss", f"{lm}:torch_token_loss,jax_token_loss"]
+        + ["--schedule", f"{lm}:torch_schedule,{port}:ahead"]
+        + ["--num-devices", "1", "--accum-steps", "2", "--micro-batch-size", "3", "--steps", "2"]
+    )
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert "learning rate (step 1)" in out and "DIFFERS" in out, out
+    assert "\nkind: schedule\n" in out, out
+    assert out.splitlines()[-1] == "FAIL: step 1 is the first beyond tolerance"

@@ -60,8 +60,10 @@ CLIP = OptimizerSpec("sgd", 0.1, momentum=0.9, max_grad_norm=0.01)
 
 @pytest.mark.parametrize("library", ["linen", "equinox"])
 def test_locator_reaches_the_optimizer_of_a_linen_and_an_equinox_port(library):
-    """Every stage runs: the accumulated gradient and the optimizer replay read jaxdp's
-    step's parameter tree under the port's names; optax's clipping is not torch's."""
+    """Every stage runs (the learning rate aside: the port's own optax chain does not say
+    it): the accumulated gradient and the optimizer replay read jaxdp's step's parameter
+    tree under the port's names; optax's clipping is not torch's, and the momentum buffer
+    holding the clipped gradient is the first quantity that differs."""
     report = compare_models(
         lp.TorchRMSNet,
         PORTS[library][0],
@@ -72,8 +74,9 @@ def test_locator_reaches_the_optimizer_of_a_linen_and_an_equinox_port(library):
         **LAYOUT,
     )
     found = report.divergence
-    assert [s.stage for s in found.stages] == list(STAGES), found.describe()
-    assert found.stage == "optimizer update", found.describe()
+    compared = [s for s in STAGES if s != "learning rate"]
+    assert [s.stage for s in found.stages] == compared, found.describe()
+    assert (found.stage, found.kind) == ("optimizer moments",) * 2, found.describe()
     kernel = "fc2.weight" if library == "equinox" else "fc2.kernel"
     assert kernel in found.names, found.describe()
 

@@ -122,7 +122,8 @@ BROKEN = {
                 optax.clip_by_global_norm(CLIP.max_grad_norm), optax.sgd(0.1, momentum=0.9)
             ),
         ),
-        "optimizer update",
+        # The momentum buffer holds the clipped gradient: the first quantity that differs.
+        "optimizer moments",
         None,
         "head.kernel",
     ),

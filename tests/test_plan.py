@@ -878,3 +878,44 @@ def test_stage_3_rests_as_xlas_arguments(gather_dtype, shards, accum_steps):
         assert 0.9 * memory.temporaries <= added <= 1.1 * memory.temporaries, (
             added / memory.temporaries
         )
+
+
+def test_activation_bytes_take_a_weighted_and_an_aux_loss():
+    """A ``(loss_sum, count)`` loss and a ``(loss, aux)`` one, as make_train_step takes
+    them, keep what the mean loss they differentiate keeps: no mean wrapper needed."""
+    stack = nnx.eval_shape(lambda: jaxdp.models.Stack(rngs=nnx.Rngs(0)))
+    rows = (jax.ShapeDtypeStruct((2, 6), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32))
+    mean = jaxdp.models.model_loss("stack")
+
+    def weighted(model, batch):
+        return mean(model, batch) * batch[1].shape[0], jnp.float32(batch[1].shape[0])
+
+    def with_aux(model, batch):
+        return mean(model, batch), {"rows": jnp.float32(batch[1].shape[0])}
+
+    every = jaxdp.plan.activation_bytes(mean, stack, rows)
+    assert every > 0
+    assert jaxdp.plan.activation_bytes(weighted, stack, rows, loss_reduction="weighted") == every
+    assert jaxdp.plan.activation_bytes(with_aux, stack, rows, has_aux=True) == every
+    with pytest.raises(ValueError, match=r"loss_reduction='sum' must be 'mean' or 'weighted'"):
+        jaxdp.plan.activation_bytes(mean, stack, rows, loss_reduction="sum")
+
+
+def test_compiled_memory_has_no_peak_on_xla_cpu():
+    """XLA:CPU's peak_memory_in_bytes is the arguments plus the outputs (and 4 bytes),
+    without the temporaries: not a peak, so ``peak`` is None there and ``total`` holds
+    the temporaries. The raw figure is pinned: an XLA that reports a real one shows up."""
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w.T) @ w)
+
+    args = (
+        jax.ShapeDtypeStruct((512, 512), jnp.float32),
+        jax.ShapeDtypeStruct((256, 512), jnp.float32),
+    )
+    compiled = jax.jit(jax.grad(loss)).lower(*args).compile()
+    memory = jaxdp.plan.compiled_memory(compiled)
+    raw = compiled.memory_analysis().peak_memory_in_bytes
+    assert memory.temporaries > memory.arguments > 0, memory
+    assert raw == memory.arguments + memory.outputs + 4 < memory.total, (raw, memory)
+    assert memory.peak is None

@@ -2,6 +2,7 @@
 loop counted, rates and MFU, the learning rate of a schedule, metrics in one transfer, and
 trackers in a line."""
 
+import io
 import struct
 import sys
 import types
@@ -14,7 +15,7 @@ import optax
 import pytest
 
 import jaxdp
-from jaxdp.throughput import Meter, Trackers, step_flops
+from jaxdp.throughput import Meter, Progress, Trackers, step_flops
 
 D_IN, HIDDEN, D_OUT = 3, 5, 2
 
@@ -83,6 +84,22 @@ def test_meter_reads_metrics_and_gives_rates_mfu_and_a_schedules_rate():
     assert last["tokens_per_s"] == pytest.approx(7 * last["samples_per_s"])
     assert last["flops_per_s"] == pytest.approx(closed_form(16) / 16 * last["samples_per_s"])
     assert last["mfu"] == pytest.approx(last["flops_per_s"] / (1e9 * 2))
+
+
+def test_meter_counts_the_tokens_the_loss_weights_not_the_padding():
+    """tokens_per_s from the call's count of real items (a device scalar, in the one
+    transfer), not samples_per_s * tokens_per_sample, which counts every position."""
+    step, state, batch = setup(2)
+    meter = Meter(step, state, batch, tokens_per_sample=7)
+    real = jnp.sum(jnp.arange(meter.samples * 7) % 7 < 3)  # 3 of each row's 7 are real
+    for _ in range(2):
+        state, metrics = step(state, batch)
+        with jax.transfer_guard_device_to_host("disallow"):
+            values = meter(state, metrics, tokens=real)
+    assert values["tokens_per_s"] == pytest.approx(3 * values["samples_per_s"])
+    assert "tokens" not in values
+    with pytest.raises(ValueError, match=r"tokens must be a scalar .* got shape \(2,\)"):
+        meter(state, metrics, tokens=jnp.ones(2))
 
 
 def test_meter_says_once_why_a_plain_schedule_has_no_rate_and_takes_inject_hyperparams():
@@ -195,3 +212,30 @@ def test_trackers_write_tensorboard_and_wandb_in_one_line(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ImportError, match="log_with='wandb' needs wandb: pip install wandb"):
         Trackers("wandb", tmp_path)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_draws_on_a_terminal_only_and_shows_the_meters_values():
+    step, state, batch = setup(1)
+    meter = Meter(step, state, batch, tokens_per_sample=7)
+    terminal, log = _Terminal(), io.StringIO()
+    with Progress(3, file=terminal) as bar, Progress(3, file=log) as off:
+        assert not bar.disabled and off.disabled  # tqdm's own test: a terminal or not
+        for _ in range(3):
+            state, metrics = step(state, batch)
+            values = meter(state, metrics)
+            bar.update(values)
+            off.update(values)
+        bar.write("epoch 1 done")
+    drawn = terminal.getvalue()
+    assert "3/3" in drawn and "loss=" in drawn and "tokens_per_s=" in drawn, drawn
+    assert "epoch 1 done" in drawn
+    assert log.getvalue() == ""  # a log file gets no bar
+    with Progress(3, file=io.StringIO(), enabled=True) as told:
+        assert not told.disabled  # told to draw, it does
+    with pytest.raises(ValueError, match=r"total=0 must be an integer >= 1"):
+        Progress(0)

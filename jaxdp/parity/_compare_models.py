@@ -105,17 +105,22 @@ def compare_models(
     ``RTOL[dtype]``/``ATOL[dtype]`` unless given. ``locate``: run the divergence
     locator at the first step beyond tolerance (None, the default), also when every
     step passes (True, at the step that differs most), or never (False); its
-    :class:`Divergence` is ``report.divergence``.
+    :class:`Divergence` is ``report.divergence``: the first quantity that differs in the
+    order the step computes them (each micro-batch's output and loss, its gradients, the
+    accumulated gradient, the learning rate, the optimizer's moments, the update) and its
+    ``kind`` (the loss's normalization, the schedule, the optimizer's formula, weight decay
+    or a mask, ...).
 
     ``loss_reduction="weighted"``: the loss returns ``(loss_sum, count)`` of a micro-batch
     (a token-weighted loss over padded rows: the sum over the real tokens and their
     number), on both sides. jaxdp's step divides the sum over every micro-batch and
     device by the global count; torch_ref does what a DDP script must (Hugging Face's
     ``num_items_in_batch``): counts the window's items first, all-reduces the count, and
-    backpropagates ``loss_sum * world_size / count``. The divergence locator replays
-    mean losses only: with ``"weighted"`` it does not run (``locate=True`` is refused).
-    A loss of the other form (a ``(loss_sum, count)`` pair under ``"mean"``, a scalar
-    under ``"weighted"``) raises ``ValueError`` when jaxdp's step first traces it, before
+    backpropagates ``loss_sum * world_size / count``. The divergence locator compares
+    each micro-batch's ``loss_sum / global count`` and its count (the port's step may
+    reduce otherwise through ``step_options``: the bug it then names). A loss of the
+    other form (a ``(loss_sum, count)`` pair under ``"mean"``, a scalar under
+    ``"weighted"``) raises ``ValueError`` when jaxdp's step first traces it, before
     either side trains.
 
     ``schedule=(torch_scheduler, optax_schedule)``: the learning rate of each step.
@@ -164,14 +169,10 @@ def checked_port(
     step traced on the first call (a loss that does not return what ``loss_reduction``
     takes fails here), before either side trains. ``jaxdp parity`` reports what this
     raises as a usage error."""
-    if options["loss_reduction"] == "weighted" and locate:
-        raise ValueError(
-            "locate=True replays mean losses only; with loss_reduction='weighted' leave it "
-            "at None (the per-step comparison still runs)"
-        )
     if options["num_devices"] > 1:
         check_main_guard(f"compare_models(num_devices={options['num_devices']})")
-    port = prepare(torch_model, jax_model, data, **{"step_options": None, **options})
+    options = {"step_options": None, **options}
+    port = prepare(torch_model, jax_model, data, locate=locate, **options)
     trace_jax_port(port)
     return port
 
@@ -180,12 +181,17 @@ def compared(
     port: Port, *, locate: bool | None, rtol: float | None, atol: float | None
 ) -> ParityReport:
     """:func:`compare_models`' second half: both sides trained and compared."""
-    result = run_torch_port(port)
-    report = compare(
-        port.config, run_jax_port(port), torch_trajectory(port, result), rtol=rtol, atol=atol
-    )
-    mean = port.config.loss_reduction == "mean"
-    if locate or (locate is None and not report.passed and mean):
+    return report_of(port, run_torch_port(port), rtol=rtol, atol=atol, locate=locate)
+
+
+def report_of(
+    port: Port, result: Any, *, rtol: float | None, atol: float | None, locate: bool | None
+) -> ParityReport:
+    """The port trained and compared with torch_ref's ``result`` (a ``torch_ref.Result``
+    of ``port.torch_job()``, or its first steps), the locator run as ``locate`` says."""
+    torch_run = torch_trajectory(port, result)
+    report = compare(port.config, run_jax_port(port), torch_run, rtol=rtol, atol=atol)
+    if locate or (locate is None and not report.passed):
         step = report.first_failure or 1 + int(np.argmax([max(r.values()) for r in report.max_rel]))
         report.divergence = _locate(port, result.states, step, report.rtol, report.atol)
     return report

@@ -72,6 +72,9 @@ class Port:
     initial: dict[str, np.ndarray]  # torch's initial state_dict
     step_options: dict[str, Any]  # make_train_step's, for the JAX side
     torch_scheduler: Any = None  # torch_ref's lr_scheduler: optimizer -> LRScheduler
+    # The rate (a number or an optax schedule) prepare built jax_optimizer with; None when
+    # jax_optimizer is the user's own (the divergence locator then reads its state).
+    learning_rate: Any = None
 
     def loss_fn(self, model: Any, batch: tuple[Any, Any]) -> jax.Array:
         """jaxdp's ``loss_fn(model, (x, y))``: one micro-batch's loss, from the port's
@@ -162,6 +165,11 @@ def prepare(
         initial=initial,
         step_options=dict(step_options or {}),
         torch_scheduler=torch_scheduler,
+        learning_rate=(
+            (spec.learning_rate if jax_schedule is None else jax_schedule)
+            if jax_optimizer is None
+            else None
+        ),
     )
 
 

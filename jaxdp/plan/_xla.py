@@ -16,7 +16,7 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +47,12 @@ class CompiledMemory:
       aliased: output bytes written into (donated) argument buffers.
       temporaries: the buffers it allocates while it runs (its temporary allocation).
       peak: XLA's own peak of the program's buffers over its schedule (arguments and
-        temporaries live at once at the worst point), where the backend reports it;
-        None where it does not.
+        temporaries live at once at the worst point), where the backend reports one (XLA:GPU,
+        compile-only GPUs included); None where it does not. XLA:CPU's
+        ``peak_memory_in_bytes`` is no such peak: it is the arguments plus the outputs (and 4
+        bytes), without the temporaries (jax 0.10.2: a gradient with 3 MiB of temporaries,
+        1.5 MiB of arguments and 1 MiB of outputs reports 2.5 MiB), so on CPU ``peak`` is
+        None and :attr:`total` is the bound to read.
     """
 
     arguments: int
@@ -68,6 +72,8 @@ def compiled_memory(compiled: Any) -> CompiledMemory:
     compile-only GPUs of :func:`jaxdp.testing.gpu_mesh`: per device)."""
     stats = compiled.memory_analysis()
     peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    if _platform(compiled) == "cpu":
+        peak = 0  # XLA:CPU's figure leaves the temporaries out: no peak (see CompiledMemory)
     return CompiledMemory(
         arguments=int(stats.argument_size_in_bytes),
         outputs=int(stats.output_size_in_bytes),
@@ -75,6 +81,13 @@ def compiled_memory(compiled: Any) -> CompiledMemory:
         temporaries=int(stats.temp_size_in_bytes),
         peak=peak or None,
     )
+
+
+def _platform(compiled: Any) -> str | None:
+    """The platform ``compiled`` runs on, from its shardings (None if it has none)."""
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    devices = [d for s in shardings for d in s.device_set]
+    return devices[0].platform if devices else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +216,13 @@ def activation_bytes_per_sample(spec: ModelSpec) -> float:
 
 
 def activation_bytes(
-    loss_fn: Callable[..., Any], model: Any, batch: Any, *, remat: Any = None
+    loss_fn: Callable[..., Any],
+    model: Any,
+    batch: Any,
+    *,
+    remat: Any = None,
+    loss_reduction: Literal["mean", "weighted"] = "mean",
+    has_aux: bool = False,
 ) -> float:
     """What one more sample of a micro-batch keeps for the backward: the bytes of the
     residuals of ``jax.vjp`` of ``loss_fn(model, batch)`` (what JAX's autodiff saves),
@@ -216,9 +235,17 @@ def activation_bytes(
     ``Parallel.remat`` (``"dots"``, ``"full"`` or a ``jax.checkpoint_policies`` policy):
     :func:`jaxdp.scan_layers`' loop under it, as a stage-3 step runs it; None: the loop
     as stages 0 to 2 run it (every activation kept). Before XLA's optimizations: fusion
-    may recompute cheap values instead of keeping them.
+    may recompute cheap values instead of keeping them. ``loss_reduction`` and
+    ``has_aux``: ``loss_fn``'s, as :func:`jaxdp.make_train_step` takes them (a
+    ``(loss_sum, count)`` loss, a ``(loss, aux)`` one); the residuals are those of the
+    loss the step differentiates (the mean, or ``loss_sum``).
     """
     from .._layers import _SCOPE, Gather, _Scope
+
+    if loss_reduction not in ("mean", "weighted"):
+        raise ValueError(f"loss_reduction={loss_reduction!r} must be 'mean' or 'weighted'")
+    if not isinstance(has_aux, bool):
+        raise ValueError(f"has_aux={has_aux!r} must be True or False")
 
     graphdef, params, rest = split_model(model)
 
@@ -229,7 +256,7 @@ def activation_bytes(
         )
 
         def vjp(p: Any, r: Any, b: Any) -> Any:
-            parts = loss_parts(loss_fn, "mean", graphdef)
+            parts = loss_parts(loss_fn, loss_reduction, graphdef, has_aux=has_aux)
             scope = _SCOPE.set(
                 None if remat is None else _Scope({}, Gather("data", 1, remat=remat))
             )

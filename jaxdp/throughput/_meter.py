@@ -40,9 +40,16 @@ class Meter:
       plain ``optax.adamw(schedule)`` keeps only a count in its state, and reading the
       schedule back out of optax's closures is not done;
     - from the second call on, over the wall time since the call before (which waits
-      for the step, so it is the step's time): ``"samples_per_s"``, ``"tokens_per_s"``
-      (with ``tokens_per_sample``), ``"flops_per_s"`` and ``"mfu"`` (with
-      ``peak_flops_per_device``: achieved over peak times the step's devices).
+      for the step, so it is the step's time): ``"samples_per_s"``, ``"tokens_per_s"``,
+      ``"flops_per_s"`` and ``"mfu"`` (with ``peak_flops_per_device``: achieved over
+      peak times the step's devices).
+
+    ``"tokens_per_s"`` counts what the loss weights when the call gets it:
+    ``meter(state, metrics, tokens=count)``, the step's count of real items (a weighted
+    loss's count over the global batch, ``jnp.sum(labels != -100)``; on the multisteps
+    path the window's), a number or a device scalar read in the same transfer; padding
+    is then left out. Without ``tokens`` it is ``samples_per_s * tokens_per_sample``:
+    every position of every row, padding included (given neither, it is left out).
     """
 
     def __init__(
@@ -73,8 +80,16 @@ class Meter:
         self._last: float | None = None
         self._told = False
 
-    def __call__(self, state: Any, metrics: dict[str, Any]) -> dict[str, int | float]:
-        names, leaves = zip(*named({"step": state.step, **metrics}), strict=True)
+    def __call__(
+        self, state: Any, metrics: dict[str, Any], *, tokens: Any = None
+    ) -> dict[str, int | float]:
+        if tokens is not None and jnp.shape(tokens) != ():
+            raise ValueError(
+                f"tokens must be a scalar (the step's count of the items the loss weights), "
+                f"got shape {jnp.shape(tokens)}"
+            )
+        counted = {} if tokens is None else {"tokens": tokens}
+        names, leaves = zip(*named({"step": state.step, **metrics, **counted}), strict=True)
         schedule = None
         if "learning_rate" not in metrics:
             if callable(self.learning_rate):
@@ -85,6 +100,7 @@ class Meter:
         kinds = tuple(_kind(x) for x in leaves) + (("float",) if schedule else ())
         host = jax.device_get(_stacked(leaves, state.step, schedule))
         values = dict(zip(names, _numbers(host, kinds), strict=True))
+        tokens = values.pop("tokens", None)
         if "learning_rate" not in values and self.learning_rate is not None:
             values["learning_rate"] = float(self.learning_rate)
         now = time.perf_counter()
@@ -92,7 +108,9 @@ class Meter:
             seconds = now - self._last
             values["samples_per_s"] = self.samples / seconds
             values["flops_per_s"] = self.flops / seconds
-            if self.tokens_per_sample is not None:
+            if tokens is not None:
+                values["tokens_per_s"] = tokens / seconds
+            elif self.tokens_per_sample is not None:
                 values["tokens_per_s"] = values["samples_per_s"] * self.tokens_per_sample
             if self.peak is not None:
                 values["mfu"] = values["flops_per_s"] / (self.peak * self.num_devices)
