@@ -172,7 +172,7 @@ def checked_port(
     if options["num_devices"] > 1:
         check_main_guard(f"compare_models(num_devices={options['num_devices']})")
     options = {"step_options": None, **options}
-    port = prepare(torch_model, jax_model, data, locate=locate, **options)
+    port = prepare(torch_model, jax_model, data, **options)
     trace_jax_port(port)
     return port
 

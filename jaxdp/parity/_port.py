@@ -82,7 +82,9 @@ class Port:
         ``loss_reduction`` takes (checked while the step traces)."""
         out = self.jax_loss(self.weights.framework(model, batch[0]), batch[1])
         if not self.step_options.get("has_aux"):
-            _check_loss_form(out, self.config.loss_reduction, self.jax_loss)
+            # The step's own reduction: step_options may set the port's otherwise.
+            reduction = self.step_options.get("loss_reduction", self.config.loss_reduction)
+            _check_loss_form(out, reduction, self.jax_loss)
         return out
 
     def torch_job(self) -> tuple[Any, tuple[np.ndarray, np.ndarray], dict[str, np.ndarray]]:

@@ -16,6 +16,8 @@ from .._step import TrainStep
 from ..checkpoint._rules import named  # "aux/name" paths, as checkpoints name leaves
 from ._flops import step_flops
 
+_TOKENS = "\0tokens"  # the count passed as tokens=, beside metrics of any name
+
 
 class Meter:
     """The numbers to log after each optimizer step: ``meter(state, metrics)``.
@@ -88,7 +90,7 @@ class Meter:
                 f"tokens must be a scalar (the step's count of the items the loss weights), "
                 f"got shape {jnp.shape(tokens)}"
             )
-        counted = {} if tokens is None else {"tokens": tokens}
+        counted = {} if tokens is None else {_TOKENS: tokens}
         names, leaves = zip(*named({"step": state.step, **metrics, **counted}), strict=True)
         schedule = None
         if "learning_rate" not in metrics:
@@ -100,7 +102,7 @@ class Meter:
         kinds = tuple(_kind(x) for x in leaves) + (("float",) if schedule else ())
         host = jax.device_get(_stacked(leaves, state.step, schedule))
         values = dict(zip(names, _numbers(host, kinds), strict=True))
-        tokens = values.pop("tokens", None)
+        tokens = values.pop(_TOKENS, None)
         if "learning_rate" not in values and self.learning_rate is not None:
             values["learning_rate"] = float(self.learning_rate)
         now = time.perf_counter()
