@@ -16,13 +16,14 @@ import jaxdp
 import torch_ref
 from jaxdp.parity import Trajectory, compare, format_parity, run_jaxdp
 from jaxdp.parity._runner import _epochs_needed
+from jaxdp.testing import TOLERANCES
 
 ROOT = pathlib.Path(__file__).parent.parent
 PATHS = ("fused", "multisteps")
-# The float64 bound of tests/helpers.py: the same arithmetic, the all-reduce summed by
-# gloo across processes instead of in one process. Observed: 2e-13 at most (on an
-# element near zero), on both paths.
-RTOL_SAME_DEVICES = 1e-12
+# jaxdp.testing's float64 bound of the same sums: the same arithmetic, the all-reduce
+# summed by gloo across processes instead of in one process. Observed: 2e-13 at most (on
+# an element near zero), on both paths.
+RTOL_SAME_DEVICES = TOLERANCES["float64"].rtol
 
 
 @pytest.fixture(scope="module")

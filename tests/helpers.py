@@ -1,4 +1,5 @@
-"""The one tree-compare helper and the tolerances it is used with; a port for a coordinator;
+"""How far two trees are apart (the tree comparison and its tolerances are
+``jaxdp.testing``'s: ``assert_trees_close``, ``TOLERANCES``); a port for a coordinator;
 whether a test's processes are still running."""
 
 import contextlib
@@ -9,36 +10,6 @@ from typing import Any
 
 import jax
 import numpy as np
-
-# Relative tolerances per dtype, elementwise.
-RTOL = {
-    # The issue's bound. Observed: a few 1e-15 (summation order differs between
-    # the scan over micro-batches, the all-reduce and one big batch).
-    "float64": 1e-12,
-    # PyTorch's assertEqual defaults for float32. Observed after 5 steps: at most
-    # 1.1e-6 relative on elements near zero and 6e-8 absolute, from the order
-    # of summation (per micro-batch, then across devices, vs one big batch).
-    "float32": 1.3e-6,
-}
-# Absolute floors, for elements that pass near zero, where a relative bound means nothing.
-ATOL = {
-    # An element near zero still carries the rounding of the O(0.1..1) terms summed into
-    # it: 1.3e-17 was seen on an element of 5e-6 (jax 0.12, CPU). 1e-15 is a few ulps
-    # of 1.0 (float64 eps 2.2e-16), far below any difference a wrong reduction makes.
-    "float64": 1e-15,
-    "float32": 1e-5,  # PyTorch's assertEqual default for float32
-}
-
-
-def assert_trees_close(actual: Any, expected: Any, *, rtol: float, atol: float = 0.0) -> None:
-    """Same structure, and every leaf within ``rtol`` (elementwise) of ``expected``."""
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for (path, a), b in zip(
-        jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected), strict=True
-    ):
-        np.testing.assert_allclose(
-            np.asarray(a), np.asarray(b), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
-        )
 
 
 def max_rel_diff(actual: Any, expected: Any) -> float:

@@ -11,10 +11,10 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from helpers import RTOL, assert_trees_close
 
 import jaxdp
 from jaxdp.cli._train import TrainConfig, build, make_step, train
+from jaxdp.testing import TOLERANCES, assert_trees_close
 
 pytestmark = [
     # The module's runs share fixtures: one worker runs them all, each run once.
@@ -215,10 +215,15 @@ def test_resume_on_other_devices_at_the_same_global_batch(tmp_path, whole, mid_c
     # micro-batches group the rows differently), so float64 rounding, not bits.
     resumed, uninterrupted = saved_arrays(config), saved_arrays(whole)
     assert_trees_close(
-        resumed["replicated"]["params"], uninterrupted["replicated"]["params"], rtol=RTOL["float64"]
+        resumed["replicated"]["params"],
+        uninterrupted["replicated"]["params"],
+        rtol=TOLERANCES["float64"].rtol,
+        atol=0.0,
     )
     losses = [r["loss"] for r in records(config)]
-    np.testing.assert_allclose(losses, [r["loss"] for r in records(whole)], rtol=RTOL["float64"])
+    np.testing.assert_allclose(
+        losses, [r["loss"] for r in records(whole)], rtol=TOLERANCES["float64"].rtol
+    )
 
 
 def test_mid_cycle_checkpoint_cannot_change_the_split(tmp_path, mid_cycle):
@@ -464,8 +469,8 @@ def test_batch_statistics_rng_streams_and_skip_counts_round_trip(tmp_path, path)
     restored = checkpoints.restore(step.init(Net()), sizes=sizes).state
     assert int(restored.skipped_steps) == 1 and int(restored.step) == 2
     keys = [nnx.filter_state(s.model_state, nnx.RngKey) for s in (restored, state)]
-    assert_trees_close(*(jax.tree.map(jax.random.key_data, k) for k in keys), rtol=0)
+    assert_trees_close(*(jax.tree.map(jax.random.key_data, k) for k in keys), rtol=0, atol=0.0)
     stats = [nnx.filter_state(s.model_state, nnx.BatchStat) for s in (restored, state)]
-    assert_trees_close(*stats, rtol=0)
+    assert_trees_close(*stats, rtol=0, atol=0.0)
     assert int(restored.model_state["bn"]["num_batches_tracked"][...]) == 4
-    assert_trees_close(restored.opt_state, state.opt_state, rtol=0)
+    assert_trees_close(restored.opt_state, state.opt_state, rtol=0, atol=0.0)

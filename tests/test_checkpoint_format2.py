@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ATOL
 
 import jaxdp
+from jaxdp.testing import TOLERANCES
 
 DATA = pathlib.Path(__file__).parent / "data"
 sys.path.insert(0, str(DATA))
@@ -77,7 +77,9 @@ def test_a_jaxdp_0_2_checkpoint_continues_as_it_did_in_0_2(name, tmp_path):
             assert np.max(np.abs(got[key])) < NOISE[name, key], key
             assert np.max(np.abs(value)) < NOISE[name, key], key
             continue
-        np.testing.assert_allclose(got[key], value, rtol=RTOL, atol=ATOL["float64"], err_msg=key)
+        np.testing.assert_allclose(
+            got[key], value, rtol=RTOL, atol=TOLERANCES["float64"].atol, err_msg=key
+        )
     assert history[-1]["loss"] == pytest.approx(expected["last"]["loss"], rel=RTOL)
 
 

@@ -23,7 +23,7 @@ import types
 import jax
 import numpy as np
 import pytest
-from helpers import RTOL, alive, assert_trees_close, left_behind
+from helpers import alive, left_behind
 
 import jaxdp
 from jaxdp.cli import main
@@ -31,6 +31,7 @@ from jaxdp.cli._group import RECORD_WAIT_S, Exit, Group, first_to_fail
 from jaxdp.cli._launch import child_argv
 from jaxdp.cli._launch_link import ENV_FAILURE_FILE, FailureRecord, read_failure, record_failure
 from jaxdp.cli._train import TrainConfig, build, make_step, train
+from jaxdp.testing import TOLERANCES, assert_trees_close
 
 ROOT = pathlib.Path(__file__).parent.parent
 LAUNCH = [sys.executable, "-m", "jaxdp", "launch"]
@@ -1062,7 +1063,7 @@ def test_train_on_two_processes_equals_one_process_with_four_devices(tmp_path, u
     assert [r["samples"] for r in there] == [r["samples"] for r in here]  # all processes'
     for name in ("loss", "grad_norm"):
         np.testing.assert_allclose(
-            [r[name] for r in there], [r[name] for r in here], rtol=RTOL["float64"]
+            [r[name] for r in there], [r[name] for r in here], rtol=TOLERANCES["float64"].rtol
         )
     step, sizes = make_step(config)
     ours = jaxdp.checkpoint.Checkpoints(tmp_path / "here").restore(
@@ -1072,7 +1073,9 @@ def test_train_on_two_processes_equals_one_process_with_four_devices(tmp_path, u
     step, sizes = make_step(split)
     like = step.init(build(split))
     theirs = jaxdp.checkpoint.Checkpoints(uninterrupted.path / "ref").restore(like, sizes=sizes)
-    assert_trees_close(theirs.state.params, ours.state.params, rtol=RTOL["float64"])
+    assert_trees_close(
+        theirs.state.params, ours.state.params, rtol=TOLERANCES["float64"].rtol, atol=0.0
+    )
 
 
 def wait_for_records(launcher, path, count, timeout=240):

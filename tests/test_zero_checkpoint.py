@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from helpers import ATOL, RTOL, assert_trees_close
 from models import big_batch_reference, mlp_params, mse_loss, regression_data
 
 import jaxdp
+from jaxdp.testing import TOLERANCES, assert_trees_close
 
 GLOBAL_BATCH, STEPS = 24, 3
 
@@ -58,7 +58,9 @@ def test_a_split_state_resumes_on_another_device_count_and_stage(tmp_path):
         block = (8 // num_devices, 16) if stage else (8, 16)
         assert mu.shape == (8, 16) and mu.addressable_shards[0].data.shape == block
         state, _ = step(restored.state, batches[2])
-        assert_trees_close(state.params, expected, rtol=RTOL["float64"], atol=ATOL["float64"])
+        assert_trees_close(
+            state.params, expected, rtol=TOLERANCES["float64"].rtol, atol=TOLERANCES["float64"].atol
+        )
 
 
 # ---- stage 3 and HSDP: the parameters split too ---------------------------------------
@@ -186,7 +188,12 @@ def test_a_stage_3_state_resumes_at_other_stages_device_counts_and_shards(tmp_pa
         state, _ = step(state, batches[s])
         if layout == saved_layout:
             assert_same_bits(state, uninterrupted)
-        assert_trees_close(state.params, expected[s], rtol=RTOL["float64"], atol=ATOL["float64"])
+        assert_trees_close(
+            state.params,
+            expected[s],
+            rtol=TOLERANCES["float64"].rtol,
+            atol=TOLERANCES["float64"].atol,
+        )
         checkpoints.save(
             state,
             position=jaxdp.SamplerPosition(0, s + 1, 0),
@@ -221,7 +228,9 @@ def test_an_hsdp_window_saved_mid_way_resumes_in_any_layout_of_its_batch(tmp_pat
     restored = checkpoints.restore(step.init(stacked_params()), sizes=sizes).state
     resumed, _ = step(restored, calls[3])
     assert_same_bits(resumed, uninterrupted)
-    assert_trees_close(resumed.params, expected, rtol=RTOL["float64"], atol=ATOL["float64"])
+    assert_trees_close(
+        resumed.params, expected, rtol=TOLERANCES["float64"].rtol, atol=TOLERANCES["float64"].atol
+    )
     fsdp, stage_0 = (make_split(*layout, path="multisteps")[0] for layout in [(3, 4), (0, 4)])
     at_fsdp = checkpoints.restore(fsdp.init(stacked_params()), sizes=sizes).state
     assert block_shape(at_fsdp.window.grads["blocks"]["w"]) == (2, WIDTH, WIDTH // 4)
@@ -232,4 +241,9 @@ def test_an_hsdp_window_saved_mid_way_resumes_in_any_layout_of_its_batch(tmp_pat
         assert int(restored.window.position) == 1
         resumed, _ = other(restored, calls[3])
         assert int(resumed.step) == 2
-        assert_trees_close(resumed.params, expected, rtol=RTOL["float64"], atol=ATOL["float64"])
+        assert_trees_close(
+            resumed.params,
+            expected,
+            rtol=TOLERANCES["float64"].rtol,
+            atol=TOLERANCES["float64"].atol,
+        )

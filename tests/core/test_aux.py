@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import ATOL, RTOL, assert_trees_close
 
 import jaxdp
+from jaxdp.testing import TOLERANCES, assert_trees_close
 
 DEVICES, ACCUM, MICRO = 4, 2, 3  # 24 rows per optimizer step
-TOL = {"rtol": RTOL["float64"], "atol": ATOL["float64"]}
+TOL = {"rtol": TOLERANCES["float64"].rtol, "atol": TOLERANCES["float64"].atol}
 
 
 def data(steps=2, seed=0):

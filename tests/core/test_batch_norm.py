@@ -6,9 +6,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import ATOL, RTOL
 
 import jaxdp
+from jaxdp.testing import TOLERANCES
 
 pytestmark = pytest.mark.filterwarnings(
     # nnx.BatchNorm updates its float32 statistics from float64 inputs (flax's own cast).
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 NUM_DEVICES, ACCUM, MICRO = 4, 2, 4
 # nnx.BatchNorm keeps its running statistics in float32 whatever param_dtype (flax 0.12.8).
-STATS = dict(rtol=RTOL["float32"], atol=ATOL["float32"])
+STATS = dict(rtol=TOLERANCES["float32"].rtol, atol=TOLERANCES["float32"].atol)
 
 
 class Normalized(nnx.Module):
@@ -129,7 +129,9 @@ def test_sync_mode_equals_one_device_with_each_global_micro_batch():
         for _ in range(3):
             state, _ = step(state, (x[rows], y[rows]))
         states.append(nnx.state(step.model(state)))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL["float64"]), *states)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=TOLERANCES["float64"].rtol), *states
+    )
 
 
 def test_padding_micro_batch_leaves_statistics_alone():

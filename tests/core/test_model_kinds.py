@@ -12,11 +12,11 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
-from helpers import ATOL, RTOL, assert_trees_close
 
 import jaxdp
+from jaxdp.testing import TOLERANCES, assert_trees_close
 
-TOL = {"rtol": RTOL["float64"], "atol": ATOL["float64"]}
+TOL = {"rtol": TOLERANCES["float64"].rtol, "atol": TOLERANCES["float64"].atol}
 F64 = {"param_dtype": jnp.float64, "dtype": jnp.float64}
 
 

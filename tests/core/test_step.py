@@ -8,10 +8,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import RTOL, assert_trees_close
 from models import big_batch_reference, mlp_params, mse_loss, regression_data, train
 
 import jaxdp
+from jaxdp.testing import TOLERANCES, assert_trees_close
 
 # HSDP: the state init() places must be what the step returns, on its two-axis mesh (it
 # was on the data mesh, and the second call compiled the step again).
@@ -64,8 +64,10 @@ def test_metrics_are_big_batch_loss_grad_norm_and_learning_rate():
     batch = regression_data(32)
     _, metrics = step(step.init(mlp_params()), batch)
     loss, grads = jax.value_and_grad(mse_loss)(params, batch)
-    np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL["float64"])
-    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=RTOL["float64"])
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=TOLERANCES["float64"].rtol)
+    np.testing.assert_allclose(
+        metrics["grad_norm"], optax.tree.norm(grads), rtol=TOLERANCES["float64"].rtol
+    )
     # inject_hyperparams records the rate it just used: schedule(0).
     np.testing.assert_allclose(metrics["learning_rate"], 0.1)
 
@@ -78,7 +80,9 @@ def test_multisteps_metrics_describe_the_last_update():
     batch = regression_data(8)
     state, history = train(step, mlp_params(), [batch])
     assert [bool(m["emitted"]) for m in history] == [False, True]
-    np.testing.assert_allclose(history[-1]["loss"], mse_loss(params, batch), rtol=RTOL["float64"])
+    np.testing.assert_allclose(
+        history[-1]["loss"], mse_loss(params, batch), rtol=TOLERANCES["float64"].rtol
+    )
     assert "learning_rate" not in history[-1]  # plain sgd holds no rate in its state
 
 
@@ -112,9 +116,11 @@ def test_nnx_module_trains_like_its_parameter_pytree(path):
     state, _ = train(step, model, batches)
     trained = step.model(state)
     assert isinstance(trained, MLP)
-    assert_trees_close(nnx.state(trained, nnx.Param), expected, rtol=RTOL["float64"])
+    assert_trees_close(
+        nnx.state(trained, nnx.Param), expected, rtol=TOLERANCES["float64"].rtol, atol=0.0
+    )
     # The caller's module is left as it was.
-    assert_trees_close(nnx.state(model, nnx.Param), params, rtol=0)
+    assert_trees_close(nnx.state(model, nnx.Param), params, rtol=0, atol=0.0)
 
 
 @pytest.mark.parametrize("path", ["fused", "multisteps"])
@@ -132,7 +138,7 @@ def test_donation_never_deletes_the_callers_arrays(path):
         state = step.init(start)
         for _ in range(2):
             state, _ = step(state, regression_data(4))
-    assert_trees_close(params, mlp_params(), rtol=0)
+    assert_trees_close(params, mlp_params(), rtol=0, atol=0.0)
     np.testing.assert_array_equal(model.hidden.kernel[...], kernel)
 
 
@@ -154,18 +160,20 @@ def test_the_model_step_model_returns_is_the_callers_own(zero_stage):
     trained = jax.tree.map(np.array, nnx.state(step.model(state), nnx.Param))
     evaluated = step.model(state)
     nnx.update(evaluated, jax.tree.map(jnp.zeros_like, nnx.state(evaluated, nnx.Param)))
-    assert_trees_close(nnx.state(step.model(state), nnx.Param), trained, rtol=0)
+    assert_trees_close(nnx.state(step.model(state), nnx.Param), trained, rtol=0, atol=0.0)
     kept = step.model(state)  # kept across the next call, which donates the state
     for ours, theirs in zip(
         jax.tree.leaves(nnx.state(kept, nnx.Param)), jax.tree.leaves(state.params), strict=True
     ):
         assert ours.sharding.is_equivalent_to(theirs.sharding, ours.ndim)  # stage 3: split
     state, _ = step(state, batches[1])
-    assert_trees_close(nnx.state(kept, nnx.Param), trained, rtol=0)
+    assert_trees_close(nnx.state(kept, nnx.Param), trained, rtol=0, atol=0.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         untouched, _ = train(step, MLP(nnx.Rngs(0)), batches)
-    assert_trees_close(state.params, untouched.params, rtol=0)  # trained from its own weights
+    assert_trees_close(
+        state.params, untouched.params, rtol=0, atol=0.0
+    )  # trained from its own weights
 
 
 # ---- the state as shapes alone -------------------------------------------------------------

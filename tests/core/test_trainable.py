@@ -6,10 +6,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import RTOL, assert_trees_close
 from models import big_batch_reference, mlp_params, mse_loss, regression_data, train
 
 import jaxdp
+from jaxdp.testing import TOLERANCES, assert_trees_close
 
 FROZEN = {"w0": False, "b0": True, "w1": True, "b1": False}  # trainable flags
 OPT = optax.adamw(1e-2, weight_decay=0.1)
@@ -38,7 +38,9 @@ def test_frozen_parameters_stay_and_the_rest_trains_like_optax_on_the_rest(path)
     trained = {k: v for k, v in params.items() if FROZEN[k]}
     frozen = {k: jnp.asarray(v) for k, v in params.items() if not FROZEN[k]}
     expected = big_batch_reference(lambda p, b: mse_loss({**p, **frozen}, b), OPT, trained, batches)
-    assert_trees_close({k: state.params[k] for k in trained}, expected, rtol=RTOL["float64"])
+    assert_trees_close(
+        {k: state.params[k] for k in trained}, expected, rtol=TOLERANCES["float64"].rtol, atol=0.0
+    )
 
 
 def test_frozen_parameters_have_no_optimizer_state():
