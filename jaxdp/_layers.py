@@ -243,13 +243,10 @@ class Stack:
     def astype(self, dtype: Any) -> Stack:
         return dataclasses.replace(self, value=self.value.astype(dtype))
 
-    def __jax_array__(self) -> jax.Array:
-        raise TypeError(_ROUTED_ELSEWHERE.format(name=self.name))
-
     def _refused(self, *_: Any) -> Any:
         raise TypeError(_ROUTED_ELSEWHERE.format(name=self.name))
 
-    __getitem__ = __array__ = __iter__ = __len__ = __neg__ = __pos__ = _refused
+    __jax_array__ = __getitem__ = __array__ = __iter__ = __len__ = __neg__ = __pos__ = _refused
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refused
     __matmul__ = __rmatmul__ = __truediv__ = __rtruediv__ = __pow__ = _refused
 
