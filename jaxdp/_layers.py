@@ -107,11 +107,11 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
     declared = next((x for x in stacks if x is not None), None)  # Parallel.layers
     if declared is not None and declared.route.kind != "gather":
         return _scan_routed(fn, graphdef, treedef, leaves, stacks, carry)
-    scope, dims, how = _SCOPE.get(), [None] * len(leaves), None
+    scope, dims, how, across = _SCOPE.get(), [None] * len(leaves), None, None
     if declared is not None:  # stage 3: the blocks handed over, gathered here
         leaves = [x if s is None else s.value for x, s in zip(leaves, stacks, strict=True)]
         dims, how = [None if s is None else s.dim for s in stacks], declared.route.gather
-        scope = None
+        scope, across = None, declared.route.across
     _check_layers(treedef.unflatten(leaves))
     if scope is not None:
         found = [scope.leaves.get(id(x)) for x in leaves]
@@ -120,7 +120,24 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
         else:  # a layer's split dimension is one less than its stack's
             dims, how = [None if f is None else f[1] - 1 for f in found], scope.gather
 
+    xs = leaves
+    if across is not None:  # HSDP: each layer's blocks all-reduced over the replicas too
+        which = [i for i, s in enumerate(stacks) if s is not None]
+        leaves = [
+            jax.lax.stop_gradient(x) if s is not None else x
+            for x, s in zip(leaves, stacks, strict=True)
+        ]
+        xs = (leaves, tuple(stacks[i].sums for i in which), tuple(stacks[i].sink for i in which))
+
     def body(carry, xs):
+        if across is not None:
+            xs, layer_sums, rows = xs
+            routed = _routed(
+                across, (None,) * len(which), tuple(xs[i] for i in which), layer_sums, rows
+            )
+            xs = list(xs)
+            for i, x in zip(which, routed, strict=True):
+                xs[i] = x
         if how is not None:
             xs = gather(xs, dims, how)
         layer = treedef.unflatten(xs)
@@ -140,7 +157,7 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
         # it would add keeps XLA's collective pipeliner from moving the backward's
         # gather one layer ahead.
         body = jax.checkpoint(body, policy=how.policy, prevent_cse=False)
-    return jax.lax.scan(body, carry, leaves)[0]
+    return jax.lax.scan(body, carry, xs)[0]
 
 
 def _check_a_stack(layers: nnx.Module) -> None:
@@ -207,13 +224,16 @@ class Route:
     reduces-scatters it over ``axes`` along each leaf's split dimension; ``"gather"``
     (stage 3) gathers each layer's blocks in the loop (``gather``), whose backward
     reduce-scatters them. ``n``: the devices it runs over; ``wire``:
-    ``Parallel.comm_dtype`` (None: the sums' own)."""
+    ``Parallel.comm_dtype`` (None: the sums' own). ``across`` (HSDP, stage 3): the
+    ``"psum"`` route over the replica groups that each layer's reduce-scattered block
+    (plus the window's sums of it) takes next, in the same backward."""
 
     kind: str
     axes: Any
     n: int
     wire: Any = None
     gather: Any = None  # "gather" (stage 3): the blocks' Gather, gathered in the loop
+    across: Route | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -371,9 +391,16 @@ def gathered_loss(
 
     def parts_at_stage_3(params: Any, *rest: Any) -> Any:
         leaves, treedef = jax.tree.flatten(params)
+        # HSDP: the split leaves come as Stack (jaxdp._pipeline.Routing), to be all-reduced
+        # over the replica groups right after their reduce-scatter (a stack's layer by layer).
+        handed = [x if isinstance(x, Stack) else None for x in leaves]
+        leaves = [x if h is None else h.value for x, h in zip(leaves, handed, strict=True)]
         stacked = stacked_by_name or _stacked(parts, leaves, treedef, rest, dims, how, warn)
         up_front = [None if i in stacked else d for i, d in enumerate(dims)]
         which = [i for i, d in enumerate(up_front) if d is not None]
+        for i, h in enumerate(handed):
+            if h is not None and i not in stacked_by_name:  # all-reduced whole, as it is done
+                leaves[i] = _routed(h.route, (None,), (leaves[i],), (h.sums,), (h.sink,))[0]
         if which:
             # Tied to this micro-batch's inputs: the parameters do not change within a
             # window, so XLA hoisted the gather out of the micro-batch loop and kept the
@@ -389,8 +416,12 @@ def gathered_loss(
             route = Route("gather", how.axis_name, how.num_devices, how.wire, gather=how)
             paths = jax.tree_util.tree_flatten_with_path(params)[0]
             for i in stacked:
-                name = jax.tree_util.keystr(paths[i][0])
-                leaves[i] = Stack(leaves[i], None, None, dims[i] - 1, route, name)
+                name, h = jax.tree_util.keystr(paths[i][0]), handed[i]
+                if h is None:
+                    leaves[i] = Stack(leaves[i], None, None, dims[i] - 1, route, name)
+                else:
+                    across = dataclasses.replace(route, across=h.route)
+                    leaves[i] = Stack(leaves[i], h.sums, h.sink, dims[i] - 1, across, name)
             return parts(treedef.unflatten(leaves), *rest)
         scope = _Scope({id(leaves[i]): (i, dims[i]) for i in stacked}, how)
         token = _SCOPE.set(scope)

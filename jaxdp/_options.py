@@ -440,8 +440,13 @@ class StepOptions:
         if self.mesh.devices.flat[0].platform != "gpu":
             return {}
         cap = int(self.parallel.bucket_cap_mb * 2**20)
+        # At stage 3 an all-reduce carries blocks too (HSDP's across the replica groups):
+        # a shard group's share of the bucket, as the reduce-scatter's. At the whole cap
+        # XLA combined the untied head's block, done first, with the backward's last layer.
         options = {
-            "xla_gpu_all_reduce_combine_threshold_bytes": cap,
+            "xla_gpu_all_reduce_combine_threshold_bytes": (
+                max(1, cap // self.shards) if self.zero_stage == 3 else cap
+            ),
             "xla_gpu_reduce_scatter_combine_threshold_bytes": max(1, cap // self.shards),
             # How many buckets XLA's scheduler keeps in flight at once: the one that left
             # the fewest after the last matrix product of GPT-2 small's steps compiled for

@@ -108,18 +108,21 @@ class Routing(NamedTuple):
     with_sums: bool  # stages 0 and 1: the window's sums travel with the last one
 
     def sinks(self, trainable: Any) -> list[jax.Array]:
-        """Zeros in the reduced gradients' shapes (a block at stages 1 and 2), whose
+        """Zeros in the reduced gradients' shapes (a block at stages 1 to 3), whose
         gradients the routed leaves' reduced gradients come out as."""
         leaves, out = self.plan.treedef.flatten_up_to(trainable), []
+        reduced = self.route.axes if isinstance(self.route.axes, tuple) else (self.route.axes,)
+        # A block differs per device of the axes it is not summed over (the shard axis).
+        varying = tuple(a for a in self.plan.mesh.axis_names if a not in reduced)
+        if self.route.kind == "scatter":
+            varying = reduced
         for x, d, r in zip(leaves, self.plan.dims, self.routed, strict=True):
             if r:
                 shape = list(x.shape)
                 if self.route.kind == "scatter":
                     shape[d] //= self.route.n
                 zeros = jnp.zeros(shape, self.dtype)
-                if self.route.kind == "scatter":  # each device its own block
-                    zeros = mark_varying(zeros, (self.route.axes,))
-                out.append(zeros)
+                out.append(mark_varying(zeros, varying) if varying else zeros)
         return out
 
     def hand(self, trainable: Any, sums: Any, sinks: list[jax.Array]) -> Any:
@@ -145,25 +148,33 @@ class Routing(NamedTuple):
 def _routing(o: StepOptions, plan: ShardPlan, trainable: Any) -> Routing | None:
     """The step's :class:`Routing`, None where nothing is routed: no stack of layers,
     XLA:CPU's spelling (its collectives are synchronous: nothing would overlap), pmap,
-    stage 3 (its gathers' backward reduce-scatters each layer already), or a stack no
-    dimension of which but the layer axis splits (stages 1 and 2)."""
-    stage = o.zero_stage
-    if o.cpu_spelling or o.parallel.strategy != "shard_map" or stage == 3:
+    plain stage 3 (its gathers' backward reduce-scatters each layer already), or a stack
+    no dimension of which but the layer axis splits (stages 1 and 2). Under HSDP (stage
+    3 on replicas x shards, gathered per micro-batch) with a stack declared, every split
+    leaf is routed: its reduce-scattered block goes on across the replica groups in the
+    same backward, with the window's sums (the stack's layer by layer, in
+    :func:`jaxdp.scan_layers`; the others whole, as their gradient completes)."""
+    stage, hsdp = o.zero_stage, plan.replica_axis is not None and plan.split
+    if o.cpu_spelling or o.parallel.strategy != "shard_map":
+        return None
+    if stage == 3 and not (hsdp and any(plan.stacked) and not o.regathers_per_window):
         return None
     routed = tuple(
-        bool(s) and (stage == 0 or (d is not None and d >= 1))
+        (d is not None) if stage == 3 else bool(s) and (stage == 0 or (d is not None and d >= 1))
         for s, d in zip(plan.stacked, plan.dims, strict=True)
     )
     if not any(routed):
         return None
-    if stage == 0:
+    if stage == 3:
+        route = Route("psum", plan.replica_axis, plan.mesh.shape[plan.replica_axis], o.comm)
+    elif stage == 0:
         route = Route("psum", plan.mesh.axis_names, plan.mesh.devices.size, o.comm)
     else:
         route = Route("scatter", plan.axis_name, plan.num_devices, o.comm)
     paths = jax.tree_util.tree_flatten_with_path(trainable)[0]
     names = tuple(jax.tree_util.keystr(p) for p, _ in paths)
     dtype = o.accumulator_dtype(trainable)
-    return Routing(routed, plan, route, dtype, names, with_sums=stage < 2)
+    return Routing(routed, plan, route, dtype, names, with_sums=stage != 2)
 
 
 class _Parts(NamedTuple):
@@ -504,13 +515,23 @@ def reduce(
     axes, n, dtype = plan.mesh.axis_names, plan.mesh.devices.size, window.loss_sum.dtype
     grads = window.grads if scattered else plan.reduce_scatter(window.grads, wire, done)
     grouped = plan.replica_axis is not None and plan.split
+    done = done or (False,) * len(plan.dims)
     if grouped:
         r, blocks = plan.mesh.shape[plan.replica_axis], plan.blocks(grads)
-        summed = jax.lax.psum([compress(x, wire, r) for x in blocks], plan.replica_axis)
-        blocks = [decompress(x, b.dtype, wire, r) for x, b in zip(summed, blocks, strict=True)]
+        sent = [not d for d in plan.blocks(plan.treedef.unflatten(done))]
+        summed = iter(
+            jax.lax.psum(
+                [compress(x, wire, r) for x, s in zip(blocks, sent, strict=True) if s],
+                plan.replica_axis,
+            )
+        )
+        blocks = [
+            decompress(next(summed), b.dtype, wire, r) if s else b
+            for b, s in zip(blocks, sent, strict=True)
+        ]
         grads = plan.with_blocks(grads, blocks)
     whole = plan.whole(grads)
-    done = plan.whole(plan.treedef.unflatten(done or (False,) * len(plan.dims)))
+    done = plan.whole(plan.treedef.unflatten(done))
     sent = [x for x, d in zip(whole, done, strict=True) if not d]
     dtypes = [x.dtype for x in sent]
     payload = [[compress(x, wire, n) for x in sent], window.loss_sum, window.weight]

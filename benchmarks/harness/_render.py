@@ -496,13 +496,19 @@ def _stage_3_programs(cells: list[dict[str, Any]]) -> str:
     rows = []
     for r in cells:
         layout = f"`{r['topology']}`" + (f", shards {r['shards']}" if r["shards"] else "")
+        layout += ", stack declared" if r.get("declared") else ""
         peak = r["memory"]["peak"] or 0
         flops = r.get("backward_over_forward_flops")
+        across = r.get("all-reduce")
         rows.append(
             [
                 f"{layout}, K={r['accum_steps']}, remat `{r['remat']}`",
                 share(r["all-gather"]),
                 share(r["reduce-scatter"]),
+                "-"
+                if across is None
+                else f"{across['bytes'] / 1e6:,.0f} MB / {across['hidden_share']:.0%} / "
+                f"**{across['hidden_share_but_embeddings']:.0%}**",
                 "-" if flops is None else f"{flops:.2f}",
                 f"{peak / 2**30:.2f} GiB",
                 f"{r['plan_bytes'] / 2**30:.2f} GiB ({peak / r['plan_bytes']:.2f}x)",
@@ -513,6 +519,8 @@ def _stage_3_programs(cells: list[dict[str, Any]]) -> str:
         "stage 3",
         "all-gathers: per step / bytes / hidden (all) / hidden (but first, last)",
         "reduce-scatters: the same",
+        "HSDP's all-reduces across the replica groups: bytes / hidden (all) / hidden (but "
+        "the embedding-sized blocks)",
         "backward / forward matrix FLOPs (layer loops)",
         "peak per device (XLA)",
         "`jaxdp plan`",

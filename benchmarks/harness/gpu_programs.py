@@ -235,6 +235,9 @@ STAGE_3_CELLS = (
     ("1x1x8", None, 1, "dots_with_no_batch_dims_saveable"),
     ("1x2x8", 8, 1, "dots"),
     ("1x2x8", 8, 4, "dots"),
+    # HSDP with the stack declared: each layer's block across the replica groups in the loop
+    ("1x2x8", 8, 1, "dots", ("blocks",)),
+    ("1x16x8", 8, 1, "dots", ("blocks",)),
 )
 
 
@@ -259,10 +262,17 @@ def stage_3_loss(model: Any, batch: Any) -> Any:
 
 
 def stage_3_step(
-    topology: str, shards: int | None, k: int, remat: str = "dots", layers: int = 12
+    topology: str,
+    shards: int | None,
+    k: int,
+    remat: str = "dots",
+    layers: int = 12,
+    declared: Any = None,
 ) -> tuple[Any, Any, Any]:
     """``(step, abstract state, abstract batch)`` of a stage-3 cell (HSDP with ``shards``)
-    for the scanned model, as tests/gpu/test_gpu_stage3.py and this benchmark compile it."""
+    for the scanned model, its blocks declared a stack when ``declared``
+    (``Parallel(layers=...)``), as tests/gpu/test_gpu_stage3.py and this benchmark
+    compile it."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -278,7 +288,10 @@ def stage_3_step(
         mesh=mesh,
         accum_steps=k,
         parallel=jaxdp.Parallel(
-            zero_stage=3, shards=shards, remat=getattr(jax.checkpoint_policies, remat, remat)
+            zero_stage=3,
+            shards=shards,
+            remat=getattr(jax.checkpoint_policies, remat, remat),
+            layers=declared,
         ),
     )
     state = step.abstract_state(nnx.eval_shape(functools.partial(stage_3_model, layers)))
@@ -362,14 +375,20 @@ def stage_3_first_and_last(state: Any) -> set[int]:
 
 
 def compile_stage_3_cell(
-    topology: str, shards: int | None, k: int, remat: str, layers: int = 12
+    topology: str,
+    shards: int | None,
+    k: int,
+    remat: str,
+    declared: Any = None,
+    *,
+    layers: int = 12,
 ) -> dict[str, Any]:
     import jax
 
     from jaxdp.plan import compiled_memory
     from jaxdp.testing import collectives, instructions
 
-    step, state, batch = stage_3_step(topology, shards, k, remat, layers)
+    step, state, batch = stage_3_step(topology, shards, k, remat, layers, declared)
     mesh = step.options.mesh
     started = time.perf_counter()
     compiled = step.compile(state, batch)
@@ -382,6 +401,7 @@ def compile_stage_3_cell(
         "shards": shards,
         "accum_steps": k,
         "remat": remat,
+        "declared": declared is not None,
         "compile_seconds": seconds,
     }
     for kind in ("all-gather", "reduce-scatter"):
@@ -396,6 +416,20 @@ def compile_stage_3_cell(
             "bytes": carried,
             "hidden_share": hidden / carried if carried else 0.0,
             "hidden_share_but_first_and_last": rest_hidden / rest_bytes if rest_bytes else 0.0,
+        }
+    if shards is not None:  # HSDP: the blocks' all-reduce across the replica groups
+        across = [c for c in found if c.kind == "all-reduce" and c.bytes > 2**16]
+        block = _nbytes(state.params["tok_emb"]) // shards  # the embedding-sized blocks'
+        rest = [c for c in across if c.bytes < block]
+
+        def hidden(cs: list[Any]) -> float:
+            carried = sum(c.bytes * c.executions[0] for c in cs)
+            return sum(c.bytes * c.executions[0] for c in cs if c.overlapped) / carried
+
+        row["all-reduce"] = {
+            "bytes": sum(c.bytes * c.executions[0] for c in across),
+            "hidden_share": hidden(across) if across else 0.0,
+            "hidden_share_but_embeddings": hidden(rest) if rest else 0.0,
         }
     loops: dict[tuple, int] = {}
     for i in instructions(compiled):

@@ -15,7 +15,7 @@ from flax import nnx
 
 import jaxdp
 from jaxdp._shards import stacked_leaves
-from jaxdp.testing import assert_trees_close, plain_spelling
+from jaxdp.testing import assert_trees_close, collectives, format_report, plain_spelling
 
 IN, WIDTH, OUT = 6, 8, 3
 GLOBAL_BATCH, STEPS = 24, 2
@@ -59,14 +59,14 @@ def optimizer():
     return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=1e-2))
 
 
-def train(num_devices, accum_steps, path, stage, layers, n_layers):
+def train(num_devices, accum_steps, path, stage, layers, n_layers, shards=None):
     step = jaxdp.make_train_step(
         loss,
         optimizer(),
         mesh=jaxdp.data_mesh(num_devices),
         accum_steps=accum_steps,
         path=path,
-        parallel=jaxdp.Parallel(zero_stage=stage, layers=layers),
+        parallel=jaxdp.Parallel(zero_stage=stage, layers=layers, shards=shards),
     )
     state, (x, y) = step.init(stacked_params(n_layers)), batch()
     calls = 1 if path == "fused" else accum_steps
@@ -74,7 +74,7 @@ def train(num_devices, accum_steps, path, stage, layers, n_layers):
     for _ in range(STEPS):
         for c in range(calls):
             state, _ = step(state, (x[c * rows : (c + 1) * rows], y[c * rows : (c + 1) * rows]))
-    return step, jax.device_get(state.params)
+    return step, jax.device_get(state.params), state
 
 
 # (stage, path, accum_steps, layers of the stack): every stage, both paths, stacks of 1 to
@@ -86,10 +86,27 @@ CELLS += [(2, "multisteps", 3, 1)]
 @pytest.mark.parametrize(("stage", "path", "accum_steps", "n_layers"), CELLS)
 def test_routed_stack_equals_one_device_on_the_big_batch(stage, path, accum_steps, n_layers):
     with plain_spelling():
-        step, params = train(4, accum_steps, path, stage, ("blocks",), n_layers)
+        step, params, _ = train(4, accum_steps, path, stage, ("blocks",), n_layers)
     assert step.options.plan(params).stacked == [True, True, False, False, False]
-    _, reference = train(1, 1, "fused", 0, None, n_layers)
+    _, reference, _ = train(1, 1, "fused", 0, None, n_layers)
     assert_trees_close(params, reference)
+
+
+@pytest.mark.parametrize(("path", "accum_steps"), [("fused", 3), ("multisteps", 3)])
+def test_hsdp_sends_each_layers_blocks_across_the_replicas_in_the_backward(path, accum_steps):
+    """HSDP with a stack declared: each layer's reduce-scattered block, plus the window's
+    sums of it, is all-reduced over the replica groups inside the backward's layer loop
+    (not once after it), and the updates are one device's on the big batch."""
+    with plain_spelling():
+        step, params, state = train(4, accum_steps, path, 3, ("blocks",), 3, shards=2)
+        calls = 1 if path == "fused" else accum_steps
+        x, y = batch()
+        compiled = step.compile(state, (x[: GLOBAL_BATCH // calls], y[: GLOBAL_BATCH // calls]))
+    _, reference, _ = train(1, 1, "fused", 0, None, 3)
+    assert_trees_close(params, reference)
+    across = [c for c in collectives(compiled) if c.kind == "all-reduce" and c.devices == 2]
+    in_loop = [c for c in across if any(p.startswith("while") for p in c.context)]
+    assert in_loop, format_report(compiled)
 
 
 @pytest.mark.parametrize("plain", [False, True])
