@@ -117,4 +117,7 @@ def plot_parity(report: ParityReport, path: str | os.PathLike) -> None:
 
 
 def _optimizer_name(optimizer: Any) -> str:
-    return optimizer if isinstance(optimizer, str) else optimizer.name
+    if isinstance(optimizer, str):
+        return optimizer
+    groups = f" ({len(optimizer.groups) + 1} parameter groups)" if optimizer.groups else ""
+    return f"{optimizer.name}{groups}"

@@ -425,6 +425,12 @@ def check_config(config: ParityConfig) -> None:
             "loss_reduction='weighted' needs a loss of your own returning (loss_sum, count): "
             f"compare_models, not the reference model {config.model!r}"
         )
+    if config.model in MODELS and spec_of(config).groups:
+        raise ValueError(
+            f"optimizer.groups name torch's parameters, and the reference model "
+            f"{config.model!r} is compared under its own names: parameter groups are for "
+            "your models (compare_models, compare_recorded; jaxdp parity --torch-model)"
+        )
     # jaxdp's own rules for the layout (pmap is stage 0 only, shards=1 is DDP), before
     # either side trains.
     stage_3 = {"remat": remat_policy(config.remat)} if config.zero_stage == 3 else {}
