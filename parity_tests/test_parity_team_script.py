@@ -67,6 +67,7 @@ def test_the_command_records_the_script_and_its_port_trains_like_it(recorded):
     assert status == 0, out
     assert lines[0] == f"recording: torchrun --nproc-per-node 2 {SCRIPT}", lines[0]
     assert lines[1].startswith("parity: Net vs JaxNet, adamw (2 parameter groups), float64"), out
+    assert "jaxdp fused/shard_map vs its torch script's record; batch" in lines[1], out
     assert "num_devices=2 x accum_steps=2 x micro_batch_size=4" in lines[1], out
     assert lines[-1] == "PASS: every step within tolerance", out
 

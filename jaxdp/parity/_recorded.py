@@ -92,6 +92,7 @@ def compare_recorded(
         last_window="drop",
         torch_device="cpu",
         loss_reduction=loss_reduction,
+        torch_side="recorded",
     )
     trace_jax_port(port)
     return report_of(port, record, rtol=rtol, atol=atol, locate=locate)
