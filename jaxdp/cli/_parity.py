@@ -35,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "Same initial weights, data, order and hyper-parameters in jaxdp and in "
         "torch_ref, on a reference model (--model) or on your torch model and its JAX port (Flax "
         "NNX, Flax Linen or equinox) "
-        "(--torch-model, --jax-model, --data); compares weights and losses after every "
+        "(--torch-model, --jax-model, --data), or on your own torch training script as "
+        "its torch_ref.Recorder recorded it (--torch-script or --torch-record, with "
+        "--torch-model and --jax-model); compares weights and losses after every "
         "optimizer step and prints the largest differences, and for your models where they "
         "first diverge. Exit status 1 if a step is beyond tolerance."
     )
@@ -186,14 +188,15 @@ def _add_port_flags(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="your own torch training script, recording itself with torch_ref.Recorder: run "
         "under torchrun --standalone --nproc-per-node N FILE (N: --num-devices), the record "
-        "written to $TORCH_REF_RECORD (--torch-record, or a temporary file), then compared",
+        "written to $TORCH_REF_RECORD (--torch-record, or a temporary file), then compared "
+        "(default: none)",
     )
     p.add_argument(
         "--torch-record",
         metavar="PATH",
         help="what a torch_ref.Recorder saved (your script under its own launcher): the "
         "layout, data, weights, optimizer and rates come from it; with --torch-script, "
-        "where its record is written",
+        "where its record is written (default: none)",
     )
     p.add_argument(
         "--loss",
