@@ -118,6 +118,11 @@ def test_weight_decay_on_the_bias_group_is_located_with_its_kind(recorded):
     # norm.bias starts at 0: decaying it changes nothing.
     assert sorted(found.names) == ["fc1.bias", "fc2.bias", "norm.scale"], text
     assert [s.stage for s in found.stages] == [s for s in STAGES if s != "learning rate"], text
+    # Both groups' moments compared (multi_transform keeps an Adam state per group).
+    (moments,) = [s for s in found.stages if s.stage == "optimizer moments"]
+    assert {"fc1.kernel (exp_avg)", "fc1.bias (exp_avg)", "norm.scale (exp_avg_sq)"} <= set(
+        moments.max_abs
+    ), text
     assert "the port decays them by weight_decay 0.1, torch's parameter group by 0" in text
 
 

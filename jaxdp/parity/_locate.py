@@ -560,8 +560,9 @@ class _JaxReplay:
         return None
 
     def moments(self) -> dict[str, np.ndarray]:
-        """torch's names for the moments the optax state holds (its first Adam or trace
-        state), keyed as :class:`_TorchReplay`'s."""
+        """torch's names for the moments the optax state holds (each leaf's from the first
+        Adam or trace state that holds it: ``multi_transform`` keeps one per parameter
+        group, the other groups' leaves masked), keyed as :class:`_TorchReplay`'s."""
         out: dict[str, np.ndarray] = {}
         for key, (kind, field) in MOMENTS.items():
             found = [
@@ -569,9 +570,11 @@ class _JaxReplay:
                 for s in jax.tree.leaves(self.state, is_leaf=lambda x, k=kind: isinstance(x, k))
                 if isinstance(s, kind)
             ]
-            if found:
-                flat = self.locator.flat(getattr(found[0], field))
-                out.update({f"{n} ({key})": flat[n] for n in self.locator.compared if n in flat})
+            for state in found:
+                flat = self.locator.flat(getattr(state, field))
+                for n in self.locator.compared:
+                    if n in flat:
+                        out.setdefault(f"{n} ({key})", flat[n])
         return out
 
 
