@@ -26,6 +26,9 @@ from jaxdp.parity import (
 )
 from jaxdp.parity._locate import STAGES
 
+# One xdist worker runs the file, so the script is recorded (torchrun, ~20 s) once.
+pytestmark = pytest.mark.xdist_group("team_script")
+
 HERE = pathlib.Path(__file__).parent
 SCRIPT = HERE / "team_ddp_script.py"
 PORT_FLAGS = [
