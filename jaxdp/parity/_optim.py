@@ -195,6 +195,12 @@ def _group_rate(
     rate = spec.settings(group)[0]
     if schedule is None or rate == spec.learning_rate:
         return rate if schedule is None else schedule
+    if spec.learning_rate == 0:
+        raise ValueError(
+            f"groups[{group - 1}] has learning_rate={rate} and the spec learning_rate=0: a "
+            "schedule scales each group's rate by its rate over the spec's, so give the "
+            "spec its base rate"
+        )
     if not callable(schedule):
         return schedule * (rate / spec.learning_rate)
     return lambda count: schedule(count) * (rate / spec.learning_rate)
