@@ -258,3 +258,38 @@ def test_parity_command_names_the_kind_of_a_planted_bug(tmp_path, monkeypatch, c
     assert "learning rate (step 1)" in out and "DIFFERS" in out, out
     assert "\nkind: schedule\n" in out, out
     assert out.splitlines()[-1] == "FAIL: step 1 is the first beyond tolerance"
+
+
+def test_optimizer_beyond_the_presets_through_a_spec(tmp_path, monkeypatch, capsys):
+    """``--optimizer MODULE:ATTR`` of an OptimizerSpec (any rates; parameter groups for
+    one's own models), checked before either side trains; the run's wiring, not training."""
+    (tmp_path / "specs.py").write_text(
+        "from jaxdp.parity import OptimizerSpec, ParamGroup\n"
+        "BETA2 = OptimizerSpec('adamw', 3e-3, b2=0.95, weight_decay=0.1)\n"
+        "GROUPED = OptimizerSpec('adamw', 3e-3, groups=(ParamGroup(('fc1.bias',)),))\n"
+        "NOT_A_SPEC = 3\n"
+    )
+    seen = []
+
+    def recorded(config):
+        seen.append(config)
+        empty = Trajectory([{"w": np.zeros(1)}], [0.0])
+        return compare(config, empty, empty)
+
+    monkeypatch.setattr("jaxdp.parity.run_parity", recorded)
+    monkeypatch.setattr("jaxdp._mesh.emulate_cpu_devices", lambda num_devices: None)
+    argv = ["parity", "--model", "mlp", "--num-devices", "1", "--steps", "1", "--optimizer"]
+    assert main([*argv, f"{tmp_path}/specs.py:BETA2"]) == 0
+    assert seen[0].optimizer.b2 == 0.95 and seen[0].optimizer.weight_decay == 0.1
+    assert "parity: mlp, adamw, float64" in capsys.readouterr().out
+    for spec, said in [
+        ("nope", "--optimizer 'nope' must be one of ['adamw', 'adamw_clip', 'sgd_momentum'"),
+        (f"{tmp_path}/specs.py:NOT_A_SPEC", "is 'int', not an OptimizerSpec"),
+        (f"{tmp_path}/specs.py:GROUPED", "optimizer.groups name torch's parameters, and the"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, spec])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1, err
+        assert said in err, err
+    assert len(seen) == 1

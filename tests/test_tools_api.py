@@ -1,6 +1,8 @@
 """The tools' public names (jaxdp.models, jaxdp.parity, jaxdp.plan), each held to what it
 promises; the checkpoint and command-line names are exercised in their own tests."""
 
+import dataclasses
+
 import numpy as np
 import optax
 import pytest
@@ -25,6 +27,7 @@ from jaxdp.parity import (
     OPTIMIZERS,
     RTOL,
     OptimizerSpec,
+    ParamGroup,
     ParityConfig,
     ParityReport,
     clip_grad_norm_like_torch,
@@ -92,6 +95,71 @@ def test_optax_like_torch_takes_torchs_step(name):
         updates, state = tx.update(g, state, w)
         w = optax.apply_updates(w, updates)
     np.testing.assert_allclose(w, param.detach().numpy(), rtol=1e-12, atol=1e-15)
+
+
+TWO_GROUPS = {
+    "adamw": OptimizerSpec(
+        "adamw",
+        1e-2,
+        weight_decay=0.1,
+        max_grad_norm=0.3,
+        groups=(ParamGroup(("b",), learning_rate=3e-2, weight_decay=0.0),),
+    ),
+    "sgd": OptimizerSpec(
+        "sgd",
+        0.05,
+        momentum=0.9,
+        weight_decay=1e-2,
+        groups=(ParamGroup(lambda name: name == "b", weight_decay=0.0),),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TWO_GROUPS))
+def test_optax_like_torch_takes_torchs_step_with_parameter_groups_and_a_schedule(name):
+    """torch's two groups (the second: its own rate, no decay) under one LambdaLR against
+    optax_like_torch's multi_transform, its schedule the first group's rate; torch_ref
+    builds torch's groups from the same spec's fields."""
+    import torch_ref
+
+    spec = TWO_GROUPS[name]
+    params = {"w": np.array([0.5, -1.0, 2.0]), "b": np.array([0.3, -0.2])}
+    grads = [
+        {k: np.cos(np.arange(len(v)) + i + len(k)) for k, v in params.items()} for i in range(3)
+    ]
+    model = torch.nn.ParameterDict(
+        {k: torch.nn.Parameter(torch.tensor(v)) for k, v in params.items()}
+    )
+    config = torch_ref.OptimConfig(**dataclasses.asdict(spec))
+    opt = torch_ref.build_optimizer(model.named_parameters(), config)
+    held = [[id(p) for p in g["params"]] for g in opt.param_groups]
+    assert held == [[id(model["w"])], [id(model["b"])]]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 / (i + 1))
+    tx = optax_like_torch(spec, lambda count: spec.learning_rate / (count + 1))
+    state, w = tx.init(params), dict(params)
+    for g in grads:
+        for k, p in model.items():
+            p.grad = torch.tensor(g[k])
+        if spec.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
+        opt.step()
+        scheduler.step()
+        updates, state = tx.update(g, state, w)
+        w = optax.apply_updates(w, updates)
+    for k, p in model.items():
+        np.testing.assert_allclose(w[k], p.detach().numpy(), rtol=1e-12, atol=1e-15)
+
+
+def test_parameter_groups_refuse_names_the_tree_has_not_and_a_name_twice():
+    spec = OptimizerSpec("adamw", 1e-2, groups=(ParamGroup(("head.bias",), weight_decay=0.0),))
+    with pytest.raises(
+        ValueError, match=r"groups\[0\] holds \['head.bias'\], and the .*: \['b', 'w'\]"
+    ):
+        optax_like_torch(spec).init({"w": np.zeros(2), "b": np.zeros(1)})
+    with pytest.raises(ValueError, match=r"groups\[1\] holds \['b'\], which an earlier group"):
+        OptimizerSpec("sgd", 0.1, groups=(ParamGroup(("b",)), ParamGroup(("b", "w"))))
+    with pytest.raises(ValueError, match=r"params=\(\) must be a non-empty tuple"):
+        ParamGroup(())
 
 
 def _torch_optimizer(name, **kwargs):

@@ -5,7 +5,8 @@ Plain PyTorch as its documentation teaches it (DistributedSampler, DDP,
 ``fully_shard`` and HSDP as options of ``TrainConfig``); it never imports jaxdp
 or jax. Besides its
 reference models it trains a user's own (``TrainConfig(model=..., loss=...)``,
-see ``torch_ref.user``).
+see ``torch_ref.user``), and a team's own script records itself for jaxdp's
+comparison with a ``Recorder`` (``torch_ref.record``).
 """
 
 from ._launch import launch as launch
@@ -23,8 +24,14 @@ from .models import make_data as make_data
 from .models import numpy_state_dict as numpy_state_dict
 from .models import seed_data as seed_data
 from .optim import OptimConfig as OptimConfig
+from .optim import ParamGroup as ParamGroup
 from .optim import build_optimizer as build_optimizer
 from .optim import optimizer_state_bytes as optimizer_state_bytes
+from .record import RECORD_ENV as RECORD_ENV
+from .record import Record as Record
+from .record import Recorder as Recorder
+from .record import load_record as load_record
+from .record import record_script as record_script
 from .train import Result as Result
 from .train import TrainConfig as TrainConfig
 from .train import check_job as check_job
@@ -46,6 +53,10 @@ __all__ = [
     "MODELS",
     "LinearModel",
     "OptimConfig",
+    "ParamGroup",
+    "RECORD_ENV",
+    "Record",
+    "Recorder",
     "Result",
     "TrainConfig",
     "Transformer",
@@ -55,10 +66,12 @@ __all__ = [
     "compute_loss",
     "launch",
     "load_attr",
+    "load_record",
     "load_results",
     "make_data",
     "micro_batches_per_epoch",
     "numpy_state_dict",
+    "record_script",
     "optimizer_state_bytes",
     "save_jobs",
     "seed_data",

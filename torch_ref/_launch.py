@@ -96,18 +96,22 @@ def worker(
 
 def _torchrun(world_size: int, jobs_path: Path, results_path: Path) -> None:
     """``torchrun --standalone --nproc-per-node W -m torch_ref JOBS RESULTS``."""
+    torchrun(world_size, ["-m", "torch_ref", str(jobs_path), str(results_path)])
+
+
+def torchrun(world_size: int, target: Sequence[str], env: dict[str, str] | None = None) -> None:
+    """``torchrun --standalone --nproc-per-node W TARGET...`` (a script and its arguments,
+    or ``-m MODULE ...``), every rank on one thread and able to import this torch_ref;
+    ``env`` adds variables. Raises ``RuntimeError`` with the ranks' stderr if it fails."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",  # what the `torchrun` console script runs
         "--standalone",
         f"--nproc-per-node={world_size}",
-        "-m",
-        "torch_ref",
-        str(jobs_path),
-        str(results_path),
+        *target,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     # The ranks import this very torch_ref, installed or not.
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))

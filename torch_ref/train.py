@@ -381,7 +381,7 @@ def _run(
         )
         if config.comm_hook is not None:
             register_comm_hook(model, config.comm_hook, config.device)
-    optimizer = build_optimizer(model.parameters(), config.optimizer, zero=config.zero)
+    optimizer = build_optimizer(module.named_parameters(), config.optimizer, zero=config.zero)
     scheduler = None
     if config.lr_scheduler is not None:
         scheduler = scheduler_factory(config.lr_scheduler)(optimizer)

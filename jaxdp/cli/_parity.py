@@ -1,8 +1,10 @@
 """``jaxdp parity``: jaxdp and torch_ref trained side by side, compared step by step.
 
-Either a reference model (``--model NAME``) or a user's torch model and its JAX port, in
+Either a reference model (``--model NAME``), a user's torch model and its JAX port, in
 Flax NNX, Flax Linen or equinox (``--torch-model MODULE:ATTR --jax-model MODULE:ATTR
---data PATH.npz``).
+--data PATH.npz``), or a team's own torch script that records itself with a
+``torch_ref.Recorder`` (``--torch-script FILE`` runs it under torchrun, ``--torch-record
+PATH`` reads what it recorded) against its port.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import pathlib
+import pickle
 import sys
+import tempfile
 from typing import Any, NoReturn
 
 from ..models import MODELS
@@ -19,6 +24,8 @@ from ..parity import OPTIMIZERS, RTOL, ParityConfig
 # Flags that only a reference model (--model) or only a user's models take.
 REFERENCE_ONLY = ("num_samples", "sync_batchnorm", "zero_stage", "shards", "remat")
 PORT_ONLY = ("loss", "mapping", "jax_optimizer", "locate", "loss_reduction", "schedule")
+# What a recorded script's record gives (its layout, data and optimizer): refused with one.
+RECORDED = ("accum_steps", "micro_batch_size", "steps", "dtype", "seed", "last_window")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "Same initial weights, data, order and hyper-parameters in jaxdp and in "
         "torch_ref, on a reference model (--model) or on your torch model and its JAX port (Flax "
         "NNX, Flax Linen or equinox) "
-        "(--torch-model, --jax-model, --data); compares weights and losses after every "
+        "(--torch-model, --jax-model, --data), or on your own torch training script as "
+        "its torch_ref.Recorder recorded it (--torch-script or --torch-record, with "
+        "--torch-model and --jax-model); compares weights and losses after every "
         "optimizer step and prints the largest differences, and for your models where they "
         "first diverge. Exit status 1 if a step is beyond tolerance."
     )
@@ -41,9 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_port_flags(p)
     p.add_argument(
         "--optimizer",
-        choices=sorted(OPTIMIZERS),
-        default=defaults.optimizer,
-        help="optimizer, the same in both",
+        metavar="NAME|MODULE:ATTR",
+        default=None,
+        help=f"optimizer, the same in both: one of {', '.join(sorted(OPTIMIZERS))}, or "
+        "MODULE:ATTR of a jaxdp.parity.OptimizerSpec (parameter groups, any rates) "
+        f"(default: {defaults.optimizer}; a --torch-record's own)",
     )
     p.add_argument(
         "--num-devices",
@@ -170,7 +181,22 @@ def _add_port_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         metavar="PATH.npz",
-        help="the data set: arrays x and y (required with --torch-model)",
+        help="the data set: arrays x and y (required with --torch-model, unless a record gives it)",
+    )
+    p.add_argument(
+        "--torch-script",
+        metavar="FILE",
+        help="your own torch training script, recording itself with torch_ref.Recorder: run "
+        "under torchrun --standalone --nproc-per-node N FILE (N: --num-devices), the record "
+        "written to $TORCH_REF_RECORD (--torch-record, or a temporary file), then compared "
+        "(default: none)",
+    )
+    p.add_argument(
+        "--torch-record",
+        metavar="PATH",
+        help="what a torch_ref.Recorder saved (your script under its own launcher): the "
+        "layout, data, weights, optimizer and rates come from it; with --torch-script, "
+        "where its record is written (default: none)",
     )
     p.add_argument(
         "--loss",
@@ -191,7 +217,8 @@ def _add_port_flags(p: argparse.ArgumentParser) -> None:
         metavar="TORCH_SPEC,JAX_SPEC",
         help="the learning rate per step: MODULE:ATTR of a factory optimizer -> torch "
         "LRScheduler (LambdaLR, OneCycleLR...), a comma, and MODULE:ATTR of the port's "
-        "optax schedule (default: --optimizer's constant rate)",
+        "optax schedule (default: --optimizer's constant rate); with a record, the port's "
+        "optax schedule alone (torch's rates are recorded)",
     )
     p.add_argument(
         "--mapping",
@@ -221,6 +248,9 @@ def _error(message: str) -> NoReturn:
 
 def _check_flags(args: argparse.Namespace) -> bool:
     """True for a user's models; errors out on a flag the chosen form does not take."""
+    if args.torch_script or args.torch_record:
+        _check_record_flags(args)
+        return True
     port = [args.torch_model, args.jax_model, args.data]
     if not any(port):
         given = [f"--{k.replace('_', '-')}" for k in PORT_ONLY if getattr(args, k) is not None]
@@ -235,6 +265,33 @@ def _check_flags(args: argparse.Namespace) -> bool:
     if given:
         _error(f"{', '.join(given)}: only with --model (a reference model)")
     return True
+
+
+def _check_record_flags(args: argparse.Namespace) -> None:
+    """A recorded script: its record gives the layout, the data and the optimizer."""
+    source = "--torch-script" if args.torch_script else "--torch-record"
+    if not (args.torch_model and args.jax_model):
+        _error(f"{source} needs --torch-model (the script's model) and --jax-model (its port)")
+    defaults = ParityConfig()
+    given = [k for k in RECORDED if getattr(args, k) != getattr(defaults, k)]
+    given += [k for k in ("data", "optimizer", "model") if getattr(args, k) is not None]
+    given += [k for k in REFERENCE_ONLY if getattr(args, k) is not None]
+    if args.torch_device != defaults.torch_device:
+        given.append("torch_device")
+    if not args.torch_script and args.num_devices != defaults.num_devices:
+        given.append("num_devices")
+    if given:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+        _error(f"{flags}: the record gives these (its script's own); leave them out")
+    if args.schedule and "," in args.schedule:
+        _error(
+            f"--schedule {args.schedule!r}: torch's rates are recorded; give the port's optax "
+            "schedule alone (MODULE:ATTR)"
+        )
+    if args.torch_script and not pathlib.Path(args.torch_script).is_file():
+        _error(f"--torch-script {args.torch_script!r} is not a file")
+    if not args.torch_script and not pathlib.Path(args.torch_record).is_file():
+        _error(f"--torch-record {args.torch_record!r} is not a file")
 
 
 def _run_parity_command(args: argparse.Namespace) -> int:
@@ -257,9 +314,16 @@ def _run_parity_command(args: argparse.Namespace) -> int:
             check_torch_gpus(args.num_devices)
         except ValueError as e:
             _error(str(e))
+    record = None
+    if args.torch_script or args.torch_record:
+        record = _record(args)
+        args.num_devices, args.dtype = record.num_devices, record.dtype
     emulate_cpu_devices(max(args.num_devices, 1))  # CPU only; before the backend starts
     jax.config.update("jax_enable_x64", args.dtype == "float64")
-    report = _compare_ports(args) if port else _compare_reference(args)
+    if record is not None:
+        report = _compare_record(args, record)
+    else:
+        report = _compare_ports(args) if port else _compare_reference(args)
     from ..parity import format_parity, plot_parity
 
     print(format_parity(report))
@@ -269,12 +333,85 @@ def _run_parity_command(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _record(args: argparse.Namespace) -> Any:
+    """The script's record: run under torchrun first with --torch-script."""
+    import torch_ref
+
+    if not args.torch_script:
+        try:
+            return torch_ref.load_record(args.torch_record)
+        except (ValueError, pickle.UnpicklingError, EOFError) as e:
+            _error(f"--torch-record {args.torch_record!r}: {e}")
+    with tempfile.TemporaryDirectory(prefix="jaxdp-parity-") as tmp:
+        path = args.torch_record or pathlib.Path(tmp, "record.pkl")
+        print(f"recording: torchrun --nproc-per-node {args.num_devices} {args.torch_script}")
+        try:
+            return torch_ref.record_script(
+                args.torch_script, num_devices=args.num_devices, path=path
+            )
+        except (RuntimeError, ValueError) as e:  # the script failed: nothing to compare
+            _error(f"--torch-script {args.torch_script}: {e}")
+
+
+def _compare_record(args: argparse.Namespace, record: Any) -> Any:
+    from torch_ref import load_attr
+
+    from ..parity._recorded import compare_recorded
+
+    try:
+        return compare_recorded(
+            record,
+            args.torch_model,
+            args.jax_model,
+            loss=args.loss or "cross_entropy",
+            jax_optimizer=_jax_optimizer(args.jax_optimizer),
+            schedule=load_attr(args.schedule) if args.schedule else None,
+            mapping=load_attr(args.mapping) if args.mapping else None,
+            path=args.path,
+            strategy=args.strategy,
+            locate=args.locate,
+            loss_reduction=args.loss_reduction or "mean",
+        )
+    except ValueError as e:
+        _error(str(e))
+
+
+def _jax_optimizer(spec: str | None) -> Any:
+    """``--jax-model``'s optax optimizer, or a factory's."""
+    from torch_ref import load_attr
+
+    if not spec:
+        return None
+    optimizer = load_attr(spec)
+    return optimizer if hasattr(optimizer, "update") else optimizer()
+
+
+def _optimizer(spec: str | None) -> Any:
+    """``--optimizer``: a preset's name, or MODULE:ATTR of an OptimizerSpec."""
+    from ..parity import OptimizerSpec
+
+    if spec is None or spec in OPTIMIZERS:
+        return spec or ParityConfig().optimizer
+    if ":" not in spec:
+        _error(f"--optimizer {spec!r} must be one of {sorted(OPTIMIZERS)} or MODULE:ATTR")
+    from torch_ref import load_attr
+
+    try:
+        optimizer = load_attr(spec)
+    except (ImportError, ValueError) as e:
+        _error(f"--optimizer {spec!r}: {e}")
+    if not isinstance(optimizer, OptimizerSpec):
+        _error(f"--optimizer {spec!r} is {type(optimizer).__name__!r}, not an OptimizerSpec")
+    return optimizer
+
+
 def _compare_reference(args: argparse.Namespace) -> Any:
     from ..parity import run_parity
     from ..parity._runner import check_config
 
     fields = {f.name for f in dataclasses.fields(ParityConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    given["optimizer"] = _optimizer(args.optimizer)
     config = ParityConfig(**{"model": "mlp", **given})
     try:
         check_config(config)  # before either side trains
@@ -292,18 +429,14 @@ def _compare_ports(args: argparse.Namespace) -> Any:
 
     with np.load(args.data) as npz:
         data = {k: npz[k] for k in npz.files}
-    jax_optimizer = None
-    if args.jax_optimizer:
-        jax_optimizer = load_attr(args.jax_optimizer)
-        if not hasattr(jax_optimizer, "update"):  # a factory
-            jax_optimizer = jax_optimizer()
+    jax_optimizer = _jax_optimizer(args.jax_optimizer)
     try:  # every check, and jaxdp's step traced, before either side trains
         port = checked_port(
             args.torch_model,
             args.jax_model,
             data,
             loss=args.loss or "cross_entropy",
-            optimizer=args.optimizer,
+            optimizer=_optimizer(args.optimizer),
             jax_optimizer=jax_optimizer,
             mapping=load_attr(args.mapping) if args.mapping else None,
             num_devices=args.num_devices,

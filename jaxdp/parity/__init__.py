@@ -6,9 +6,12 @@ every optimizer step.
 returns a :class:`ParityReport`; ``compare_models(torch_model, jax_model, data)``
 does the same for a user's own torch model and its JAX port (Flax NNX, Flax Linen or
 equinox), and locates where
-they first diverge (``assert_trains_like`` for test suites);
+they first diverge (``assert_trains_like`` for test suites); ``compare_recorded(record,
+torch_model, jax_model)`` the same against a team's own torch script, as its
+``torch_ref.Recorder`` recorded it;
 ``optax_like_torch(OptimizerSpec(...))`` is the optax chain that updates exactly
-as ``torch.optim`` does; ``torch_to_params(torch_model, jax_params)`` and
+as ``torch.optim`` does (its parameter groups, ``ParamGroup``, through
+``optax.multi_transform``); ``torch_to_params(torch_model, jax_params)`` and
 ``params_to_torch(jax_params, torch_model)`` carry weights each way, every layer in
 its own layout (a Hugging Face GPT-2's Conv1D too). torch and torch_ref are
 imported only when a run starts. Everything not re-exported here is private.
@@ -21,9 +24,11 @@ from ._convert import torch_to_params as torch_to_params
 from ._locate_text import Divergence as Divergence
 from ._optim import OPTIMIZERS as OPTIMIZERS
 from ._optim import OptimizerSpec as OptimizerSpec
+from ._optim import ParamGroup as ParamGroup
 from ._optim import clip_grad_norm_like_torch as clip_grad_norm_like_torch
 from ._optim import onecycle_like_torch as onecycle_like_torch
 from ._optim import optax_like_torch as optax_like_torch
+from ._recorded import compare_recorded as compare_recorded
 from ._report import format_parity as format_parity
 from ._report import plot_parity as plot_parity
 from ._runner import ATOL as ATOL
@@ -44,6 +49,7 @@ __all__ = [
     "OPTIMIZERS",
     "RTOL",
     "OptimizerSpec",
+    "ParamGroup",
     "ParityConfig",
     "ParityReport",
     "Trajectory",
@@ -51,6 +57,7 @@ __all__ = [
     "clip_grad_norm_like_torch",
     "compare",
     "compare_models",
+    "compare_recorded",
     "format_parity",
     "onecycle_like_torch",
     "optax_like_torch",

@@ -22,11 +22,12 @@ import numpy as np
 import optax
 
 from .._forward import split_model
-from .._frozen import _named, split_trainable, trainable_mask
+from .._frozen import split_trainable, trainable_mask
 from .._layout import micro_batches
 from .._mesh import data_mesh
 from .._step import make_train_step
 from ._locate_text import READING_RTOL, Divergence, StageDiff, notes_for
+from ._optim import leaf_name
 from ._port import Port
 from ._runner import sizes_of, step_batches
 from ._trace import culprit, differs, jax_calls, torch_calls
@@ -83,7 +84,6 @@ class _Replayed(NamedTuple):
 
 class _Locator:
     def __init__(self, port: Port, torch_states: list[dict[str, np.ndarray]], rtol, atol):
-        import torch_ref
         from torch_ref.user import build_user_model, loss_function
 
         self.port, self.states, self.rtol, self.atol = port, torch_states, rtol, atol
@@ -92,9 +92,7 @@ class _Locator:
             port.torch_model, seed=port.config.seed, dtype=_torch_dtype(port.config.dtype)
         )
         config = dataclasses.replace(port.config, steps=len(torch_states))
-        self.batches = list(
-            step_batches(config, port.data, torch_ref.torch_permutation, slice(None))
-        )
+        self.batches = list(step_batches(config, port.data, port.order(), slice(None)))
         self.compared = self._compared()
         self.trace_lines: list[str] = []
         # torch's loss reduction is the comparison's; the port's is its step's (its own
@@ -432,17 +430,44 @@ class _Locator:
             f"the update differs for {which} ({len(group)} of {len(self.compared)} leaves: "
             f"{', '.join(group)}); every other leaf agrees"
         ]
-        decay = self.port.spec.weight_decay
-        if rate is not None and decay:
-            expected = np.concatenate([rate * decay * old[n].ravel() for n in group])
-            off = np.concatenate([(ours.weights[n] - after[n]).ravel() for n in group])
-            for sign, does in ((1, "does not decay them; torch does"), (-1, "decays them twice")):
-                if self._close(sign * expected, off):
-                    lines.append(
-                        f"jaxdp - torch = {'+' if sign > 0 else '-'}lr * weight_decay * p on "
-                        f"exactly these leaves: the port {does}"
-                    )
+        if rate is not None:
+            lines.extend(self.decay_reading(group, rate, old, ours.weights, after))
         return "weight decay or mask", lines
+
+    def decay_reading(self, group, rate, old, ours, after) -> list[str]:
+        """Whether ``jaxdp - torch`` on ``group`` is ``-lr * e * p`` for one ``e`` (each
+        leaf's rate and torch's decay from its parameter group): the port decays these
+        leaves by torch's decay ``+ e``, and which way that reads."""
+        spec = self.port.spec
+        settings = {}
+        for n in group:
+            torch_name = self.port.weights.torch_name(n)
+            g = 0 if torch_name is None else spec.group_of(torch_name)
+            lr, decay = spec.settings(g)
+            settings[n] = (rate * lr / spec.learning_rate if spec.learning_rate else rate, decay)
+        scaled = np.concatenate([settings[n][0] * old[n].ravel() for n in group])
+        off = np.concatenate([(ours[n] - after[n]).ravel() for n in group])
+        norm = float(np.dot(scaled, scaled))
+        extra = -float(np.dot(off, scaled)) / norm if norm else 0.0
+        if not (extra and self._close(-extra * scaled, off)):
+            return []
+        decays = sorted({decay for _, decay in settings.values()})
+        where = "exactly these leaves"
+        if len(decays) == 1 and self._close(decays[0] + extra, 0.0):
+            return [
+                f"jaxdp - torch = +lr * weight_decay * p on {where}: the port does not decay "
+                "them; torch does"
+            ]
+        if len(decays) == 1 and self._close(extra, decays[0]):
+            return [
+                f"jaxdp - torch = -lr * weight_decay * p on {where}: the port decays them twice"
+            ]
+        torch_side = ", ".join(f"{d:g}" for d in decays)
+        return [
+            f"jaxdp - torch = -lr * {extra:.6g} * p on {where}: the port decays them by "
+            f"weight_decay {', '.join(f'{d + extra:.6g}' for d in decays)}, torch's parameter "
+            f"group by {torch_side}"
+        ]
 
     def _close(self, a: Any, b: Any) -> bool:
         """``a`` equals ``b`` to :data:`READING_RTOL` (and float64's floor)."""
@@ -463,7 +488,7 @@ class _TorchReplay:
         self.model = locator.torch_model(port.initial)
         self.params = dict(self.model.named_parameters())
         config = torch_ref.OptimConfig(**dataclasses.asdict(port.spec))
-        self.optimizer = torch_ref.build_optimizer(self.model.parameters(), config)
+        self.optimizer = torch_ref.build_optimizer(self.model.named_parameters(), config)
         self.scheduler = None
         if port.torch_scheduler is not None:
             self.scheduler = scheduler_factory(port.torch_scheduler)(self.optimizer)
@@ -515,7 +540,7 @@ class _JaxReplay:
             self.state = opt.init(split_trainable(params, self.mask))
         trainable = split_trainable(params, self.mask)
         grads = jax.tree_util.tree_map_with_path(
-            lambda p, _: mean[core_name(_dotted(p))], trainable
+            lambda p, _: mean[core_name(leaf_name(p))], trainable
         )
         updates, self.state = opt.update(grads, self.state, trainable)
         new = locator.flat(optax.apply_updates(trainable, updates))
@@ -535,8 +560,9 @@ class _JaxReplay:
         return None
 
     def moments(self) -> dict[str, np.ndarray]:
-        """torch's names for the moments the optax state holds (its first Adam or trace
-        state), keyed as :class:`_TorchReplay`'s."""
+        """torch's names for the moments the optax state holds (each leaf's from the first
+        Adam or trace state that holds it: ``multi_transform`` keeps one per parameter
+        group, the other groups' leaves masked), keyed as :class:`_TorchReplay`'s."""
         out: dict[str, np.ndarray] = {}
         for key, (kind, field) in MOMENTS.items():
             found = [
@@ -544,9 +570,11 @@ class _JaxReplay:
                 for s in jax.tree.leaves(self.state, is_leaf=lambda x, k=kind: isinstance(x, k))
                 if isinstance(s, kind)
             ]
-            if found:
-                flat = self.locator.flat(getattr(found[0], field))
-                out.update({f"{n} ({key})": flat[n] for n in self.locator.compared if n in flat})
+            for state in found:
+                flat = self.locator.flat(getattr(state, field))
+                for n in self.locator.compared:
+                    if n in flat:
+                        out.setdefault(f"{n} ({key})", flat[n])
         return out
 
 
@@ -588,16 +616,9 @@ def _capture() -> optax.GradientTransformation:
 def flat_arrays(tree: Any) -> dict[str, np.ndarray]:
     """Dotted path -> host array of every leaf (an nnx.Variable's ``value`` left out)."""
     return {
-        _dotted(path): np.asarray(leaf)
+        leaf_name(path): np.asarray(leaf)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
-
-
-def _dotted(path: tuple) -> str:
-    names = _named(path)
-    if names and names[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
-        names = names[:-1]
-    return ".".join(names)
 
 
 def _torch_dtype(dtype: str) -> Any:

@@ -24,10 +24,11 @@ from .._mesh import data_mesh
 from .._model_kinds import as_trainable
 from .._model_state import batch_norm_modules
 from .._options import AccumulationPath
+from .._sampler import Permutation
 from .._step import make_train_step
 from ._frameworks import LINEN, framework_of, train_mode
 from ._mapping import Mapping_, WeightMap, build_weight_map, jax_leaves
-from ._optim import OPTIMIZERS, OptimizerSpec, optax_like_torch
+from ._optim import OPTIMIZERS, OptimizerSpec, ParamGroup, optax_like_torch
 from ._runner import (
     Dtype,
     ParityConfig,
@@ -75,6 +76,17 @@ class Port:
     # The rate (a number or an optax schedule) prepare built jax_optimizer with; None when
     # jax_optimizer is the user's own (the divergence locator then reads its state).
     learning_rate: Any = None
+    # The data order (jaxdp's Permutation): None for torch's DistributedSampler's
+    # randperm; a recorded run's own order (jaxdp.parity.compare_recorded).
+    permutation: Permutation | None = None
+
+    def order(self) -> Permutation:
+        """The permutation both sides' samplers read the data in."""
+        if self.permutation is not None:
+            return self.permutation
+        import torch_ref
+
+        return torch_ref.torch_permutation
 
     def loss_fn(self, model: Any, batch: tuple[Any, Any]) -> jax.Array:
         """jaxdp's ``loss_fn(model, (x, y))``: one micro-batch's loss, from the port's
@@ -128,9 +140,14 @@ def prepare(
     mapping: Mapping_,
     step_options: Mapping[str, Any] | None,
     schedule: tuple[Any, Any] | None = None,
+    initial: dict[str, np.ndarray] | None = None,
+    permutation: Permutation | None = None,
     **layout: Any,
 ) -> Port:
-    """Resolves and checks everything; ``layout`` holds :class:`ParityConfig`'s fields."""
+    """Resolves and checks everything; ``layout`` holds :class:`ParityConfig`'s fields.
+    ``initial``: torch's starting ``state_dict`` (a recorded run's: nothing is built in
+    DDP ranks then) instead of the freshly built model's; ``permutation``: the data
+    order instead of torch's randperm."""
     import torch_ref
     from torch_ref.user import build_user_model
 
@@ -145,12 +162,16 @@ def prepare(
     )
     check_config(config)
     module = build_user_model(torch_model, seed=config.seed, dtype=_torch_dtype(dtype))
-    initial = torch_ref.numpy_state_dict(module)
+    built = torch_ref.numpy_state_dict(module)
+    if initial is not None:
+        _check_initial(initial, built)
+    initial = built if initial is None else initial
     port_module = _jax_module(jax_model, config.seed, dtype, arrays[0][: config.micro_batch_size])
     weights = build_weight_map(module, port_module, mapping)
     torch_loss, jax_loss = _losses(loss)
     torch_scheduler, jax_schedule = _schedules(schedule, jax_optimizer, dtype)
-    if config.num_devices > 1:
+    check_groups(spec, module)
+    if config.num_devices > 1 and permutation is None:
         _check_picklable(torch_model=torch_model, loss=torch_loss, schedule=torch_scheduler)
     return Port(
         config=config,
@@ -159,7 +180,9 @@ def prepare(
         jax_module=weights.load(port_module, initial, jnp.dtype(dtype)),
         jax_loss=jax_loss,
         jax_optimizer=(
-            optax_like_torch(spec, jax_schedule) if jax_optimizer is None else jax_optimizer
+            optax_like_torch(port_spec(spec, weights), jax_schedule)
+            if jax_optimizer is None
+            else jax_optimizer
         ),
         spec=spec,
         weights=weights,
@@ -172,7 +195,60 @@ def prepare(
             if jax_optimizer is None
             else None
         ),
+        permutation=permutation,
     )
+
+
+def _check_initial(initial: Mapping[str, Any], built: dict[str, np.ndarray]) -> None:
+    """A given starting state_dict has the torch model's names and shapes."""
+    given = {k: tuple(np.shape(v)) for k, v in initial.items()}
+    expected = {k: v.shape for k, v in built.items()}
+    if given != expected:
+        missing, unexpected = sorted(expected.keys() - given), sorted(given.keys() - expected)
+        shapes = {k: (given[k], expected[k]) for k in given.keys() & expected}
+        raise ValueError(
+            f"the recorded state_dict does not fit torch_model: missing {missing}, unexpected "
+            f"{unexpected}, mis-shaped (recorded, built) "
+            f"{ {k: v for k, v in shapes.items() if v[0] != v[1]} }"
+        )
+
+
+def check_groups(spec: OptimizerSpec, module: Any) -> None:
+    """Every parameter a group of ``spec`` names is one of torch's."""
+    names = [n for n, _ in module.named_parameters()]
+    for i, group in enumerate(spec.groups):
+        missing = [] if callable(group.params) else sorted(set(group.params) - set(names))
+        if missing:
+            raise ValueError(
+                f"optimizer.groups[{i}] names {missing}, which torch_model has not; its "
+                f"parameters: {names}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class _TorchNamed:
+    """A group's members on the port's side: the leaves whose torch tensor it holds."""
+
+    group: ParamGroup
+    weights: WeightMap
+
+    def __call__(self, name: str) -> bool:
+        torch_name = self.weights.torch_name(self.weights.framework.core_name(name))
+        return torch_name is not None and self.group.holds(torch_name)
+
+
+def port_spec(spec: OptimizerSpec, weights: WeightMap) -> OptimizerSpec:
+    """``spec`` for the port's optimizer: its groups (torch's names) hold the port's leaves
+    filled from the tensors they name, through the weight map."""
+    if not spec.groups:
+        return spec
+    if weights.function is not None:
+        raise ValueError(
+            "optimizer.groups name torch's parameters, and a mapping function does not say "
+            "which port leaf each fills: give a mapping dict, or the port's own jax_optimizer"
+        )
+    groups = tuple(dataclasses.replace(g, params=_TorchNamed(g, weights)) for g in spec.groups)
+    return dataclasses.replace(spec, groups=groups)
 
 
 def run_torch_port(port: Port) -> Any:
@@ -238,13 +314,11 @@ def trace_jax_port(port: Port) -> None:
 
 def run_jax_port(port: Port, path: AccumulationPath | None = None) -> Trajectory:
     """jaxdp's step on the port, in torch's data order (``path`` overrides the config's)."""
-    import torch_ref
-
     config = port.config if path is None else dataclasses.replace(port.config, path=path)
     with jax.default_matmul_precision("highest"):
         step = _jax_step(port, config)
         state = step.init(port.jax_module)
-        return train_steps(config, step, state, port.data, torch_ref.torch_permutation, snapshot)
+        return train_steps(config, step, state, port.data, port.order(), snapshot)
 
 
 def snapshot(model: Any) -> dict[str, np.ndarray]:

@@ -21,13 +21,16 @@ def _stage(c: Any) -> str:
 
 
 def _torch_side(c: Any) -> str:
-    """The torch counterpart ParityConfig.zero_stage and shards choose (torch_config)."""
+    """The torch counterpart ParityConfig.zero_stage and shards choose (torch_config), or
+    a recorded script."""
+    if c.torch_side == "recorded":
+        return "its torch script's record"
     if c.zero_stage == 3:
         if c.shards not in (None, c.num_devices):
-            return f"HSDP ({c.num_devices // c.shards} x {c.shards})"
-        return "FSDP2"
+            return f"torch_ref HSDP ({c.num_devices // c.shards} x {c.shards})"
+        return "torch_ref FSDP2"
     ddp = "DDP" if c.num_devices > 1 else "GA"
-    return f"{ddp} + ZeroRedundancyOptimizer" if c.zero_stage else ddp
+    return f"torch_ref {ddp} + ZeroRedundancyOptimizer" if c.zero_stage else f"torch_ref {ddp}"
 
 
 def format_parity(report: ParityReport) -> str:
@@ -36,7 +39,7 @@ def format_parity(report: ParityReport) -> str:
     c = report.config
     lines = [
         f"parity: {c.model}, {_optimizer_name(c.optimizer)}, {c.dtype}, jaxdp "
-        f"{c.path}/{c.strategy}{_stage(c)} vs torch_ref {_torch_side(c)}; "
+        f"{c.path}/{c.strategy}{_stage(c)} vs {_torch_side(c)}; "
         f"batch {sizes_of(c).describe()}",
         f"tolerance: |jaxdp - torch| <= {report.atol:g} + {report.rtol:g} * |torch|",
         "",
@@ -117,4 +120,7 @@ def plot_parity(report: ParityReport, path: str | os.PathLike) -> None:
 
 
 def _optimizer_name(optimizer: Any) -> str:
-    return optimizer if isinstance(optimizer, str) else optimizer.name
+    if isinstance(optimizer, str):
+        return optimizer
+    groups = f" ({len(optimizer.groups) + 1} parameter groups)" if optimizer.groups else ""
+    return f"{optimizer.name}{groups}"

@@ -83,6 +83,9 @@ class ParityConfig:
     # compare_models: "weighted", a loss of (loss_sum, count) normalized by the global count
     # (jaxdp's loss_reduction="weighted"; torch_ref's num_items_in_batch recipe).
     loss_reduction: Literal["mean", "weighted"] = "mean"
+    # The torch side: torch_ref's loop, or a team's own script as its torch_ref.Recorder
+    # recorded it (compare_recorded; nothing of torch runs but the divergence locator).
+    torch_side: Literal["torch_ref", "recorded"] = "torch_ref"
 
 
 @dataclasses.dataclass
@@ -418,12 +421,20 @@ def check_config(config: ParityConfig) -> None:
             f"shards={config.shards} must divide num_devices={config.num_devices} "
             "(num_devices // shards replica groups of shards devices)"
         )
+    if config.torch_side not in ("torch_ref", "recorded"):
+        raise ValueError(f"torch_side={config.torch_side!r} must be 'torch_ref' or 'recorded'")
     if config.loss_reduction not in ("mean", "weighted"):
         raise ValueError(f"loss_reduction={config.loss_reduction!r} must be 'mean' or 'weighted'")
     if config.loss_reduction == "weighted" and config.model in MODELS:
         raise ValueError(
             "loss_reduction='weighted' needs a loss of your own returning (loss_sum, count): "
             f"compare_models, not the reference model {config.model!r}"
+        )
+    if config.model in MODELS and spec_of(config).groups:
+        raise ValueError(
+            f"optimizer.groups name torch's parameters, and the reference model "
+            f"{config.model!r} is compared under its own names: parameter groups are for "
+            "your models (compare_models, compare_recorded; jaxdp parity --torch-model)"
         )
     # jaxdp's own rules for the layout (pmap is stage 0 only, shards=1 is DDP), before
     # either side trains.
