@@ -150,6 +150,16 @@ class Loader:
     (``jax.make_array_from_process_local_data``), at most ``prefetch`` placed
     calls ahead of the loop.
 
+    A stream (an iterable without random access: a grain ``IterDataset``, a Hugging
+    Face streaming ``IterableDataset``, any iterable that starts over when iterated) is
+    this process's own shard: each call takes its next records in the stream's order,
+    an epoch is one pass, ended for every process at the first step some process's
+    shard cannot fill (one small all-gather per step under several processes), and the
+    position carries each process's state of its stream (:mod:`jaxdp.data._stream`);
+    ``shuffle``, ``seed``, ``drop_last``, ``permutation`` and ``last_window`` are for a
+    random-access source (None: ``shuffle=True``, ``drop_last=False`` there) and are
+    refused for a stream.
+
     Iteration starts at :attr:`position` and runs ``epochs`` epochs from the
     start of training (None: endlessly); :attr:`position` and :attr:`samples`
     follow what the loop has been given, so breaking out and iterating again
@@ -158,7 +168,8 @@ class Loader:
     ``restore(like, data=loader)`` do it with the checkpoint.
 
     Raises ``ValueError`` or ``TypeError`` at construction for a bad source
-    (empty, fields of different lengths, no random access, a field or Hugging
+    (empty, fields of different lengths, neither random access nor iterable, an
+    iterator, a random-access option given for a stream, a field or Hugging
     Face column of text, more records than one epoch's order fits in this
     machine's memory), one epoch that
     cannot fill an optimizer step, and an option out of its range; a read or
