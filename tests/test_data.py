@@ -167,7 +167,8 @@ def test_a_restore_from_another_data_set_or_global_batch_is_refused_naming_both(
             ValueError,
             "source has 20 rows, too few for one optimizer step of global_batch_size=24",
         ),
-        (iter(range(100)), TypeError, "must be an array, a dict/tuple of arrays, or have"),
+        (object(), TypeError, "must be an array, a dict/tuple of arrays, have __len__"),
+        (iter(range(100)), TypeError, r"is an iterator \(range_iterator\): it is read once"),
         ({"x": np.zeros(())}, ValueError, r"source\['x'\] has shape \(\)"),
     ],
 )

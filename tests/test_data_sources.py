@@ -126,14 +126,12 @@ def test_a_grain_map_dataset_reads_as_the_same_arrays():
     assert_same_batches(read_all(mapped), read_all({**source, "y": source["y"] + 1}))
 
 
-def test_a_grain_map_dataset_with_holes_or_endless_and_an_iter_dataset_are_refused():
+def test_a_grain_map_dataset_with_holes_or_endless_is_refused():
     dataset = grain.MapDataset.source(records(arrays()))
     with pytest.raises(ValueError, match=r"source record \d+ is None \(a grain MapDataset's filt"):
         read_all(dataset.filter(lambda r: r["y"] != 2))
     with pytest.raises(ValueError, match=r"grain MapDataset of length 9223372036854775807 \(end"):
         read_all(dataset.repeat())
-    with pytest.raises(TypeError, match=r"is a PrefetchIterDataset: .* pass the MapDataset it"):
-        read_all(dataset.to_iter_dataset())
 
 
 def test_jaxdp_imports_datasets_only_when_given_one():

@@ -65,7 +65,7 @@ def from_data(
         loader = data.state()
         position = SamplerPosition(loader["epoch"], loader["step_in_epoch"], loader["micro_batch"])
         samples = loader["samples"] if samples is None else samples
-        seed = loader["seed"] if seed is None else seed
+        seed = loader.get("seed", 0) if seed is None else seed  # a stream orders itself
         return Saved(position, BatchSizes(**loader["batch"]), samples, seed, loader, None)
     own = None if data is None else _own(data)
     given = {"position": position, "sizes": sizes, "samples": samples}

@@ -3,7 +3,8 @@
 ``Loader(source, sizes, mesh=step.mesh, path=step.path)`` yields the calls of
 a :class:`jaxdp.TrainStep` in :func:`jaxdp.epoch_schedule`'s order (torch's
 DistributedSampler, one rank per device), read by worker threads (grain) and
-placed on the mesh before the step asks; its position is saved and restored by
+placed on the mesh before the step asks (or from a stream, each process its own shard:
+a grain ``IterDataset``, a Hugging Face streaming dataset); its position is saved and restored by
 ``jaxdp.checkpoint.Checkpoints`` with ``data=loader``. ``evaluate`` scores a
 held-out set over the mesh (per-row metrics, summed over devices and
 processes). Needs the ``data``

@@ -26,7 +26,7 @@ Records = Callable[[list[int]], Sequence[Any]]
 """``read(rows) -> records``: the records at ``rows``, in that order."""
 
 
-def _is(source: Any, library: str, name: str) -> bool:
+def is_kind(source: Any, library: str, name: str) -> bool:
     """Whether ``source`` is (a subclass of) ``library``'s class ``name``, by its type's
     classes alone (nothing imported)."""
     return any(
@@ -39,7 +39,7 @@ def hugging_face_columns(source: Any) -> Any | None:
     """A ``datasets.Dataset``'s numpy-format view (its selected columns, or all of them
     with ``output_all_columns``); None for any other object, and for a dataset with its
     own transform (its records are what the transform returns)."""
-    if not _is(source, "datasets", "Dataset"):
+    if not is_kind(source, "datasets", "Dataset"):
         return None
     form = source.format
     if form["type"] == "custom":
@@ -56,7 +56,7 @@ def batched_records(source: Any) -> Records | None:
     Raises ``ValueError`` for a grain ``MapDataset`` without a finite length (an
     endless ``repeat()``: the loader's epochs need the data set's rows).
     """
-    if _is(source, "grain", "MapDataset"):
+    if is_kind(source, "grain", "MapDataset"):
         import grain
 
         if isinstance(source, grain.MapDataset):  # the class grain exports, not a namesake
@@ -69,25 +69,3 @@ def batched_records(source: Any) -> Records | None:
             return source._getitems  # grain's batched-read protocol (see the module doc)
     getitems = getattr(source, "__getitems__", None)
     return getitems if callable(getitems) else None
-
-
-def no_random_access(source: Any) -> str:
-    """Why ``source`` (an object without ``__len__`` and ``__getitem__``) cannot be read,
-    for a known streaming object, with the object to pass instead; else ''."""
-    if _is(source, "grain", "IterDataset"):
-        return (
-            ". A grain IterDataset streams records in its own order; pass the MapDataset "
-            "it was made from (before to_iter_dataset(), batch() and shuffle()): the loader "
-            "orders, reads ahead on grain threads and batches it"
-        )
-    if _is(source, "torch", "DataLoader"):
-        return (
-            ". A torch DataLoader orders and batches rows itself; pass its dataset "
-            "(loader.dataset): the loader orders it as DistributedSampler does"
-        )
-    if _is(source, "datasets", "IterableDataset"):
-        return (
-            ". A streaming Hugging Face IterableDataset has no random access; load the "
-            "dataset without streaming=True (a datasets.Dataset)"
-        )
-    return ""

@@ -14,6 +14,7 @@ import functools
 import os
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
@@ -37,6 +38,7 @@ from .._sampler import Permutation, numpy_permutation
 from ._fingerprint import difference
 from ._prefetch import Placed, read_ahead
 from ._source import Source, Transform
+from ._stream import Stream, everyone, gathered, is_stream
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -102,6 +104,32 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _check_stream_options(
+    shuffle: bool | None,
+    seed: int,
+    drop_last: bool | None,
+    permutation: Permutation,
+    last_window: LastWindow,
+) -> None:
+    """Refuses an option of the loader's own order given for a stream, which orders itself."""
+    given = {
+        "shuffle": shuffle is not None,
+        "seed": seed != 0,
+        "drop_last": drop_last is False,
+        "permutation": permutation is not numpy_permutation,
+        "last_window": last_window != "drop",
+    }
+    named = [name for name, set_ in given.items() if set_]
+    if named:
+        raise ValueError(
+            f"{named[0]}= is for a random-access source; a stream (an iterable source) is read "
+            "in its own order, each process's shard from its start, and the tail of a pass "
+            "that fills no optimizer step on every process is dropped: shuffle it in its "
+            "library (grain: MapDataset.shuffle(seed) before to_iter_dataset(); Hugging Face: "
+            "IterableDataset.shuffle(seed=, buffer_size=), reshuffled by epoch)"
+        )
+
+
 class Loader:
     """This process's rows of every call of a data-parallel step, placed on the mesh.
 
@@ -122,6 +150,16 @@ class Loader:
     (``jax.make_array_from_process_local_data``), at most ``prefetch`` placed
     calls ahead of the loop.
 
+    A stream (an iterable without random access: a grain ``IterDataset``, a Hugging
+    Face streaming ``IterableDataset``, any iterable that starts over when iterated) is
+    this process's own shard: each call takes its next records in the stream's order,
+    an epoch is one pass, ended for every process at the first step some process's
+    shard cannot fill (one small all-gather per step under several processes), and the
+    position carries each process's state of its stream (:mod:`jaxdp.data._stream`);
+    ``shuffle``, ``seed``, ``drop_last``, ``permutation`` and ``last_window`` are for a
+    random-access source (None: ``shuffle=True``, ``drop_last=False`` there) and are
+    refused for a stream.
+
     Iteration starts at :attr:`position` and runs ``epochs`` epochs from the
     start of training (None: endlessly); :attr:`position` and :attr:`samples`
     follow what the loop has been given, so breaking out and iterating again
@@ -130,7 +168,8 @@ class Loader:
     ``restore(like, data=loader)`` do it with the checkpoint.
 
     Raises ``ValueError`` or ``TypeError`` at construction for a bad source
-    (empty, fields of different lengths, no random access, a field or Hugging
+    (empty, fields of different lengths, neither random access nor iterable, an
+    iterator, a random-access option given for a stream, a field or Hugging
     Face column of text, more records than one epoch's order fits in this
     machine's memory), one epoch that
     cannot fill an optimizer step, and an option out of its range; a read or
@@ -156,9 +195,9 @@ class Loader:
         mesh: Mesh,
         path: Literal["fused", "multisteps"] = "fused",
         transform: Transform | None = None,
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         seed: int = 0,
-        drop_last: bool = False,
+        drop_last: bool | None = None,
         permutation: Permutation = numpy_permutation,
         last_window: LastWindow = "drop",
         epochs: int | None = None,
@@ -182,19 +221,43 @@ class Loader:
             raise ValueError(f"last_window={last_window!r} must be 'drop' or 'step'")
         if not is_integer(seed) or seed < 0:  # before the schedule, whose error says rows
             raise ValueError(f"seed={seed!r} must be a non-negative integer")
-        self.source = Source(source, transform)
-        _check_order_fits(len(self.source))
         self.sizes, self.mesh, self.path = sizes, mesh, path
         self.share = process_share(mesh, sizes)
+        self.permutation = permutation
+        self.epochs, self.workers, self.prefetch = epochs, workers, prefetch
+        self.calls_per_step = 1 if path == "fused" else sizes.accum_steps
+        self.stream: Stream | None = None
+        self._stream_state: Any = None  # the stream's own state after the last call given
+        if is_stream(source):
+            _check_stream_options(shuffle, seed, drop_last, permutation, last_window)
+            self.stream, self.source = Stream(source, transform), None
+            self.order = {"stream": self.stream.kind, "processes": self.share.process_count}
+            self.steps_per_epoch = None  # a pass ends where its shard does
+        else:
+            self._random_access(source, transform, shuffle, seed, drop_last, last_window)
+        self.position = SamplerPosition(0, 0, 0)
+        self.samples = 0  # rows of weight > 0 given to the loop, all processes
+        self._sharding = NamedSharding(mesh, P(DATA_AXIS))
+        self._iterations: weakref.WeakSet[Placed] = weakref.WeakSet()
+
+    def _random_access(
+        self,
+        source: Any,
+        transform: Transform | None,
+        shuffle: bool | None,
+        seed: int,
+        drop_last: bool | None,
+        last_window: LastWindow,
+    ) -> None:
+        self.source = Source(source, transform)
+        _check_order_fits(len(self.source))
         self.order = {
             "dataset_size": len(self.source),
-            "shuffle": bool(shuffle),
+            "shuffle": shuffle is None or bool(shuffle),
             "seed": seed,
             "drop_last": bool(drop_last),
             "last_window": last_window,
         }
-        self.permutation = permutation
-        self.epochs, self.workers, self.prefetch = epochs, workers, prefetch
         # The workers read calls of at most two epochs at a time.
         self._schedule = functools.lru_cache(maxsize=2)(self._build_schedule)
         try:
@@ -202,13 +265,8 @@ class Loader:
         except ValueError as e:
             raise ValueError(
                 f"source has {len(self.source)} rows, too few for one optimizer step of "
-                f"{sizes.describe()}: {e}"
+                f"{self.sizes.describe()}: {e}"
             ) from None
-        self.calls_per_step = 1 if path == "fused" else sizes.accum_steps
-        self.position = SamplerPosition(0, 0, 0)
-        self.samples = 0  # rows of weight > 0 given to the loop, all processes
-        self._sharding = NamedSharding(mesh, P(DATA_AXIS))
-        self._iterations: weakref.WeakSet[Placed] = weakref.WeakSet()
 
     @classmethod
     def for_step(
@@ -263,6 +321,11 @@ class Loader:
 
     def rows(self, position: SamplerPosition) -> tuple[np.ndarray, np.ndarray]:
         """This process's dataset indices of the call at ``position``, and its micro-weights."""
+        if self.stream is not None:
+            raise ValueError(
+                f"the loader's source is a stream ({self.stream.name}): its rows are the "
+                "next records of each process's shard, not indices of a data set"
+            )
         epoch, step, micro = position
         schedule = self._schedule(epoch)
         mine = schedule.rows[step][self.share.rows]
@@ -280,6 +343,9 @@ class Loader:
     # ---- iteration ------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
+        if self.stream is not None:
+            yield from self._streamed()
+            return
         start = self._call_index(self.position)
         per_epoch = self.steps_per_epoch * self.calls_per_step
         stop = sys.maxsize if self.epochs is None else self.epochs * per_epoch
@@ -309,6 +375,84 @@ class Loader:
         finally:
             placed.close()
 
+    def _streamed(self) -> Iterator[Batch]:
+        """A stream's calls: one pass over this process's shard per epoch, read and placed on
+        one thread (the stream reads in order), one optimizer step's calls at a time. Under
+        several processes every process agrees that each has the step's rows before any
+        yields it (one small all-gather per step): a shard that ends first ends the epoch
+        for all, so no process waits in the step for one that has nothing to give."""
+        assert self.stream is not None
+        rows_per_micro = self.sizes.num_devices * self.sizes.micro_batch_size
+        while self.epochs is None or self.position.epoch < self.epochs:
+            epoch, step, micro = self.position
+            start = step * self.calls_per_step + micro  # calls into the epoch's pass
+            placed = Placed(
+                self._steps_read(epoch, start, self._stream_state),
+                self._place_step,
+                depth=self.prefetch,
+                timeout=self.read_timeout_s,
+                stuck=self.stream.stuck,
+            )
+            self._iterations.add(placed)
+            try:
+                given = start
+                while True:
+                    try:
+                        calls = next(placed)
+                    except StopIteration:  # closed: the position stays
+                        return
+                    if not everyone(calls is not None):
+                        break
+                    for data, weights, at, state in calls:
+                        given += 1
+                        after = self._stream_position(epoch, given)
+                        self.position, self._stream_state = after, state
+                        self.samples += int(np.count_nonzero(weights) * rows_per_micro)
+                        emits = at.micro_batch + 1 == self.calls_per_step
+                        yield Batch(data, weights, at.epoch, after, emits, self.sizes, self.path)
+            finally:
+                placed.close()
+            if given == 0:
+                raise ValueError(
+                    f"epoch {epoch} of the {self.stream.name} gave no optimizer step of "
+                    f"{self.sizes.describe()} on every process: a pass over a process's shard "
+                    f"has fewer than {self.share.sizes.global_batch_size} records (the rows of "
+                    "this process's devices for one step)"
+                )
+            self.position, self._stream_state = SamplerPosition(epoch + 1, 0, 0), None
+
+    def _steps_read(self, epoch: int, start: int, state: Any) -> Iterator[list[Any] | None]:
+        """The rest of each optimizer step's calls from call ``start`` of ``epoch``'s pass
+        (at the stream's ``state``), each call with its position and the stream's state
+        after it; None once the pass has too few records left for a step (its tail)."""
+        assert self.stream is not None
+        local = self.share.sizes
+        per_call = local.global_batch_size // self.calls_per_step  # this process's rows
+        skip = 0 if state is not None or self.stream.kind != "none" else start * per_call
+        reading = self.stream.passes(epoch, state, skip)
+        weights = (
+            np.ones(self.sizes.accum_steps, np.float32) if self.path == "fused" else np.float32(1)
+        )
+        call = start
+        while True:
+            calls = []
+            for _ in range(self.calls_per_step - call % self.calls_per_step):
+                batch = reading.take(per_call)
+                if batch is None:
+                    yield None
+                    return
+                calls.append((batch, weights, self._stream_position(epoch, call), reading.state()))
+                call += 1
+            yield calls
+
+    def _stream_position(self, epoch: int, call: int) -> SamplerPosition:
+        return SamplerPosition(epoch, *divmod(call, self.calls_per_step))
+
+    def _place_step(self, calls: list[Any] | None) -> list[Any] | None:
+        if calls is None:
+            return None
+        return [(place(data, self._sharding), *rest) for data, *rest in calls]
+
     def close(self) -> None:
         """Stops every iteration's background threads and waits for them.
 
@@ -331,7 +475,20 @@ class Loader:
     # ---- position -------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        """The position and what it means, as JSON: restore it with :meth:`restore`."""
+        """The position and what it means, as JSON: restore it with :meth:`restore`.
+
+        A stream's holds every process's own state of its stream (grain's iterator
+        state, a Hugging Face ``state_dict()``; None for a stream without one), in process
+        order: under several processes a collective (two small all-gathers), so call it on
+        every process (``Checkpoints.save`` does)."""
+        if self.stream is not None:
+            return {
+                **self.position._asdict(),
+                "samples": self.samples,
+                "batch": self.sizes._asdict(),
+                **self.order,
+                "stream_state": gathered(self.stream.saved(self._stream_state)),
+            }
         return {
             **self.position._asdict(),
             "samples": self.samples,
@@ -343,11 +500,25 @@ class Loader:
     def check_data(self, state: dict[str, Any]) -> None:
         """Raises ``ValueError`` unless ``state`` (from :meth:`state`) was saved for this
         loader's data and order, naming what differs (:meth:`restore` checks it first)."""
-        for key in _ORDER:
+        read = "random-access source" if self.stream is None else f"stream ({self.stream.kind})"
+        if ("stream" in state or "dataset_size" in state) and ("stream" in state) != (
+            self.stream is not None
+        ):
+            was = f"stream ({state['stream']})" if "stream" in state else "random-access source"
+            raise ValueError(
+                f"the restored position was saved by a loader of a {was}; this loader reads a "
+                f"{read}: a position indexes one kind of data"
+            )
+        for key in _ORDER if self.stream is None else ("stream", "processes"):
             if key in state and state[key] != self.order[key]:
                 raise ValueError(
                     f"the restored position was saved with {key}={state[key]!r}; this loader "
                     f"has {key}={self.order[key]!r}: a position indexes one data set's order"
+                    + (
+                        " (a stream's position is each process's place in its own shard)"
+                        if key == "processes"
+                        else ""
+                    )
                 )
         if "fingerprint" in state:
             changed = difference(state["fingerprint"], self.source.fingerprint)
@@ -377,6 +548,12 @@ class Loader:
         self.check_data(state)
         saved = BatchSizes(**state["batch"])
         position = SamplerPosition(state["epoch"], state["step_in_epoch"], state["micro_batch"])
+        if self.stream is not None and saved.global_batch_size != self.sizes.global_batch_size:
+            raise ValueError(
+                f"the restored position of a stream was saved with {saved.describe()}; this "
+                f"loader has {self.sizes.describe()}: a stream's position counts its calls of "
+                "one global batch (force does not apply)"
+            )
         if saved.global_batch_size != self.sizes.global_batch_size and not force:
             raise ValueError(
                 f"the restored position was saved with {saved.describe()}; this loader has "
@@ -390,8 +567,24 @@ class Loader:
                 f"{self.sizes.describe()}) can only continue it with the same split on the "
                 "multisteps path"
             )
+        self.samples = int(state.get("samples", 0))
+        if self.stream is not None:
+            self.position = position
+            self._stream_state = state["stream_state"][self.share.process_index]
+            calls = position.step_in_epoch * self.calls_per_step + position.micro_batch
+            if self.stream.kind == "none" and calls:
+                warnings.warn(
+                    f"the {self.stream.name} has no saved state (no get_state()/set_state() on "
+                    "its iterators, no state_dict()/load_state_dict()): the resume reads epoch "
+                    f"{position.epoch}'s pass again from its start and discards the "
+                    f"{calls * self.share.sizes.global_batch_size // self.calls_per_step} "
+                    "records of this process already trained on (the same rows only if each "
+                    "pass yields the same records)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return self.position
         self.position = resume_position(
             position, saved=saved, sizes=self.sizes, steps_per_epoch=self.steps_per_epoch
         )
-        self.samples = int(state.get("samples", 0))
         return self.position

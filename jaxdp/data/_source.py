@@ -37,7 +37,7 @@ from ._fingerprint import (
     read_rows,
     records_fingerprint,
 )
-from ._kinds import batched_records, hugging_face_columns, no_random_access
+from ._kinds import batched_records, hugging_face_columns
 
 Transform = Callable[[Any], Any]
 """``transform(record) -> record``, applied to every record read, in a loader worker."""
@@ -65,8 +65,7 @@ class Source:
     Raises ``ValueError`` at construction for an empty source, array fields of
     different lengths (naming each), a field without rows (a 0-d array), an
     endless grain ``MapDataset``, and ``TypeError`` for an object without
-    ``__len__`` and ``__getitem__`` (naming what to pass instead of a grain
-    ``IterDataset``, a torch ``DataLoader`` or a streaming Hugging Face dataset).
+    ``__len__`` and ``__getitem__`` (an iterable one is a stream: ``_stream.Stream``).
     A read raises :class:`~jaxdp.data.DataChangedError` once a file behind a
     memmapped field has changed since construction, and ``ValueError`` for a
     missing record (``None``: a grain ``filter``) or a batched read that returns
@@ -89,8 +88,8 @@ class Source:
         else:
             raise TypeError(
                 f"source is a {type(source).__name__}: it must be an array, a dict/tuple of "
-                "arrays, or have __len__ and __getitem__ (random access by record index)"
-                + no_random_access(source)
+                "arrays, have __len__ and __getitem__ (random access by record index), or "
+                "be iterable (a stream: a grain IterDataset, a Hugging Face IterableDataset)"
             )
         if self.length == 0:
             raise ValueError("source is empty (0 rows): there is nothing to train on")
@@ -140,13 +139,13 @@ class Source:
                     raise
             if self.columns is not None and self.transform is None:
                 self._reading[me] = (int(rows[0]), time.monotonic())
-                return _checked(self._columns(rows), rows, "column")
+                return checked(self._columns(rows), rows, "column")
             if self.batched is not None:
                 self._reading[me] = (int(rows[0]), time.monotonic())
                 records = self._batch(rows)
             else:
                 records = [self._record(int(i), me) for i in rows]
-            return _checked(_stack(records, rows), rows, "field")
+            return checked(stack(records, rows), rows, "field")
         finally:
             self._reading.pop(me, None)
 
@@ -190,14 +189,19 @@ class Source:
                 "None for a dropped record): every index up to len(source) must hold a "
                 "record; filter the data before the loader, or in its transform"
             )
-        if self.transform is None:
-            return record
-        try:
-            return self.transform(record)
-        except Exception as e:
-            raise ValueError(
-                f"transform raised on record {index} of the source: {type(e).__name__}: {e}"
-            ) from e
+        return transformed(self.transform, record, index)
+
+
+def transformed(transform: Transform | None, record: Any, index: int) -> Any:
+    """``transform(record)``, its error naming the record (``index``); the record without one."""
+    if transform is None:
+        return record
+    try:
+        return transform(record)
+    except Exception as e:
+        raise ValueError(
+            f"transform raised on record {index} of the source: {type(e).__name__}: {e}"
+        ) from e
 
 
 # A Hugging Face feature whose values are text or bytes (alone or in a list).
@@ -233,7 +237,7 @@ def _check_columns(dataset: Any) -> None:
             )
 
 
-def _checked(batch: Any, rows: np.ndarray, kind: str) -> Any:
+def checked(batch: Any, rows: np.ndarray, kind: str) -> Any:
     """``batch``, after checking that JAX takes each of its arrays; names the field
     (``kind``: column or field) and the records."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
@@ -272,7 +276,7 @@ def _common_length(fields: Any) -> int:
     return next(iter(lengths.values()))
 
 
-def _stack(records: list[Any], rows: np.ndarray) -> Any:
+def stack(records: list[Any], rows: np.ndarray) -> Any:
     """One array per field with the records on the leading axis; names a record that differs."""
     # One flatten per record (not a tree.map per check): a third of a record's cost.
     flat = [jax.tree.flatten(record) for record in records]
