@@ -255,15 +255,44 @@ def test_two_openings_over_a_leftover_both_save_and_the_leftover_goes(tmp_path):
     assert not leftover.exists()
 
 
+def blocks(tree):
+    """Every leaf's blocks this process holds, in host memory: a split leaf compares
+    bitwise by its blocks."""
+    return jax.tree.map(lambda x: [np.array(s.data) for s in x.addressable_shards], tree)
+
+
 @pytest.mark.devices(2, processes=2)
-def test_a_background_save_beside_jax_distributed_is_refused_before_writing(shared_tmp_path):
-    mesh = jaxdp.initialize()  # 2 processes x 2 devices: JAX's runtime is up
-    step = jaxdp.make_train_step(lambda p, b: jnp.mean((b @ p) ** 2), optax.sgd(0.1), mesh=mesh)
-    checkpoints = Checkpoints(shared_tmp_path / "ckpt", background=True)
-    state, _ = step(step.init(np.zeros(3)), np.ones((4, 3)))
-    with pytest.raises(CheckpointError, match="without jax.distributed, and this one runs it"):
+def test_background_saves_on_two_processes_restore_bitwise_split_leaves_and_all(
+    shared_tmp_path,
+):
+    """2 processes x 2 devices at ZeRO stage 1 (Adam's moments split over the 4 devices,
+    each process writing its blocks): two background saves, a step trained beside each,
+    the older pruned behind the newer, which restores bitwise on every process."""
+    mesh = jaxdp.initialize()
+    step = jaxdp.make_train_step(
+        lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2),
+        optax.adam(1e-2),
+        mesh=mesh,
+        parallel=jaxdp.Parallel(zero_stage=1),
+    )
+    checkpoints = Checkpoints(shared_tmp_path / "ckpt", background=True, keep=1)
+    state = step.init({"w": jnp.zeros((8, 4), jnp.float64)})
+    rng = np.random.default_rng(jax.process_index())
+    for _ in range(2):
+        state, _ = step(state, (rng.normal(size=(4, 8)), rng.normal(size=(4, 4))))
         checkpoints.save(state)
-    assert checkpoints.steps == []
+        saved = blocks(state)
+    state, _ = step(state, (rng.normal(size=(4, 8)), rng.normal(size=(4, 4))))  # beside it
+    assert checkpoints.steps == [2]
+    mu = state.opt_state[0].mu["w"]
+    assert not mu.is_fully_addressable  # the leaf each process wrote its part of
+    restored = checkpoints.restore(step.init({"w": jnp.zeros((8, 4), jnp.float64)}))
+    assert_trees_equal(blocks(restored.state.params), saved.params)
+    assert_trees_equal(blocks(restored.state.opt_state), saved.opt_state)
+
+
+def assert_trees_equal(actual, expected):
+    jax.tree.map(np.testing.assert_array_equal, actual, expected)
 
 
 if __name__ == "__main__":
