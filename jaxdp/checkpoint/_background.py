@@ -94,7 +94,10 @@ def writer(directory: Any, name: str) -> ocp.Checkpointer:
         active_processes=set(range(jax.process_count())),
         barrier_sync_key_prefix=barrier_prefix(directory, name),
     )
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(), multiprocessing_options=options)
+    handler = ocp.CompositeCheckpointHandler(  # it creates the temporary directory: its too
+        composite_options=ocp.CompositeOptions(multiprocessing_options=options)
+    )
+    return ocp.Checkpointer(handler, multiprocessing_options=options)
 
 
 def barrier_prefix(directory: Any, name: str) -> str:
