@@ -113,11 +113,13 @@ class Checkpoints:
     as :class:`CheckpointError` (a failure is also printed on stderr when it
     happens, for a script that never asks again). A script that ends with a save
     in flight (normally, by ``sys.exit``, by an exception) exits once that
-    checkpoint is written and verified. Only in a process without
-    ``jax.distributed`` (one process): orbax's save runs its barriers between
-    processes as device collectives and reads JAX's preemption sync point (which
-    :meth:`preempted` keys on the step), neither safe from a second thread beside
-    the step.
+    checkpoint is written and verified. Under ``jax.distributed`` every process
+    calls ``save`` at the same step; each copies what it holds (its blocks of a leaf
+    split over processes), and the thread joins the processes only by the JAX
+    distributed client's barriers and key-value store, never a device collective nor
+    JAX's preemption sync point (:mod:`._background`): process 0 writes the whole
+    arrays and renames, each process reads its part back, process 0 prunes, and no
+    process's save ends before that.
     """
 
     def __init__(
