@@ -151,6 +151,7 @@ def test_sigterm_to_every_rank_then_sigkill_after_a_grace_leaves_the_stop_s_chec
     stopped = int(stops[0][0].split()[-1])
     assert jaxdp.checkpoint.Checkpoints(directory).steps == [stopped]
     assert jaxdp.checkpoint.Checkpoints(directory).metadata().step == stopped
+    print(f"SIGTERM after step {seen[-1].split()[-1]} or later; stopped at step {stopped}")
 
 
 if __name__ == "__main__":
