@@ -354,10 +354,11 @@ def distributed_child(point: str, process_id: int, port: int, directory: pathlib
 
 
 # Two processes, one killed while the save of step 2 is at each point (the other after
-# it): held while hashing (nothing written), after writing its blocks (before orbax's
-# barrier), before the rename (process 0's, after every process wrote), while reading
-# back (renamed: complete) and while pruning (read back everywhere, 1 not yet deleted).
-KILLED_ON = {"hashing": 1, "writing": 1, "rename": 0, "verifying": 1, "pruning": 0}
+# it): held while hashing (process 0: it alone takes SHA-256s; nothing written), after
+# writing its blocks (process 1, before orbax's barrier), before the rename (process 0's,
+# after every process wrote), while reading back (renamed: complete) and while pruning
+# (read back everywhere, 1 not yet deleted).
+KILLED_ON = {"hashing": 0, "writing": 1, "rename": 0, "verifying": 1, "pruning": 0}
 KILLED_STEPS = {
     "hashing": [1],
     "writing": [1],
