@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import reserved_port
 
 import jaxdp
 from jaxdp.checkpoint import CheckpointError, Checkpoints
@@ -255,21 +256,186 @@ def test_two_openings_over_a_leftover_both_save_and_the_leftover_goes(tmp_path):
     assert not leftover.exists()
 
 
+def blocks(tree):
+    """Every leaf's blocks this process holds, in host memory: a split leaf compares
+    bitwise by its blocks."""
+    return jax.tree.map(lambda x: [np.array(s.data) for s in x.addressable_shards], tree)
+
+
 @pytest.mark.devices(2, processes=2)
-def test_a_background_save_beside_jax_distributed_is_refused_before_writing(shared_tmp_path):
-    mesh = jaxdp.initialize()  # 2 processes x 2 devices: JAX's runtime is up
-    step = jaxdp.make_train_step(lambda p, b: jnp.mean((b @ p) ** 2), optax.sgd(0.1), mesh=mesh)
-    checkpoints = Checkpoints(shared_tmp_path / "ckpt", background=True)
-    state, _ = step(step.init(np.zeros(3)), np.ones((4, 3)))
-    with pytest.raises(CheckpointError, match="without jax.distributed, and this one runs it"):
+def test_background_saves_on_two_processes_restore_bitwise_split_leaves_and_all(
+    shared_tmp_path,
+):
+    """2 processes x 2 devices at ZeRO stage 1 (Adam's moments split over the 4 devices,
+    each process writing its blocks): two background saves, a step trained beside each,
+    the older pruned behind the newer, which restores bitwise on every process."""
+    mesh = jaxdp.initialize()
+    step = jaxdp.make_train_step(
+        lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2),
+        optax.adam(1e-2),
+        mesh=mesh,
+        parallel=jaxdp.Parallel(zero_stage=1),
+    )
+    checkpoints = Checkpoints(shared_tmp_path / "ckpt", background=True, keep=1)
+    state = step.init({"w": jnp.zeros((8, 4), jnp.float64)})
+    rng = np.random.default_rng(jax.process_index())
+    for _ in range(2):
+        state, _ = step(state, (rng.normal(size=(4, 8)), rng.normal(size=(4, 4))))
         checkpoints.save(state)
-    assert checkpoints.steps == []
+        saved = blocks(state)
+    state, _ = step(state, (rng.normal(size=(4, 8)), rng.normal(size=(4, 4))))  # beside it
+    assert checkpoints.steps == [2]
+    mu = state.opt_state[0].mu["w"]
+    assert not mu.is_fully_addressable  # the leaf each process wrote its part of
+    restored = checkpoints.restore(step.init({"w": jnp.zeros((8, 4), jnp.float64)}))
+    assert_trees_equal(blocks(restored.state.params), saved.params)
+    assert_trees_equal(blocks(restored.state.opt_state), saved.opt_state)
+
+
+def assert_trees_equal(actual, expected):
+    jax.tree.map(np.testing.assert_array_equal, actual, expected)
+
+
+def hold_at(point: str) -> None:
+    """Has this process's next background save hold at ``point`` (:data:`KILLED_ON`)."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.path import atomicity
+
+    from jaxdp.checkpoint import _checkpoints
+
+    save = ocp.CompositeCheckpointHandler.save
+
+    def written(self, *args, **kwargs):
+        save(self, *args, **kwargs)
+        hold("writing")
+
+    async def finalize(self):
+        hold("rename")
+
+    hooks = {
+        "hashing": (_checkpoints, "array_sha256", lambda x: hold("hashing")),
+        "writing": (ocp.CompositeCheckpointHandler, "save", written),
+        "rename": (atomicity.AtomicRenameTemporaryPath, "finalize", finalize),
+        "verifying": (Checkpoints, "_read_on_host", lambda *args: hold("verifying")),
+        "pruning": (Checkpoints, "_prune", lambda *args, **kwargs: hold("pruning")),
+    }
+    setattr(*hooks[point])
+
+
+def distributed_child(point: str, process_id: int, port: int, directory: pathlib.Path) -> None:
+    """One of two processes (a CPU device each, ZeRO stage 1: Adam's moments split over
+    both) saving steps 1 and 2 in the background, ``keep=1``; the process of
+    :data:`KILLED_ON` holds the second save at ``point`` and says so."""
+    mesh = jaxdp.initialize(f"127.0.0.1:{port}", 2, process_id, cpu_devices=1, timeout_s=60)
+    step = jaxdp.make_train_step(
+        lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2),
+        optax.adam(1e-2),
+        mesh=mesh,
+        parallel=jaxdp.Parallel(zero_stage=1),
+    )
+    checkpoints = Checkpoints(directory, background=True, keep=1)
+    state = step.init({"w": jnp.zeros((8, 4), jnp.float64)})
+    for i in (1, 2):
+        x, y = batch(i)
+        state, _ = step(state, (x[:, :8], y[:, :4]))
+        (mu,) = state.opt_state[0].mu["w"].addressable_shards  # this process's rows
+        np.save(directory.parent / f"mu{i}-{process_id}.npy", np.asarray(mu.data))
+        if process_id == 0:
+            np.save(directory.parent / f"step{i}.npy", np.asarray(state.params["w"]))
+        if i == 2:
+            checkpoints.wait_until_finished()  # the first save is whole
+        if i == 2 and process_id == KILLED_ON[point]:
+            hold_at(point)
+        checkpoints.save(state)
+    x, y = batch(3)
+    state, _ = step(state, (x[:, :8], y[:, :4]))  # while the second save is held
+    print(f"trained step {int(state.step)}", flush=True)
+    checkpoints.wait_until_finished()
+
+
+# Two processes, one killed while the save of step 2 is at each point (the other after
+# it): held while hashing (process 0: it alone takes SHA-256s; nothing written), after
+# writing its blocks (process 1, before orbax's barrier), before the rename (process 0's,
+# after every process wrote), while reading back (renamed: complete) and while pruning
+# (read back everywhere, 1 not yet deleted).
+KILLED_ON = {"hashing": 0, "writing": 1, "rename": 0, "verifying": 1, "pruning": 0}
+KILLED_STEPS = {
+    "hashing": [1],
+    "writing": [1],
+    "rename": [1],
+    "verifying": [1, 2],
+    "pruning": [1, 2],
+}
+
+
+def said(process: subprocess.Popen) -> str:
+    """The process's next line on stdout but gloo's own."""
+    while True:
+        line = process.stdout.readline()
+        assert line, "the process ended first"
+        if not line.startswith("[Gloo]"):
+            return line.strip()
+
+
+@pytest.mark.parametrize("point", sorted(KILLED_ON))
+def test_a_kill_of_one_process_during_a_background_save_leaves_the_newest_complete(tmp_path, point):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with reserved_port() as port:
+        processes = [
+            subprocess.Popen(
+                [sys.executable, __file__, point, str(directory), str(i), str(port)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=env,
+            )
+            for i in (0, 1)
+        ]
+        stopper = threading.Timer(300, lambda: [p.kill() for p in processes])  # never hung
+        stopper.start()
+        try:
+            killed, other = processes[KILLED_ON[point]], processes[1 - KILLED_ON[point]]
+            lines = []
+            lines = [said(killed), said(killed)]  # "held at POINT", "trained step 3": any order
+            assert said(other) == "trained step 3"
+            killed.send_signal(signal.SIGKILL)
+            killed.wait()
+            time.sleep(0.5)  # the other process goes on as far as it can alone
+            other.kill()  # as a launcher ends the rest of a job one process of left
+            other.wait()
+        finally:
+            stopper.cancel()
+            for p in processes:
+                p.kill()
+    assert sorted(lines) == [f"held at {point}", "trained step 3"]
+    assert Checkpoints(directory).steps == KILLED_STEPS[point]
+    step = jaxdp.make_train_step(
+        lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2),
+        optax.adam(1e-2),
+        mesh=jaxdp.data_mesh(2),
+        parallel=jaxdp.Parallel(zero_stage=1),
+    )
+    restored = Checkpoints(directory).restore(step.init({"w": jnp.zeros((8, 4), jnp.float64)}))
+    newest = KILLED_STEPS[point][-1]
+    assert int(restored.state.step) == newest
+    np.testing.assert_array_equal(
+        restored.state.params["w"], np.load(tmp_path / f"step{newest}.npy")
+    )
+    mu = [np.load(tmp_path / f"mu{newest}-{i}.npy") for i in (0, 1)]
+    np.testing.assert_array_equal(restored.state.opt_state[0].mu["w"], np.concatenate(mu))
 
 
 if __name__ == "__main__":
-    jaxdp.emulate_cpu_devices(1)
     jax.config.update("jax_enable_x64", True)
-    if sys.argv[1] in ENDINGS:
-        ending(sys.argv[1], pathlib.Path(sys.argv[2]))
+    if len(sys.argv) == 5:  # POINT DIR PROCESS_ID PORT: jaxdp.initialize sets the devices
+        distributed_child(
+            sys.argv[1], int(sys.argv[3]), int(sys.argv[4]), pathlib.Path(sys.argv[2])
+        )
     else:
-        child(sys.argv[1], pathlib.Path(sys.argv[2]))
+        jaxdp.emulate_cpu_devices(1)
+        if sys.argv[1] in ENDINGS:
+            ending(sys.argv[1], pathlib.Path(sys.argv[2]))
+        else:
+            child(sys.argv[1], pathlib.Path(sys.argv[2]))

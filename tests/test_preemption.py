@@ -119,6 +119,51 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_a_rerun_continues_bit
     )
 
 
+# mpirun forwards SIGTERM to every rank and sends SIGKILL once its grace is over (Open MPI's
+# odls_base_sigkill_timeout, 1 s by default; docs/scaling-out.md): a grace the save fits in.
+GRACE_S = 60
+
+
+def test_sigterm_to_every_rank_then_sigkill_after_a_grace_leaves_the_stop_s_checkpoint(
+    tmp_path,
+):
+    """mpirun's preemption emulated: SIGTERM to both processes, SIGKILL to whatever still
+    runs after the grace. Both stop at one step with its checkpoint written, and end by
+    themselves (status 0) before the SIGKILL."""
+    directory = tmp_path / "preempted"
+    killer = threading.Timer(GRACE_S, lambda: [p.kill() for p in processes])
+    with reserved_port() as port:
+        processes = start(port, directory)
+        try:
+            seen = []
+            while "step 3" not in seen:
+                line = processes[1].stdout.readline()
+                assert line, f"process 1 ended first: {seen}"
+                seen.append(line.strip())
+            for p in processes:
+                p.send_signal(signal.SIGTERM)
+            killer.start()
+            sent, after = time.monotonic(), []
+            while not after or not after[-1].startswith("stopped"):  # saved, written
+                after.append(processes[1].stdout.readline().strip())
+                assert after[-1], f"process 1 ended first: {after}"
+            saved = time.monotonic() - sent
+            outputs = finish(processes)  # status 0: neither was killed
+            ended = time.monotonic() - sent
+            outputs[1] = after + outputs[1]
+        finally:
+            killer.cancel()
+    stops = [[x for x in out if x.startswith("stopped")] for out in outputs]
+    assert stops[0] == stops[1] and len(stops[0]) == 1, stops
+    stopped = int(stops[0][0].split()[-1])
+    assert jaxdp.checkpoint.Checkpoints(directory).steps == [stopped]
+    assert jaxdp.checkpoint.Checkpoints(directory).metadata().step == stopped
+    print(  # what docs/scaling-out.md quotes: how much of a grace the stop used
+        f"SIGTERM after step {seen[-1].split()[-1]} or later; stopped at step {stopped}; "
+        f"{saved:.1f} s after the SIGTERM, its checkpoint written; both ended after {ended:.1f} s"
+    )
+
+
 if __name__ == "__main__":
     jax.config.update("jax_enable_x64", True)
     run(int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3]))

@@ -49,10 +49,13 @@ import jaxdp
 from jaxdp.checkpoint import Checkpoints
 
 
-def step_and_state(megabytes: float):
+def step_and_state(megabytes: float, mesh=None):
+    """The step and state timed (on one CPU device, or ``mesh``), and a batch."""
     rows = max(1, int(megabytes * 1e6 / 4 / 3 / 1024))  # params + 2 moments, float32
     step = jaxdp.make_train_step(
-        lambda p, b: jnp.mean((b @ p["w"]) ** 2), optax.adamw(1e-3), mesh=jaxdp.data_mesh(1)
+        lambda p, b: jnp.mean((b @ p["w"]) ** 2),
+        optax.adamw(1e-3),
+        mesh=jaxdp.data_mesh(1) if mesh is None else mesh,
     )
     batch = np.ones((8, rows), np.float32)
     state = step.init({"w": np.zeros((rows, 1024), np.float32)})

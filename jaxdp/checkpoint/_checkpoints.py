@@ -24,7 +24,9 @@ from __future__ import annotations
 import concurrent.futures.thread  # noqa: F401 - its exit hook registered before ours
 import contextlib
 import functools
+import os
 import pathlib
+import shutil
 import sys
 import threading
 import warnings
@@ -32,14 +34,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from .._checks import is_integer
 from .._layout import BatchSizes
 from .._position import SamplerPosition
 from .._train_state import TrainState, check_live
-from . import _format2
+from . import _background, _format2
 from ._agree import process_0s
 from ._data import OWN, DataPosition, check_data, from_data, restore_data, sizes_of
 from ._interrupted import raise_if_interrupted
@@ -113,11 +114,13 @@ class Checkpoints:
     as :class:`CheckpointError` (a failure is also printed on stderr when it
     happens, for a script that never asks again). A script that ends with a save
     in flight (normally, by ``sys.exit``, by an exception) exits once that
-    checkpoint is written and verified. Only in a process without
-    ``jax.distributed`` (one process): orbax's save runs its barriers between
-    processes as device collectives and reads JAX's preemption sync point (which
-    :meth:`preempted` keys on the step), neither safe from a second thread beside
-    the step.
+    checkpoint is written and verified. Under ``jax.distributed`` every process
+    calls ``save`` at the same step; each copies what it holds (its blocks of a leaf
+    split over processes), and the thread joins the processes only by the JAX
+    distributed client's barriers and key-value store, never a device collective nor
+    JAX's preemption sync point (:mod:`._background`): process 0 writes the whole
+    arrays and renames, each process reads its part back, process 0 prunes, and no
+    process's save ends before that.
     """
 
     def __init__(
@@ -150,6 +153,7 @@ class Checkpoints:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._verified: set[int] = set()
+        self._saves = 0  # background saves started
         # Installed before a failure: its noise comes while the write or read fails.
         quiet_writer_thread_logs()
         quiet_failed_read_noise()
@@ -231,14 +235,6 @@ class Checkpoints:
             )
         if position is not None:
             check_position(state, position)
-        if self.background and jax.distributed.is_initialized():
-            raise CheckpointError(
-                "Checkpoints(background=True) saves in a process without jax.distributed, "
-                f"and this one runs it ({jax.process_count()} process(es)): orbax's save "
-                "runs its barriers between processes as device collectives and reads JAX's "
-                "preemption sync point, neither safe from a second thread beside the step; "
-                "use background=False"
-            )
         tree = saved_tree(state)
         meta = {
             "format": FORMAT,
@@ -262,7 +258,8 @@ class Checkpoints:
         if not self.background:
             self._write(number, meta, items, like=state)
         else:
-            items = on_host(items)  # all a background save blocks for
+            items = _background.on_host(items)  # all a background save blocks for
+            self._saves += 1  # names its barriers: every process counts the same saves
             self._writing = _Writing(
                 self.directory / str(number),
                 functools.partial(self._write, number, meta, items, like=None),
@@ -277,8 +274,17 @@ class Checkpoints:
         like: TrainState | None,
     ) -> None:
         """Seals ``meta`` with every leaf's SHA-256, writes the checkpoint, reads it back
-        (``verify``: into ``like``'s layout, or to host memory without one) and prunes."""
-        digests = {name: array_sha256(x) for part in items.values() for name, x in named(part)}
+        (``verify``: into ``like``'s layout) and prunes. Without ``like`` it is a background
+        save's, in its own thread beside the step (:mod:`._background`): ``items`` are in
+        host memory, and only orbax's barriers of the distributed client join processes."""
+        # Process 0 writes the meta: in a background save, beside the step, no other process
+        # takes SHA-256s that would not be written (on a split leaf orbax's checks apply).
+        hashes = like is not None or jax.process_index() == 0
+        digests = {
+            name: array_sha256(x) if hashes and not isinstance(x, _background.Shards) else None
+            for part in items.values()
+            for name, x in named(part)
+        }
         leaves = {name: {**d, "sha256": digests[name]} for name, d in meta["leaves"].items()}
         meta = sealed({**meta, "leaves": leaves})
         args = {"meta": ocp.args.JsonSave(meta)}
@@ -288,7 +294,16 @@ class Checkpoints:
         lock = saving(self.directory) if jax.process_index() == 0 else contextlib.nullcontext()
         try:
             with lock:
-                self._manager.save(number, args=ocp.args.Composite(**args), force=True)
+                if like is not None:
+                    self._manager.save(number, args=ocp.args.Composite(**args), force=True)
+                else:
+                    args.update(
+                        {
+                            item: ocp.args.StandardSave(_background.to_write(part))
+                            for item, part in items.items()
+                        }
+                    )
+                    self._background_writer(number).save(path, ocp.args.Composite(**args))
         except Exception as e:
             raise_if_interrupted(
                 e,
@@ -296,22 +311,60 @@ class Checkpoints:
                 "by a later save there",
             )
             raise self._write_failed(number, e) from e
+        if like is not None:
+            if self.verify:
+                try:
+                    self._read(number, meta, like, accumulators=True)
+                except Exception as e:
+                    raise self._read_back_failed(number, e) from e
+            self._verified.add(number)
+            self._prune(self._manager.delete)
+            return
+        name, error = self._barriers(number), None
         if self.verify:
             try:
-                if like is not None:
-                    self._read(number, meta, like, accumulators=True)
-                else:
-                    self._read_on_host(number, meta, items)
+                self._read_on_host(number, meta, items)
             except Exception as e:
-                raise_if_interrupted(
-                    e, f"checkpoint {path} was written; reading it back to verify was interrupted"
-                )
-                raise CheckpointError(
-                    f"checkpoint {self.directory / str(number)} does not read back intact "
-                    f"({_short(e)}); older checkpoints are kept"
-                ) from e
+                error = e
+        others = _background.all_read_back(self.directory, name, error and _short(error))
+        failed = None
+        if error is not None:
+            failed = self._read_back_failed(number, error)
+        elif others:
+            failed = CheckpointError(
+                f"checkpoint {path} does not read back intact on every process "
+                f"({'; '.join(others)}); older checkpoints are kept"
+            )
+        elif jax.process_index() == 0:  # alone: the others are training, not at a barrier
+            self._verified.add(number)
+            try:
+                self._prune(lambda n: shutil.rmtree(self.directory / str(n)), agreed=False)
+            except Exception as e:
+                failed, error = CheckpointError(f"pruning behind {path} failed: {_short(e)}"), e
+        said = _background.ended(self.directory, name, failed and str(failed))
+        if failed is not None:
+            raise failed from error
+        if said is not None:
+            raise CheckpointError(f"process 0 of the save of {path} failed: {said}")
         self._verified.add(number)
-        self._prune()
+
+    def _read_back_failed(self, number: int, error: Exception) -> CheckpointError:
+        raise_if_interrupted(
+            error,
+            f"checkpoint {self.directory / str(number)} was written; reading it back to "
+            "verify was interrupted",
+        )
+        return CheckpointError(
+            f"checkpoint {self.directory / str(number)} does not read back intact "
+            f"({_short(error)}); older checkpoints are kept"
+        )
+
+    def _barriers(self, number: int) -> str:
+        """The name of a background save's barriers: its number and its count."""
+        return f"{number}_{self._saves}"
+
+    def _background_writer(self, number: int) -> ocp.Checkpointer:
+        return _background.writer(self.directory, self._barriers(number))
 
     def preempted(self, state: TrainState, **save: Any) -> bool:
         """Whether the run was asked to stop, with ``state`` saved if so: True on every
@@ -546,12 +599,25 @@ class Checkpoints:
         return state_from_tree(tree, like)
 
     def _read_on_host(self, number: int, meta: dict[str, Any], items: dict[str, Any]) -> None:
-        """Reads a checkpoint's arrays back into host memory, laid out as ``items`` (what a
-        background save wrote), and checks them against the SHA-256s: no device memory
-        and no device program, which would run beside the step's."""
-        args = {item: ocp.args.StandardRestore(part) for item, part in items.items()}
-        out = self._manager.restore(number, args=ocp.args.Composite(**args))
-        check_sha256({item: out[item] for item in items}, meta["leaves"], lambda name: True)
+        """Reads back what this process of a background save wrote, laid out as ``items``
+        (host arrays, and this process's blocks of split leaves), and checks it against
+        the SHA-256s of the meta read back (process 0's: it alone takes them, and checks
+        that meta is the one it sealed): no device program, which would run beside the
+        step's. Process 0 alone wrote the whole arrays, so only it reads them back."""
+        written = {
+            item: _background.to_read(part)
+            for item, part in items.items()
+            if jax.process_index() == 0 or item != "replicated"
+        }
+        args = {item: ocp.args.StandardRestore(part) for item, part in written.items()}
+        out = self._background_writer(number).restore(
+            self.directory / str(number),
+            ocp.args.Composite(meta=ocp.args.JsonRestore(), **args),
+        )
+        read = check_sealed(out["meta"])  # process 0's, sealed with its SHA-256s
+        if jax.process_index() == 0 and read != check_sealed(meta):
+            raise CheckpointError("its meta is not the one written")
+        check_sha256({item: out[item] for item in written}, read["leaves"], lambda name: True)
 
     def _set_aside(self, failures: list[tuple[int, Exception]], used: pathlib.Path) -> None:
         for number, error in failures:
@@ -573,14 +639,16 @@ class Checkpoints:
             ocp.multihost.sync_global_processes("jaxdp_checkpoints_set_aside")
         self._manager.reload()
 
-    def _prune(self) -> None:
-        """Deletes all but the ``keep`` newest, each only behind a verified newer one."""
+    def _prune(self, delete: Callable[[int], None], *, agreed: bool = True) -> None:
+        """Deletes all but the ``keep`` newest, each only behind a verified newer one, by
+        ``delete`` on every process (the numbers ``agreed``: process 0's), or on one."""
         if self.keep is None or not self._verified:
             return
         newest_verified = max(self._verified)
-        for number in process_0s(self._steps())[: -self.keep]:  # the same deletes everywhere
+        steps = process_0s(self._steps()) if agreed else self._steps()
+        for number in steps[: -self.keep]:  # the same deletes everywhere
             if number < newest_verified:
-                self._manager.delete(number)
+                delete(number)
                 self._verified.discard(number)
 
 
@@ -601,6 +669,7 @@ class _Writing(threading.Thread):
         self.start()
 
     def run(self) -> None:
+        _beneath_the_step()
         try:
             self.write()
         except BaseException as e:  # noqa: BLE001 - kept and raised in the caller's thread
@@ -611,6 +680,21 @@ class _Writing(threading.Thread):
                     f"jaxdp.checkpoint: the background save of {self.path} failed: {e}{hint}",
                     file=sys.stderr,
                 )
+
+
+# How far below the step a background save's thread runs: a nice value added to the
+# thread's own (Linux: setpriority of a thread id is that thread's alone, and the threads
+# it starts inherit it). 300 MB on 2 processes of 2 cores: a step beside the save took
+# 1.86x the time of one alone at the process's priority.
+_BENEATH = 10
+
+
+def _beneath_the_step() -> None:
+    """Lowers this thread's priority (and that of the threads it starts) under the step's:
+    on a machine whose cores the step uses, the save takes the cores the step leaves."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + _BENEATH)
 
 
 # Python 3.12.0 to 3.12.2 refuse every new thread once the script has ended, also to the
@@ -650,16 +734,6 @@ def _join_saves() -> None:
                     file=sys.stderr,
                 )
                 return
-
-
-def on_host(tree: Any) -> Any:
-    """Every array of ``tree`` in host memory, the transfers started together (orbax's
-    async save does the same). On a GPU each is a copy; on a CPU device ``np.asarray``
-    is a view of the array's buffer, which stays valid: JAX does not donate a buffer a
-    host view holds (the step that donates the state then computes into new ones)."""
-    for x in jax.tree.leaves(tree):
-        x.copy_to_host_async()
-    return jax.tree.map(np.asarray, tree)
 
 
 def _position(meta: dict[str, Any]) -> SamplerPosition | None:
