@@ -14,8 +14,8 @@ agreement: the schedule is known), as arrays and as a grain ``MapDataset`` of re
 the stream's (one small all-gather per step, in the loop, so that a shard that ends first
 ends the epoch for every process), with grain's default read threads and without them
 (``to_iter_dataset(grain.ReadOptions(num_threads=0))``: the loader reads ahead on its own
-thread); and the agreement alone (``_stream.everyone``, 200 calls). Prints process 0's figures;
-BENCHMARKS.md section 6 and docs/data.md quote them.
+thread); and the agreement alone (the loader's all-gather, 200 calls). Prints process 0's
+figures; BENCHMARKS.md section 6 and docs/data.md quote them.
 """
 
 import os
@@ -37,10 +37,10 @@ def child(process: int, port: int) -> None:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from jax.experimental import multihost_utils
 
     import jaxdp
     import jaxdp.data
-    from jaxdp.data._stream import everyone
 
     mesh = jaxdp.data_mesh(4)
     sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, micro_batch_size=32)
@@ -67,6 +67,9 @@ def child(process: int, port: int) -> None:
                 if i == WARM + STEPS:
                     break
         return statistics.median(times)
+
+    def everyone(have: bool) -> bool:  # the loader's agreement, as jaxdp.data spells it
+        return bool(np.min(multihost_utils.process_allgather(np.array([have], np.int32))))
 
     def agreement() -> float:
         everyone(True)
