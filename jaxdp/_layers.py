@@ -131,13 +131,7 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
 
     def body(carry, xs):
         if across is not None:
-            xs, layer_sums, rows = xs
-            routed = _routed(
-                across, (None,) * len(which), tuple(xs[i] for i in which), layer_sums, rows
-            )
-            xs = list(xs)
-            for i, x in zip(which, routed, strict=True):
-                xs[i] = x
+            xs = _route_layer(across, (None,) * len(which), which, *xs)
         if how is not None:
             xs = gather(xs, dims, how)
         layer = treedef.unflatten(xs)
@@ -306,17 +300,22 @@ def _scan_routed(fn, graphdef, treedef, leaves, stacks, carry):
     dims = tuple(stacks[i].dim for i in which)
 
     def body(carry, xs):
-        layer_values, layer_sums, rows = xs
-        routed = _routed(route, dims, tuple(layer_values[i] for i in which), layer_sums, rows)
-        layer_values = list(layer_values)
-        for i, x in zip(which, routed, strict=True):
-            layer_values[i] = x
-        layer = treedef.unflatten(layer_values)
+        layer = treedef.unflatten(_route_layer(route, dims, which, *xs))
         if graphdef is not None:
             layer = nnx.merge(graphdef, layer)
         return fn(layer, carry), None
 
     return jax.lax.scan(body, carry, (values, sums, sinks), unroll=True)[0]
+
+
+def _route_layer(route: Route, dims, which: list[int], values, sums, rows) -> list[Any]:
+    """One layer's ``values`` with those at ``which`` through :func:`_routed` (their
+    gradients reduced by ``route`` into ``rows``, the window's ``sums`` added first)."""
+    routed = _routed(route, dims, tuple(values[i] for i in which), sums, rows)
+    values = list(values)
+    for i, x in zip(which, routed, strict=True):
+        values[i] = x
+    return values
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

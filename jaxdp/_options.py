@@ -465,7 +465,8 @@ class StepOptions:
             # HSDP: each layer's all-reduce across the replica groups too (a declared
             # stack's, jaxdp._layers), which moves it one layer on, so that the layer's
             # reduce-scatter is not waited for at once: GPT-2 small scanned on 2 x 8
-            # H100s, reduce-scatters 29% -> 63% hidden, the all-reduces as they were.
+            # H100s, the reduce-scatters' bytes but the first and last 10% -> 30% hidden,
+            # the all-reduces' as they were (BENCHMARKS.md, section 9).
             hsdp = self.shards < self.num_devices
             kinds = ("all_gather", "reduce_scatter") + (("all_reduce",) if hsdp else ())
             options |= _collective_pipelining(kinds)
