@@ -9,17 +9,16 @@ no gathered weight: the peak holds one layer's weights, not the model's. Every g
 is :func:`gather`, whose backward is the packed reduce-scatter of stage 2: each
 device gets its block of the gradient's global sum (in ``comm_dtype`` on the wire).
 
-Which leaves reach :func:`scan_layers` is found by tracing ``loss_fn`` once more,
-abstractly (``jax.make_jaxpr``, nothing runs): while it runs a context maps each leaf
-handed to it (the array object) to its place, and :func:`scan_layers` records the ones
-it receives. A leaf kept as blocks must be used by the loop alone: one that ``loss_fn``
-also uses elsewhere (or transforms before the loop, which gives another array) is
-gathered whole up front instead, with a warning (docs/decisions.md, "ZeRO stage 3").
+Which leaves are a stack is data, not a guess: the step's :class:`jaxdp._shards.ShardPlan`
+reads it from ``Parallel.layers`` or the model's own "layers" sharding metadata, and hands
+each declared stack to ``loss_fn`` as a :class:`Stack`, its blocks and their split
+dimension with it, which :func:`scan_layers` alone takes (any other use is refused naming
+the leaf). ``loss_fn`` is traced once, as at stage 0. With no stack declared every split
+leaf is gathered whole up front, with a warning (docs/decisions.md, "ZeRO stage 3").
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -59,22 +58,6 @@ class Gather:
         return policies.dots_saveable if self.remat == "dots" else policies.nothing_saveable
 
 
-@dataclasses.dataclass
-class _Scope:
-    """While the step traces ``loss_fn`` at stage 3: ``id`` of each leaf handed to it
-    that :func:`scan_layers` may take as blocks -> ``(index, split dimension)``.
-    ``gather`` None: the abstract trace, which records the indexes it sees in ``seen``."""
-
-    leaves: dict[int, tuple[int, int]]
-    gather: Gather | None
-    seen: set[int] = dataclasses.field(default_factory=set)
-
-
-_SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
-    "jaxdp_stage3_scope", default=None
-)
-
-
 def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) -> Carry:
     """``fn(layer, carry) -> carry`` over the leading (layer) axis of ``layers``.
 
@@ -85,13 +68,16 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
     layer (the leaves indexed at the layer) and the carry, and returns the carry in
     the same structure, shapes and dtypes.
 
-    Outside a step, and at ZeRO stages 0 to 2, a plain ``jax.lax.scan``. Inside a
-    ``Parallel(zero_stage=3)`` step, every split leaf of a layer is gathered in ONE
-    collective inside the loop body, under ``jax.checkpoint`` with
-    ``nothing_saveable`` (on any device count, also where nothing is split): the
-    backward gathers each layer again instead of keeping the gathered weights or
-    activations, so the step's peak holds one layer at a time; each
-    layer's gradient is reduce-scattered inside the loop (docs/semantics.md, "ZeRO stage 3").
+    Outside a step, and at ZeRO stages 0 to 2 without a declared stack, a plain
+    ``jax.lax.scan``. Inside a step the stacks declared (``Parallel.layers``, or the
+    model's "layers" sharding metadata) come as the step's blocks, their split
+    dimension with them: at ``Parallel(zero_stage=3)`` every split leaf of a layer is
+    gathered in ONE collective inside the loop body, under ``jax.checkpoint`` with
+    ``Parallel.remat``'s policy (on any device count, also where nothing is split): the
+    backward gathers each layer again instead of keeping the gathered weights, so the
+    step's peak holds one layer at a time; each layer's gradient is reduce-scattered
+    inside the loop (docs/semantics.md, "ZeRO stage 3"). At stages 0 to 2 on GPUs each
+    layer's gradient leaves the backward as that layer's ends (:class:`Stack`).
 
     Raises:
       ValueError: ``layers`` has no array leaf, a scalar leaf, or leaves of different
@@ -107,26 +93,18 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
     declared = next((x for x in stacks if x is not None), None)  # Parallel.layers
     if declared is not None and declared.route.kind != "gather":
         return _scan_routed(fn, graphdef, treedef, leaves, stacks, carry)
-    scope, dims, how, across = _SCOPE.get(), [None] * len(leaves), None, None
+    dims, how, across = [None] * len(leaves), None, None
     if declared is not None:  # stage 3: the blocks handed over, gathered here
         leaves = [x if s is None else s.value for x, s in zip(leaves, stacks, strict=True)]
         dims, how = [None if s is None else s.dim for s in stacks], declared.route.gather
-        scope, across = None, declared.route.across
+        across = declared.route.across
     _check_layers(treedef.unflatten(leaves))
-    if scope is not None:
-        found = [scope.leaves.get(id(x)) for x in leaves]
-        if scope.gather is None:
-            scope.seen.update(f[0] for f in found if f is not None)
-        else:  # a layer's split dimension is one less than its stack's
-            dims, how = [None if f is None else f[1] - 1 for f in found], scope.gather
 
     xs = leaves
     if across is not None:  # HSDP: each layer's blocks all-reduced over the replicas too
-        which = [i for i, s in enumerate(stacks) if s is not None]
-        leaves = [
-            jax.lax.stop_gradient(x) if s is not None else x
-            for x, s in zip(leaves, stacks, strict=True)
-        ]
+        # The split ones (a stack kept whole has no block to send: it is not routed).
+        which = [i for i, s in enumerate(stacks) if s is not None and s.sink is not None]
+        leaves = [jax.lax.stop_gradient(x) if i in which else x for i, x in enumerate(leaves)]
         xs = (leaves, tuple(stacks[i].sums for i in which), tuple(stacks[i].sink for i in which))
 
     def body(carry, xs):
@@ -353,17 +331,12 @@ _routed.defvjp(_routed_forward, _routed_backward)
 # ---- loss_fn at stage 3 -----------------------------------------------------------------
 
 
-_NO_SCAN = (
-    "Parallel(zero_stage=3): loss_fn passes no parameter to jaxdp.scan_layers as the step "
-    "hands it over (it never calls scan_layers, or transforms the layers first, e.g. a "
-    "cast), so every split parameter is gathered whole for each micro-batch: they rest "
-    "split (1/{n} per device) but the step's peak memory is not reduced; loop over "
-    "stacked layers with jaxdp.scan_layers(fn, layers, carry) (docs/semantics.md, 'ZeRO stage 3')"
-)
-_OUTSIDE = (
-    "Parallel(zero_stage=3): params leaves {names} reach jaxdp.scan_layers but loss_fn "
-    "also uses them outside it (or the loop is inside another transform): they are "
-    "gathered whole for each micro-batch, not a layer at a time"
+_NOT_DECLARED = (
+    "Parallel(zero_stage=3): no stack of layers is declared (Parallel.layers, or the "
+    "model's 'layers' sharding metadata), so every split parameter is gathered whole for "
+    "each micro-batch: they rest split (1/{n} per device) but the step's peak memory is "
+    "not reduced; declare the stack and loop over it with jaxdp.scan_layers(fn, layers, "
+    "carry) (docs/semantics.md, 'ZeRO stage 3')"
 )
 
 
@@ -372,33 +345,32 @@ def gathered_loss(
     dims: list[int | None],
     how: Gather,
     warn: Callable[[str], None],
-    declared: list[bool] | None = None,
+    declared: list[bool],
 ) -> Callable[..., Any]:
     """``parts(params, *rest)`` (:func:`jaxdp._forward.loss_parts`) on the parameters
     as this device holds them at stage 3: ``dims`` per parameter leaf, the dimension
-    it is split along (None: whole). The leaves outside every stack are gathered up
-    front in one collective per dtype; the stacked ones go to :func:`scan_layers` as
-    blocks. ``warn`` gives a warning once per step.
-
-    ``declared``: per parameter leaf, a stack of layers (``Parallel.layers``). Where any
-    split leaf is, those go to ``loss_fn`` as :class:`Stack`, for :func:`scan_layers`
-    alone (a use elsewhere is refused by name), and ``loss_fn`` is traced once; else
-    the stacks are found by an abstract trace of ``loss_fn``, as the module says."""
-    stacked_by_name = {
-        i for i, d in enumerate(dims) if declared and declared[i] and d is not None and d >= 1
-    }
+    it is split along (None: whole); ``declared`` per parameter leaf, a stack of layers
+    (the plan's, from ``Parallel.layers`` or the model's metadata). The leaves outside
+    every stack are gathered up front in one collective per dtype; each stack goes to
+    ``loss_fn`` as a :class:`Stack` of its blocks, for :func:`scan_layers` alone, which
+    gathers it a layer at a time (also a stack kept whole: the loop's remat is the
+    step's). ``warn`` gives a warning once per step: no stack declared, split leaves."""
+    # A stack split along its layer axis (a 1-D one) cannot be looped a layer at a time.
+    stacked = {i for i, d in enumerate(dims) if declared[i] and (d is None or d >= 1)}
+    route = Route("gather", how.axis_name, how.num_devices, how.wire, gather=how)
 
     def parts_at_stage_3(params: Any, *rest: Any) -> Any:
         leaves, treedef = jax.tree.flatten(params)
+        if not stacked and any(d is not None for d in dims):
+            warn(_NOT_DECLARED.format(n=how.num_devices))
         # HSDP: the split leaves come as Stack (jaxdp._pipeline.Routing), to be all-reduced
         # over the replica groups right after their reduce-scatter (a stack's layer by layer).
         handed = [x if isinstance(x, Stack) else None for x in leaves]
         leaves = [x if h is None else h.value for x, h in zip(leaves, handed, strict=True)]
-        stacked = stacked_by_name or _stacked(parts, leaves, treedef, rest, dims, how, warn)
         up_front = [None if i in stacked else d for i, d in enumerate(dims)]
         which = [i for i, d in enumerate(up_front) if d is not None]
         for i, h in enumerate(handed):
-            if h is not None and i not in stacked_by_name:  # all-reduced whole, as it is done
+            if h is not None and i not in stacked:  # all-reduced whole, as it is done
                 leaves[i] = _routed(h.route, (None,), (leaves[i],), (h.sums,), (h.sink,))[0]
         if which:
             # Tied to this micro-batch's inputs: the parameters do not change within a
@@ -411,78 +383,18 @@ def gathered_loss(
             for i, x in zip(which, blocks, strict=True):
                 leaves[i] = x
         leaves = gather(leaves, up_front, how)
-        if stacked_by_name:
-            route = Route("gather", how.axis_name, how.num_devices, how.wire, gather=how)
-            paths = jax.tree_util.tree_flatten_with_path(params)[0]
-            for i in stacked:
-                name, h = jax.tree_util.keystr(paths[i][0]), handed[i]
-                if h is None:
-                    leaves[i] = Stack(leaves[i], None, None, dims[i] - 1, route, name)
-                else:
-                    across = dataclasses.replace(route, across=h.route)
-                    leaves[i] = Stack(leaves[i], h.sums, h.sink, dims[i] - 1, across, name)
-            return parts(treedef.unflatten(leaves), *rest)
-        scope = _Scope({id(leaves[i]): (i, dims[i]) for i in stacked}, how)
-        token = _SCOPE.set(scope)
-        try:
-            return parts(treedef.unflatten(leaves), *rest)
-        finally:
-            _SCOPE.reset(token)
+        paths = jax.tree_util.tree_flatten_with_path(params)[0]
+        for i in stacked:
+            name, h, dim = jax.tree_util.keystr(paths[i][0]), handed[i], dims[i]
+            dim = None if dim is None else dim - 1  # a layer's: its stack's minus the layer axis
+            if h is None:
+                leaves[i] = Stack(leaves[i], None, None, dim, route, name)
+            else:
+                across = dataclasses.replace(route, across=h.route)
+                leaves[i] = Stack(leaves[i], h.sums, h.sink, dim, across, name)
+        return parts(treedef.unflatten(leaves), *rest)
 
     return parts_at_stage_3
-
-
-def _stacked(parts, leaves, treedef, rest, dims, how, warn) -> set[int]:
-    """The indexes of the split leaves that only :func:`scan_layers`' loop uses, from
-    an abstract trace of ``parts`` on the whole parameters."""
-    candidates = [i for i, d in enumerate(dims) if d is not None and d >= 1]
-    if not any(d is not None for d in dims):
-        return set()
-    like = [
-        jax.ShapeDtypeStruct(
-            _whole_shape(x.shape, d, how.num_devices),
-            x.dtype,
-            sharding=jax.typeof(x).sharding,
-            manual_axis_type=jax.typeof(x).mat,
-        )
-        for x, d in zip(leaves, dims, strict=True)
-    ]
-    scope = _Scope({}, None)
-
-    def traced(*xs):
-        scope.leaves = {id(xs[i]): (i, dims[i]) for i in candidates}
-        token = _SCOPE.set(scope)
-        try:
-            return parts(treedef.unflatten(list(xs)), *rest)
-        finally:
-            _SCOPE.reset(token)
-
-    jaxpr = jax.make_jaxpr(traced)(*like).jaxpr
-    if not scope.seen:
-        warn(_NO_SCAN.format(n=how.num_devices))
-        return set()
-    outside = {i for i in scope.seen if not _only_in_a_loop(jaxpr, jaxpr.invars[i])}
-    if outside:
-        paths = jax.tree_util.tree_flatten_with_path(treedef.unflatten(leaves))[0]
-        warn(
-            _OUTSIDE.format(
-                names=", ".join(jax.tree_util.keystr(paths[i][0]) for i in sorted(outside))
-            )
-        )
-    return scope.seen - outside
-
-
-def _only_in_a_loop(jaxpr: Any, var: Any) -> bool:
-    """``var``'s one use in ``jaxpr`` is a ``scan`` (the loop of :func:`scan_layers`)."""
-    uses = [e for e in jaxpr.eqns if any(v is var for v in e.invars)]
-    returned = any(v is var for v in jaxpr.outvars)
-    return not returned and len(uses) == 1 and uses[0].primitive.name == "scan"
-
-
-def _whole_shape(shape: tuple[int, ...], dim: int | None, n: int) -> tuple[int, ...]:
-    if dim is None:
-        return tuple(shape)
-    return (*shape[:dim], shape[dim] * n, *shape[dim + 1 :])
 
 
 # ---- the gather and its transpose ----------------------------------------------------

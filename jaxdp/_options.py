@@ -43,6 +43,10 @@ Regather = Literal["micro_batch", "window"]
 forward (least memory), ``"window"`` once per optimizer step, kept through its
 micro-batches (stage 2's peak, 1/K of the gathers)."""
 
+ReplicaAllReduce = Literal["per_layer", "after_backward"]
+"""When HSDP all-reduces a declared stack's blocks across the replica groups
+(``Parallel.replica_all_reduce``): per layer in the backward, or once after it."""
+
 REPLICA_AXIS = "replica"
 """The name of the replica axis of the two-axis (replicas x shards) mesh that
 ``Parallel(zero_stage=3, shards=S)`` makes from the data mesh's devices (HSDP)."""
@@ -112,6 +116,16 @@ class Parallel:
     Fused path only: on ``"multisteps"`` a window spans calls, and keeping the
     gathered parameters between calls would hold them whole in the state.
 
+    ``replica_all_reduce`` (HSDP): when a declared stack's blocks are all-reduced
+    across the replica groups on the window's last micro-batch. ``"per_layer"``
+    (default; torch FSDP2's HSDP) inside :func:`jaxdp.scan_layers`' backward, each
+    layer's right after its reduce-scatter, so the cross-host bytes travel under the
+    backward (on GPUs' spelling); ``"after_backward"`` ONCE after it, which leaves the
+    reduce-scatters within the shard group more room. A trade XLA:GPU's schedule makes
+    (BENCHMARKS.md, section 9: GPT-2 small on 2 x 8 H100s, K = 4, the cross-host
+    all-reduce 82% against 4% hidden, the reduce-scatters 75% against 93%). The sums,
+    and so the update, are the same.
+
     ``remat``: what :func:`jaxdp.scan_layers`' loop keeps of each layer for the
     backward, which gathers the layer's weights again either way (no gathered weight is
     kept: the peak holds one layer's weights). ``"dots"`` (default, FSDP2's: activations
@@ -133,7 +147,10 @@ class Parallel:
     the backward of the layers before it, as an unrolled model's do; the step hands
     ``loss_fn`` those leaves as ``jaxdp.scan_layers``' own (a use other than the loop or
     ``astype`` is refused, naming the leaf). XLA:CPU keeps its program (nothing
-    overlaps there).
+    overlaps there). At stage 3 (on every backend) :func:`jaxdp.scan_layers` gathers a
+    declared stack a layer at a time; with no stack declared every split leaf is
+    gathered whole per micro-batch (said in one warning). The step never guesses a
+    stack from ``loss_fn``.
 
     ``gather_dtype``: the dtype the parameters travel and compute in (torch FSDP2's
     ``MixedPrecisionPolicy(param_dtype=...)``): ``"bfloat16"`` gathers float32 master
@@ -152,6 +169,7 @@ class Parallel:
     remat: Remat = "dots"
     gather_dtype: Any = None
     layers: Any = None
+    replica_all_reduce: ReplicaAllReduce = "per_layer"
 
     def __post_init__(self) -> None:
         layers = self.layers
@@ -207,6 +225,17 @@ class Parallel:
             object.__setattr__(self, "shards", int(shards))
         if self.regather not in ("micro_batch", "window"):
             raise ValueError(f"regather={self.regather!r} must be 'micro_batch' or 'window'")
+        if self.replica_all_reduce not in ("per_layer", "after_backward"):
+            raise ValueError(
+                f"replica_all_reduce={self.replica_all_reduce!r} must be 'per_layer' or "
+                "'after_backward'"
+            )
+        if self.replica_all_reduce != "per_layer" and shards is None:
+            raise ValueError(
+                f"replica_all_reduce={self.replica_all_reduce!r} needs HSDP (zero_stage=3 "
+                "with shards=S): without shards there is one shard group and no all-reduce "
+                "across replica groups"
+            )
         if not callable(self.remat) and self.remat not in ("dots", "full"):
             raise ValueError(
                 f"remat={self.remat!r} must be 'dots' (the matrix products' outputs kept), "

@@ -150,14 +150,16 @@ def _routing(o: StepOptions, plan: ShardPlan, trainable: Any) -> Routing | None:
     XLA:CPU's spelling (its collectives are synchronous: nothing would overlap), pmap,
     plain stage 3 (its gathers' backward reduce-scatters each layer already), or a stack
     no dimension of which but the layer axis splits (stages 1 and 2). Under HSDP (stage
-    3 on replicas x shards, gathered per micro-batch) with a stack declared, every split
+    3 on replicas x shards, gathered per micro-batch, ``replica_all_reduce="per_layer"``)
+    with a stack declared, every split
     leaf is routed: its reduce-scattered block goes on across the replica groups in the
     same backward, with the window's sums (the stack's layer by layer, in
     :func:`jaxdp.scan_layers`; the others whole, as their gradient completes)."""
     stage, hsdp = o.zero_stage, plan.replica_axis is not None and plan.split
     if o.cpu_spelling or o.parallel.strategy != "shard_map":
         return None
-    if stage == 3 and not (hsdp and any(plan.stacked) and not o.regathers_per_window):
+    per_layer = o.parallel.replica_all_reduce == "per_layer"
+    if stage == 3 and not (hsdp and per_layer and any(plan.stacked) and not o.regathers_per_window):
         return None
     routed = tuple(
         (d is not None) if stage == 3 else bool(s) and (stage == 0 or (d is not None and d >= 1))

@@ -51,6 +51,22 @@ LAYER_AXIS = "layers"
 ``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: "layers"})`` writes)."""
 
 
+def name_layer_axis(stack: Any) -> Any:
+    """``stack`` (an NNX module made with ``nnx.vmap``) with :data:`LAYER_AXIS` as the
+    first sharding name of each of its Variables (``out_sharding``; the others as they
+    were, or None), so that a step reads it as a stack of layers. What
+    ``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: "layers"})`` writes over
+    Variables that carry sharding names; jaxdp's models' Variables carry none."""
+    from flax import nnx
+
+    for _, node in nnx.iter_graph(stack):
+        if isinstance(node, nnx.Variable):
+            meta = node.get_metadata()
+            rest = meta.get("out_sharding") or (None,) * (len(node.shape) - 1)
+            node.set_metadata(out_sharding=(LAYER_AXIS, *rest), eager_sharding=False)
+    return stack
+
+
 def stacked_leaves(tree: Any, layers: Any = None) -> list[bool]:
     """Per leaf of ``tree``: a stack of layers, its first dimension the layer axis.
 

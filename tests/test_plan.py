@@ -850,7 +850,9 @@ def test_stage_3_rests_as_xlas_arguments(gather_dtype, shards, accum_steps):
         optax.adamw(1e-3),
         mesh=jaxdp.data_mesh(8),
         accum_steps=accum_steps,
-        parallel=jaxdp.Parallel(zero_stage=3, gather_dtype=gather_dtype, shards=shards),
+        parallel=jaxdp.Parallel(
+            zero_stage=3, gather_dtype=gather_dtype, shards=shards, layers=("blocks",)
+        ),
     )
     rows = 8 * accum_steps  # one per device and micro-batch
     batch = (f32(rows, IN_3), f32(rows, OUT_3))

@@ -125,7 +125,7 @@ def make_split(stage, num_devices, shards=None, path="fused", accum_steps=2):
         mesh=jaxdp.data_mesh(num_devices),
         accum_steps=accum_steps,
         path=path,
-        parallel=jaxdp.Parallel(zero_stage=stage, shards=shards),
+        parallel=jaxdp.Parallel(zero_stage=stage, shards=shards, layers=("blocks",)),
     )
     sizes = jaxdp.batch_sizes(
         num_devices=num_devices, accum_steps=accum_steps, global_batch_size=GLOBAL_BATCH

@@ -496,7 +496,8 @@ def _stage_3_programs(cells: list[dict[str, Any]]) -> str:
     rows = []
     for r in cells:
         layout = f"`{r['topology']}`" + (f", shards {r['shards']}" if r["shards"] else "")
-        layout += ", stack declared" if r.get("declared") else ""
+        if r.get("replica_all_reduce") == "after_backward":
+            layout += ", all-reduce after the backward"
         peak = r["memory"]["peak"] or 0
         flops = r.get("backward_over_forward_flops")
         across = r.get("all-reduce")

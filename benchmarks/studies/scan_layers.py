@@ -215,7 +215,9 @@ def make_jaxdp_step(cfg: GPTConfig, variant: str, mesh: Any) -> Any:
         loss,
         optax.adamw(3e-4, weight_decay=0.1),
         mesh=mesh,
-        parallel=jaxdp.Parallel(zero_stage=stage),
+        # The stack declared at stage 3 (gathered a layer at a time); at stage 0 it stays
+        # the plain loop (the plain spelling would send each layer's gradient from it).
+        parallel=jaxdp.Parallel(zero_stage=stage, layers=("layers",) if stage == 3 else None),
     )
 
 

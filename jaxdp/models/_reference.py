@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from .._layers import scan_layers
+from .._shards import name_layer_axis
 
 LAYER_NORM_EPS = 1e-5
 """The reference models' LayerNorm epsilon: torch.nn.LayerNorm's default (flax's is 1e-6)."""
@@ -346,7 +347,7 @@ class Stack(nnx.Module):
         def blocks(rngs: nnx.Rngs) -> ResidualBlock:
             return ResidualBlock(d_model, rngs=rngs, param_dtype=param_dtype)
 
-        self.blocks = blocks(rngs)
+        self.blocks = name_layer_axis(blocks(rngs))  # a stack of layers (metadata)
         self.norm = _layer_norm(d_model, **kw)
         self.head = nnx.Linear(d_model, num_classes, **kw)
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._layers import scan_layers
+from .._shards import name_layer_axis
 from ._reference import Block, _layer_norm
 
 
@@ -60,7 +61,7 @@ class ScannedTransformer(nnx.Module):
         def blocks(rngs: nnx.Rngs) -> Block:
             return Block(d_model, n_heads, rngs=rngs, param_dtype=param_dtype)
 
-        self.blocks = blocks(rngs)
+        self.blocks = name_layer_axis(blocks(rngs))  # a stack of layers (metadata)
         self.ln_f = _layer_norm(d_model, **kw)
         self.head = nnx.Linear(d_model, num_outputs or vocab_size, use_bias=False, **kw)
 

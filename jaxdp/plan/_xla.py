@@ -221,6 +221,7 @@ def activation_bytes(
     batch: Any,
     *,
     remat: Any = None,
+    layers: Any = None,
     loss_reduction: Literal["mean", "weighted"] = "mean",
     has_aux: bool = False,
 ) -> float:
@@ -233,14 +234,17 @@ def activation_bytes(
     ``nnx.eval_shape`` too, or a pytree of parameters). ``batch``: one micro-batch's
     arrays or ``jax.ShapeDtypeStruct`` s, rows first. ``remat``: a stage-3 step's
     ``Parallel.remat`` (``"dots"``, ``"full"`` or a ``jax.checkpoint_policies`` policy):
-    :func:`jaxdp.scan_layers`' loop under it, as a stage-3 step runs it; None: the loop
-    as stages 0 to 2 run it (every activation kept). Before XLA's optimizations: fusion
+    :func:`jaxdp.scan_layers`' loop over each declared stack under it, as a stage-3 step
+    runs it; None: the loop as stages 0 to 2 run it (every activation kept). ``layers``:
+    the stacks, as ``Parallel.layers`` declares them (None: the model's "layers"
+    sharding metadata). Before XLA's optimizations: fusion
     may recompute cheap values instead of keeping them. ``loss_reduction`` and
     ``has_aux``: ``loss_fn``'s, as :func:`jaxdp.make_train_step` takes them (a
     ``(loss_sum, count)`` loss, a ``(loss, aux)`` one); the residuals are those of the
     loss the step differentiates (the mean, or ``loss_sum``).
     """
-    from .._layers import _SCOPE, Gather, _Scope
+    from .._layers import Gather, Route, Stack
+    from .._shards import stacked_leaves
 
     if loss_reduction not in ("mean", "weighted"):
         raise ValueError(f"loss_reduction={loss_reduction!r} must be 'mean' or 'weighted'")
@@ -248,6 +252,20 @@ def activation_bytes(
         raise ValueError(f"has_aux={has_aux!r} must be True or False")
 
     graphdef, params, rest = split_model(model)
+    stacked = stacked_leaves(params, layers) if remat is not None else []
+    # At stage 3 each declared stack reaches scan_layers as the step's Stack, its loop
+    # under the remat; nothing is split here (one device, no gather).
+    route = Route("gather", "data", 1, gather=Gather("data", 1, remat=remat))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+    def handed(q: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(q)
+        return treedef.unflatten(
+            [
+                Stack(x, None, None, None, route, paths[i]) if stacked and stacked[i] else x
+                for i, x in enumerate(leaves)
+            ]
+        )
 
     def residuals(rows_times: int) -> int:
         rows = jax.tree.map(
@@ -257,13 +275,7 @@ def activation_bytes(
 
         def vjp(p: Any, r: Any, b: Any) -> Any:
             parts = loss_parts(loss_fn, loss_reduction, graphdef, has_aux=has_aux)
-            scope = _SCOPE.set(
-                None if remat is None else _Scope({}, Gather("data", 1, remat=remat))
-            )
-            try:  # at stage 3 scan_layers' loop is under the remat; nothing is split here
-                return jax.vjp(lambda q: parts(q, b, *split_state(r), None)[0], p)[1]
-            finally:
-                _SCOPE.reset(scope)
+            return jax.vjp(lambda q: parts(handed(q), b, *split_state(r), None)[0], p)[1]
 
         return _nbytes(jax.eval_shape(vjp, params, rest, rows))
 

@@ -118,11 +118,13 @@ def stack_rows(rows):
 class Model:
     """``params()`` (a pytree or an NNX module), ``loss_fn`` for the step, its reduction,
     the loss of the big batch the reference descends, the data and whether the layer
-    loop goes through ``jaxdp.scan_layers``."""
+    loop goes through ``jaxdp.scan_layers`` (then its stack is declared: ``layers``, as
+    ``Parallel.layers`` takes it)."""
 
     def __init__(self, params, loss_fn, data, *, scanned, weighted=False, reference_loss=None):
         self.params, self.loss_fn, self.data = params, loss_fn, data
         self.scanned, self.weighted = scanned, weighted
+        self.layers = ("blocks",) if scanned else None
         self.reference_loss = reference_loss or loss_fn
 
 
@@ -358,7 +360,12 @@ def make(placement, path, num_devices, accum_steps, model, optimizer, strategy, 
         accum_steps=accum_steps,
         path=path,
         loss_reduction="weighted" if MODELS[model].weighted else "mean",
-        parallel=jaxdp.Parallel(strategy=strategy, zero_stage=stage_of(placement), shards=shards),
+        parallel=jaxdp.Parallel(
+            strategy=strategy,
+            zero_stage=stage_of(placement),
+            shards=shards,
+            layers=MODELS[model].layers,
+        ),
     )
 
 
@@ -372,9 +379,8 @@ def test_every_layout_trains_as_one_device_on_the_big_batch(
         step = make(placement, path, num_devices, accum_steps, model, optimizer, strategy, shards)
     assert step.options.cpu_spelling is (spelling == "cpu")
     with warnings.catch_warnings():
-        # Stage 3 without scan_layers gathers every layer at once, and says so
+        # Stage 3 without a declared stack gathers every layer at once, and says so
         # (tests/core/test_stage3.py asserts the warning); it computes the same.
-        warnings.filterwarnings("ignore", "jaxdp.scan_layers", UserWarning)
         warnings.filterwarnings("ignore", ".*peak memory is not reduced", UserWarning)
         state, history = train(step, MODELS[model].params(), batches(model))
     expected, expected_state, expected_losses = reference(model, optimizer)

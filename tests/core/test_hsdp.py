@@ -13,6 +13,7 @@ import pytest
 from models import train
 from test_stage3 import (
     LAYERS,
+    STACK,
     assert_same_training,
     batches,
     loss,
@@ -34,6 +35,8 @@ REPLICA_GROUPS = {frozenset({0, 2}), frozenset({1, 3})}
 
 def make(num_devices=4, accum_steps=3, path="fused", loss_fn=loss, **parallel):
     parallel.setdefault("zero_stage", 3)
+    if parallel["zero_stage"] == 3:
+        parallel.setdefault("layers", STACK)  # the stack of stacked_params, declared
     return jaxdp.make_train_step(
         loss_fn,
         optimizer(),
@@ -195,6 +198,10 @@ def test_bad_input_is_refused_naming_it():
         jaxdp.Parallel(zero_stage=2, regather="window")
     with pytest.raises(ValueError, match=r"regather='layer' must be 'micro_batch' or 'window'"):
         jaxdp.Parallel(zero_stage=3, regather="layer")
+    with pytest.raises(ValueError, match=r"replica_all_reduce='after' must be 'per_layer' or"):
+        jaxdp.Parallel(zero_stage=3, shards=2, replica_all_reduce="after")
+    with pytest.raises(ValueError, match=r"replica_all_reduce='after_backward' needs HSDP"):
+        jaxdp.Parallel(zero_stage=3, replica_all_reduce="after_backward")
     with pytest.raises(ValueError, match=r"regather='window' needs path='fused'"):
         make(path="multisteps", regather="window")
     # float8: accepted before issue 44, then a TypePromotionError at the first step.

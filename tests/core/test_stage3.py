@@ -91,8 +91,12 @@ def batches():
     return [(x[i::STEPS], y[i::STEPS]) for i in range(STEPS)]
 
 
-def make(stage, num_devices, accum_steps, path="fused", loss_fn=loss, remat="dots"):
-    more = {"remat": remat} if stage == 3 else {}
+STACK = ("blocks",)  # Parallel.layers: the stack of stacked_params (and of Net)
+
+
+def make(stage, num_devices, accum_steps, path="fused", loss_fn=loss, remat="dots", layers=STACK):
+    """``layers``: the stack declared at stage 3 (None: none, as a model without a loop)."""
+    more = {"remat": remat, "layers": layers} if stage == 3 else {}
     return jaxdp.make_train_step(
         loss_fn,
         optimizer(),
@@ -269,7 +273,7 @@ def test_comm_dtype_sends_the_gradients_reduce_scatters_in_bfloat16():
         optimizer(),
         mesh=jaxdp.data_mesh(4),
         accum_steps=2,
-        parallel=jaxdp.Parallel(zero_stage=3, comm_dtype="bfloat16"),
+        parallel=jaxdp.Parallel(zero_stage=3, comm_dtype="bfloat16", layers=STACK),
     )
     hlo = step.lower(step.init(stacked_params()), batches()[0]).compiler_ir("hlo").as_hlo_text()
     found = jaxdp.testing.collectives(hlo)
@@ -280,8 +284,10 @@ def test_comm_dtype_sends_the_gradients_reduce_scatters_in_bfloat16():
 
 
 def memory(stage, num_devices, layers, width, rows, loss_fn=loss, remat="dots"):
-    """XLA's memory analysis of a step (K = 1) of a stack of ``layers`` of ``width``."""
-    step = make(stage, num_devices, 1, loss_fn=loss_fn, remat=remat)
+    """XLA's memory analysis of a step (K = 1) of a stack of ``layers`` of ``width`` (the
+    stack declared when ``loss_fn`` loops over it with scan_layers)."""
+    stack = None if loss_fn is unscanned_loss else STACK
+    step = make(stage, num_devices, 1, loss_fn=loss_fn, remat=remat, layers=stack)
     compiled = step.compile(step.init(stacked_params(layers=layers, width=width)), data(rows=rows))
     return jaxdp.plan.compiled_memory(compiled)
 
@@ -348,14 +354,15 @@ def test_temporaries_are_within_a_quarter_of_the_closed_form(
     assert form / 1.25 <= measured <= 1.25 * form, (measured, form, measured / form)
 
 
-def test_a_model_without_scan_layers_is_warned_once():
+def test_a_step_without_a_declared_stack_is_warned_once():
     # That it trains as one device on the big batch: test_equivalence.py's grid.
-    step = make(3, 2, 2, loss_fn=unscanned_loss)
+    step = make(3, 2, 2, loss_fn=unscanned_loss, layers=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step.lower(step.init(stacked_params()), batches()[0])
     said = [w for w in caught if "jaxdp.scan_layers" in str(w.message)]
     assert len(said) == 1 and said[0].category is UserWarning
+    assert "no stack of layers is declared" in str(said[0].message)
     assert "peak memory is not reduced" in str(said[0].message)
 
 
@@ -374,19 +381,14 @@ def transformed_loss(params, batch):
 
 
 @pytest.mark.parametrize(
-    ("loss_fn", "warned"),
-    [
-        (regularized_loss, r"\['blocks'\]\['w'\] reach jaxdp.scan_layers but loss_fn also"),
-        (transformed_loss, r"transforms the layers first"),
-    ],
-    ids=["used_outside", "transformed"],
+    "loss_fn", [regularized_loss, transformed_loss], ids=["used_outside", "transformed"]
 )
-def test_a_stacked_leaf_not_only_in_the_loop_is_gathered_whole(loss_fn, warned):
-    """Never computed on as a block: gathered whole up front, with a warning, and the
-    training is stage 0's (a block in the regularizer's sum would change it)."""
-    with pytest.warns(UserWarning, match=warned):
-        stage_3 = train(make(3, 4, 2, loss_fn=loss_fn), stacked_params(), batches())
-    assert_same_training(stage_3, reference(loss_fn))
+def test_a_declared_stack_used_outside_the_loop_is_refused_naming_it(loss_fn):
+    """Never computed on as a block: a use of a declared stack other than scan_layers' is
+    refused while the step is first traced, naming the leaf and the way out."""
+    step = make(3, 4, 2, loss_fn=loss_fn)
+    with pytest.raises(TypeError, match=r"params\['blocks'\]\['[wb]'\] is a stack of layers"):
+        step(step.init(stacked_params()), batches()[0])
 
 
 def test_a_non_finite_update_is_skipped_at_stage_3():
