@@ -123,7 +123,8 @@ class Parallel:
     backward (on GPUs' spelling); ``"after_backward"`` ONCE after it, which leaves the
     reduce-scatters within the shard group more room. A trade XLA:GPU's schedule makes
     (BENCHMARKS.md, section 9: GPT-2 small on 2 x 8 H100s, K = 4, the cross-host
-    all-reduce 82% against 4% hidden, the reduce-scatters 75% against 93%). The sums,
+    all-reduce 82% against 17% hidden but the embedding-sized blocks', the
+    reduce-scatters 75% against 89% but each micro-batch's first and last). The sums,
     and so the update, are the same.
 
     ``remat``: what :func:`jaxdp.scan_layers`' loop keeps of each layer for the

@@ -181,18 +181,7 @@ assert memory.temporaries >= w_bytes, memory  # at least the gradient accumulato
 """,
     },
     "testing.md": {
-        # The first block is a test file: written as test_sharded.py and run by pytest.
-        0: """
-import pathlib, re, subprocess, sys, tempfile
-page = pathlib.Path("docs/testing.md").read_text()
-test_file = pathlib.Path(tempfile.mkdtemp()) / "test_sharded.py"
-test_file.write_text(re.findall(r"^```python\\n(.*?)^```", page, re.M | re.S)[0])
-done = subprocess.run(
-    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
-    capture_output=True, text=True, timeout=300,
-)
-assert done.returncode == 0 and "5 passed" in done.stdout, done.stdout[-4000:]
-""",
+        # Its first block, a test file, runs in tests/test_testing_plugin.py.
         1: """
 try:
     jaxdp.emulate_cpu_devices(8)
@@ -250,8 +239,10 @@ def blocks(path: pathlib.Path, language: str) -> list[str]:
 def runs_elsewhere(code: str) -> bool:
     # torch_ref's DDP example spawns ranks that re-import it as __main__, so it runs
     # on its own: parity_tests/test_torch_ref.py::test_docs_torch_ref_example_runs. The
-    # GPU topology's needs jax's CUDA plugin: tests/gpu/test_docs_gpu.py runs it.
-    return "import torch_ref" in code or "gpu_mesh(" in code
+    # GPU topology's needs jax's CUDA plugin: tests/gpu/test_docs_gpu.py runs it. The
+    # testing page's test file runs under pytest beside the plugin's own example suite,
+    # on its workers: tests/test_testing_plugin.py::test_each_test_gets_its_outcome.
+    return "import torch_ref" in code or "gpu_mesh(" in code or "@pytest.mark.devices(" in code
 
 
 # ---- Python blocks ------------------------------------------------------------------------
@@ -375,9 +366,9 @@ def test_python_blocks_run(path, group, tmp_path, shared_interpreter):
         assert "choose batch_stats='local'" in stdout
 
 
-def test_only_the_torch_ref_and_gpu_examples_run_elsewhere():
+def test_only_the_torch_ref_gpu_and_test_file_examples_run_elsewhere():
     elsewhere = [p.name for p in FILES for b in blocks(p, "python") if runs_elsewhere(b)]
-    assert elsewhere == ["parity.md", "scaling-out.md"]
+    assert elsewhere == ["parity.md", "scaling-out.md", "testing.md"]
 
 
 # ---- bash blocks ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@ subprocess, passes where it should and fails where it should, sequentially and u
 
 import collections
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -196,12 +197,24 @@ def outcomes(stdout):
 pytestmark = pytest.mark.xdist_group("testing_plugin")
 
 
+# docs/testing.md's example test file (its first Python block) runs in the sequential run
+# beside the suite, on the suite's workers: test_docs.py leaves that block to this file.
+DOCS_EXAMPLE = re.findall(
+    r"^```python\n(.*?)^```",
+    (pathlib.Path(__file__).parent.parent / "docs" / "testing.md").read_text(),
+    re.M | re.S,
+)[0]
+DOCS_EXPECTED = {f"test_n_devices_step_like_one[{n}]": "PASSED" for n in (1, 2, 4, 8)}
+DOCS_EXPECTED["test_two_processes_share_one_mesh"] = "PASSED"
+
+
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     path = tmp_path_factory.mktemp("suite")
     (path / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers\n")
     (path / "conftest.py").write_text(CONFTEST)
     (path / "test_suite.py").write_text(SUITE)
+    (path / "test_sharded.py").write_text(DOCS_EXAMPLE)
     return path
 
 
@@ -211,7 +224,7 @@ def sequential(suite):
 
 
 def test_each_test_gets_its_outcome(sequential):
-    assert outcomes(sequential.stdout) == EXPECTED, sequential.stdout[-6000:]
+    assert outcomes(sequential.stdout) == EXPECTED | DOCS_EXPECTED, sequential.stdout[-6000:]
     assert sequential.returncode == 1
 
 
@@ -277,7 +290,7 @@ def test_bad_marks_name_the_argument_and_the_rule(sequential):
 
 
 def test_the_same_outcomes_under_xdist(suite, tmp_path):
-    done = run_pytest(suite, "-n", "2", starts=tmp_path / "starts")
+    done = run_pytest(suite, "-n", "2", "test_suite.py", starts=tmp_path / "starts")
     assert outcomes(done.stdout) == EXPECTED, done.stdout[-6000:]
     assert "E       assert [4] == [5]" in done.stdout
 
@@ -290,7 +303,12 @@ def test_selection_and_stopping_work_as_usual(suite, sequential):
     # bad marks). -x stops at the first failure: test_segfault, chosen, failed in the
     # sequential run and after test_four_fails_with_introspection, does not run.
     chosen = run_pytest(
-        suite, "--lf", "-x", "-k", "two and not processes or four or after or segfault"
+        suite,
+        "--lf",
+        "-x",
+        "-k",
+        "two and not processes or four or after or segfault",
+        "test_suite.py",
     )
     assert outcomes(chosen.stdout) == {"test_four_fails_with_introspection": "FAILED"}, (
         chosen.stdout[-6000:]
@@ -299,5 +317,5 @@ def test_selection_and_stopping_work_as_usual(suite, sequential):
 
 
 def test_switched_off_the_mark_is_unknown(suite):
-    done = run_pytest(suite, "-p", "no:jaxdp", "-k", "test_one")
+    done = run_pytest(suite, "-p", "no:jaxdp", "-k", "test_one", "test_suite.py")
     assert "'devices' not found in `markers` configuration option" in done.stdout + done.stderr
