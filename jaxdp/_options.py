@@ -27,6 +27,7 @@ from ._forward import LossReduction
 from ._frozen import Trainable, skip_unused
 from ._model_state import BatchStats
 from ._shards import ShardPlan
+from ._stages import StageLayout, stage_layout
 
 AccumulationPath = Literal["fused", "multisteps"]
 """``"fused"``: one call per optimizer step; ``"multisteps"``: one call per micro-batch."""
@@ -384,7 +385,14 @@ class StepOptions:
 
     @property
     def zero_stage(self) -> int:
+        """The user's ``Parallel.zero_stage``, for messages: behaviour reads :attr:`layout`."""
         return self.parallel.zero_stage
+
+    @functools.cached_property
+    def layout(self) -> StageLayout:
+        """What the stage splits (:class:`jaxdp._stages.StageLayout`): the one place the
+        step reads its ZeRO stage from."""
+        return stage_layout(self.parallel.zero_stage)
 
     @property
     def comm(self) -> Any:
@@ -408,7 +416,20 @@ class StepOptions:
     @property
     def regathers_per_window(self) -> bool:
         """Stage 3 gathers the parameters once per window (``regather="window"``)."""
-        return self.zero_stage == 3 and self.parallel.regather == "window"
+        return self.layout.params_split and self.parallel.regather == "window"
+
+    @property
+    def gathers_per_micro_batch(self) -> bool:
+        """Stage 3 gathers the parameters for each micro-batch's forward (the default
+        ``regather="micro_batch"``), whose backward reduce-scatters their gradients."""
+        return self.layout.params_split and not self.regathers_per_window
+
+    @property
+    def scatters_per_micro_batch(self) -> bool:
+        """The step reduce-scatters each micro-batch's gradients into the window's blocks
+        itself: stage 2, and stage 3 gathered per window (gathered per micro-batch, the
+        gather's backward does)."""
+        return self.layout.window_split and not self.gathers_per_micro_batch
 
     @functools.cached_property
     def device_mesh(self) -> Mesh:
@@ -455,7 +476,7 @@ class StepOptions:
         return ShardPlan(
             trainable,
             self.device_mesh,
-            self.zero_stage,
+            self.layout,
             packed=self.cpu_spelling,
             layers=self.parallel.layers,
         )
@@ -470,24 +491,24 @@ class StepOptions:
         if self.mesh.devices.flat[0].platform != "gpu":
             return {}
         cap = int(self.parallel.bucket_cap_mb * 2**20)
+        # How many buckets XLA's scheduler keeps in flight at once, at stages 0 to 3: the
+        # one that left the fewest after the last matrix product of GPT-2 small's steps
+        # compiled for 8 H100s (the share of the bytes but the tied embedding's hidden, one
+        # bucket in flight against two: stage 0 94% against 69%, stage 1 80% against 94%,
+        # stage 2 94% against 80%; tests/gpu holds each). The peak did not change. A
+        # tuning measured per stage, so keyed by its number, not by what it splits.
+        in_flight = (1, 2, 1, 2)[self.layout.zero_stage]
         # At stage 3 an all-reduce carries blocks too (HSDP's across the replica groups):
         # a shard group's share of the bucket, as the reduce-scatter's. At the whole cap
         # XLA combined the untied head's block, done first, with the backward's last layer.
         options = {
             "xla_gpu_all_reduce_combine_threshold_bytes": (
-                max(1, cap // self.shards) if self.zero_stage == 3 else cap
+                max(1, cap // self.shards) if self.layout.params_split else cap
             ),
             "xla_gpu_reduce_scatter_combine_threshold_bytes": max(1, cap // self.shards),
-            # How many buckets XLA's scheduler keeps in flight at once: the one that left
-            # the fewest after the last matrix product of GPT-2 small's steps compiled for
-            # 8 H100s (the share of the bytes but the tied embedding's hidden, one bucket
-            # in flight against two: stage 0 94% against 69%, stage 1 80% against 94%,
-            # stage 2 94% against 80%; tests/gpu holds each). The peak did not change.
-            "xla_gpu_experimental_parallel_collective_overlap_limit": (
-                2 if self.zero_stage in (1, 3) else 1
-            ),
+            "xla_gpu_experimental_parallel_collective_overlap_limit": in_flight,
         }
-        if self.zero_stage == 3:
+        if self.layout.params_split:
             # The layer loops' gathers one layer ahead (XLA's collective pipeliner: in
             # flight while the layer before computes, in the forward and the backward),
             # each started as soon as its shard is there. Without them no gather of a

@@ -155,28 +155,33 @@ def _routing(o: StepOptions, plan: ShardPlan, trainable: Any) -> Routing | None:
     leaf is routed: its reduce-scattered block goes on across the replica groups in the
     same backward, with the window's sums (the stack's layer by layer, in
     :func:`jaxdp.scan_layers`; the others whole, as their gradient completes)."""
-    stage, hsdp = o.zero_stage, plan.replica_axis is not None and plan.split
+    layout, hsdp = o.layout, plan.replica_axis is not None and plan.split
     if o.cpu_spelling or o.parallel.strategy != "shard_map":
         return None
     per_layer = o.parallel.replica_all_reduce == "per_layer"
-    if stage == 3 and not (hsdp and per_layer and any(plan.stacked) and not o.regathers_per_window):
+    if layout.params_split and not (hsdp and per_layer and any(plan.stacked)):
+        return None
+    if o.regathers_per_window:
         return None
     routed = tuple(
-        (d is not None) if stage == 3 else bool(s) and (stage == 0 or (d is not None and d >= 1))
+        (d is not None)
+        if layout.params_split
+        else bool(s) and (not layout.state_split or (d is not None and d >= 1))
         for s, d in zip(plan.stacked, plan.dims, strict=True)
     )
     if not any(routed):
         return None
-    if stage == 3:
+    if layout.params_split:
         route = Route("psum", plan.replica_axis, plan.mesh.shape[plan.replica_axis], o.comm)
-    elif stage == 0:
+    elif not layout.state_split:
         route = Route("psum", plan.mesh.axis_names, plan.mesh.devices.size, o.comm)
     else:
         route = Route("scatter", plan.axis_name, plan.num_devices, o.comm)
     paths = jax.tree_util.tree_flatten_with_path(trainable)[0]
     names = tuple(jax.tree_util.keystr(p) for p, _ in paths)
     dtype = o.accumulator_dtype(trainable)
-    return Routing(routed, plan, route, dtype, names, with_sums=stage != 2)
+    with_sums = not o.scatters_per_micro_batch
+    return Routing(routed, plan, route, dtype, names, with_sums=with_sums)
 
 
 class _Parts(NamedTuple):
@@ -196,9 +201,9 @@ class _Parts(NamedTuple):
 
     @property
     def dims(self) -> list[int | None]:
-        """Per parameter leaf, the dimension it is split along at rest: the plan's at
-        stage 3, else None (whole)."""
-        if self.plan.stage < 3:
+        """Per parameter leaf, the dimension it is split along at rest: the plan's where
+        the parameters rest split (stage 3), else None (whole)."""
+        if not self.plan.layout.params_split:
             return [None] * len(self.mask)
         dims = iter(self.plan.dims)
         return [next(dims) if trains else None for trains in self.mask]
@@ -246,7 +251,7 @@ def _fused(
         forward = _forward(o, parts, params, model_state, step, state.graphdef)
         window = accumulate(o, parts, forward, params, model_state, micro, weights)
         return reduce(
-            parts.plan, window, scattered=o.zero_stage >= 2, wire=o.comm, done=_done(parts)
+            parts.plan, window, scattered=o.layout.window_split, wire=o.comm, done=_done(parts)
         )
 
     in_specs = (_param_specs(o, parts, state.params), P(), P(), P(o.batch_axes), P())
@@ -287,7 +292,7 @@ def multisteps_call(
         committed = to_varying(o)(split_state(model_state)[0])
         first = window.position == 0
         stats = jax.tree.map(lambda c, b: jnp.where(first, c, b[0]), committed, window.batch_stats)
-        routing = parts.routing if ends or o.zero_stage == 2 else None
+        routing = parts.routing if ends or o.scatters_per_micro_batch else None
         window = add_micro_batch(
             _forward(o, parts, params, model_state, step, state.graphdef),
             to_varying(o)(split_trainable(params, parts.mask)),
@@ -448,7 +453,8 @@ def accumulate(
     """
     dtype = o.accumulator_dtype(params)
     scatter = _scatter(o, parts.plan)
-    each = parts.routing if o.zero_stage == 2 else None  # every micro-batch communicates
+    # Every micro-batch communicates where the step scatters each one (stage 2).
+    each = parts.routing if o.scatters_per_micro_batch else None
     trainable = split_trainable(params, parts.mask)
     local = to_varying(o)(trainable)
     stats = split_state(model_state)[0]
@@ -563,7 +569,7 @@ def _reduce_window(o: StepOptions, parts: _Parts, window: Window, done: Any = No
     """:func:`reduce` on this device's block of the multisteps window (its leading
     axis of 1 dropped; a split leaf at stages 2 and 3 is a block of its own shape, and
     so is a leaf ``done``: reduced already, in its own shape)."""
-    scattered, grouped = o.zero_stage >= 2, parts.plan.replica_axis is not None
+    scattered, grouped = o.layout.window_split, parts.plan.replica_axis is not None
     leaves = parts.plan.treedef.flatten_up_to(window.grads)
     done = done or (False,) * len(leaves)
     grads = parts.plan.treedef.unflatten(
@@ -770,7 +776,7 @@ def empty_window(
         return jnp.zeros((n, *x.shape), dtype)
 
     grads = jax.tree.map(rows, trainable)
-    if o.zero_stage >= 2:
+    if o.layout.window_split:
         plan = o.plan(trainable)
         leaves = plan.treedef.flatten_up_to(trainable)
         # HSDP: each replica group's own sum of a split leaf until the window ends.
@@ -822,7 +828,7 @@ def _window_specs(o: StepOptions, parts: _Parts, window: Any) -> Window:
     """Per-device leaves split by their leading axis; at stages 2 and 3 the split
     gradient leaves by their plan."""
     rows = P(o.batch_axes)
-    if o.zero_stage >= 2:
+    if o.layout.window_split:
         grads = parts.plan.window_specs(rows)
     else:
         grads = jax.tree.map(lambda _: rows, window.grads)
@@ -853,7 +859,7 @@ def _forward(o: StepOptions, parts: _Parts, params, model_state, step, graphdef)
         with_rng=o.rng_seed is not None,
         has_aux=o.has_aux,
     )
-    if o.zero_stage == 3 and not o.regathers_per_window:  # gathered for the loss
+    if o.gathers_per_micro_batch:  # stage 3: gathered for the loss
         parts_of_loss = gathered_loss(
             parts_of_loss, parts.dims, _gather_how(o), o.warn_once, parts.declared
         )
@@ -886,7 +892,7 @@ def _scatter(
 ) -> Callable[[Any], Any]:
     """ZeRO stage 2 (and stage 3 gathered per window): each micro-batch's gradients
     into this device's block of their sum, but the ``routing``'s, scattered already."""
-    if o.zero_stage == 2 or o.regathers_per_window:
+    if o.scatters_per_micro_batch:
         done = None if routing is None else routing.routed
         return functools.partial(plan.reduce_scatter, wire=o.comm, done=done)
     return _identity

@@ -14,6 +14,7 @@ logical arrays, outside the mesh map: anything that reads beyond an element (a
 global-norm clip, a trust ratio, a factored moment) is partitioned by XLA, which
 inserts the collectives it needs, so the update is the one of stage 0 up to the
 order of sums (docs/decisions.md, "ZeRO"). Stage 0 is the plan that splits nothing.
+Whether a stage splits and by which rule is its :class:`jaxdp._stages.StageLayout`'s.
 
 On the wire the updated blocks are packed: one all-gather per parameter dtype returns
 every split leaf (each leaf's rows side by side). The gradients' reduce-scatter is
@@ -33,15 +34,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ._stages import SplitRule, StageLayout
 
-def split_dim(shape: tuple[int, ...], num_devices: int, stage: int = 1) -> int | None:
-    """The dimension a leaf of ``shape`` is split along at ZeRO ``stage``: the first
-    that divides by ``num_devices`` (stages 1 and 2), the last but the first (stage 3:
-    never a stack's layer axis; a 1-D leaf its only one); None keeps it whole."""
+
+def split_dim(shape: tuple[int, ...], num_devices: int, rule: SplitRule = "first") -> int | None:
+    """The dimension a leaf of ``shape`` is split along by a stage's ``rule``
+    (``StageLayout.split_rule``): the first that divides by ``num_devices`` (``"first"``,
+    stages 1 and 2), the last but the first (``"last_but_first"``, stage 3: never a
+    stack's layer axis; a 1-D leaf its only one); None keeps it whole."""
     if num_devices == 1:
         return None
     dims = range(len(shape))
-    if stage == 3 and len(shape) > 1:
+    if rule == "last_but_first" and len(shape) > 1:
         dims = range(len(shape) - 1, 0, -1)
     return next((k for k in dims if shape[k] >= num_devices and shape[k] % num_devices == 0), None)
 
@@ -105,9 +109,9 @@ def spec(dim: int | None, axis_name: str) -> P:
     return P() if dim is None else P(*(None,) * dim, axis_name)
 
 
-def split_specs(tree: Any, num_devices: int, axis_name: str, stage: int = 1) -> Any:
+def split_specs(tree: Any, num_devices: int, axis_name: str, rule: SplitRule = "first") -> Any:
     """:func:`split_dim`'s spec for every leaf of ``tree`` (arrays or shape structs)."""
-    return jax.tree.map(lambda x: spec(split_dim(x.shape, num_devices, stage), axis_name), tree)
+    return jax.tree.map(lambda x: spec(split_dim(x.shape, num_devices, rule), axis_name), tree)
 
 
 def compress(x: jax.Array, wire: Any, num_devices: int) -> jax.Array:
@@ -174,8 +178,9 @@ def packed_reduce_scatter(
 
 
 class ShardPlan:
-    """Where the trainable leaves lie on a mesh: split along :func:`split_dim` at
-    ZeRO stages 1 to 3, whole at stage 0.
+    """Where the trainable leaves lie on a mesh at a stage's ``layout``: split along
+    :func:`split_dim` by its ``split_rule`` where it splits the optimizer state (ZeRO
+    stages 1 to 3), whole at stage 0.
 
     Built from the trainable tree (frozen leaves are ``optax.MaskedNode()``: no
     leaves); shapes are read, never values. On a two-axis (replicas x shards) mesh
@@ -186,17 +191,24 @@ class ShardPlan:
     """
 
     def __init__(
-        self, trainable: Any, mesh: Mesh, stage: int, *, packed: bool = True, layers: Any = None
+        self,
+        trainable: Any,
+        mesh: Mesh,
+        layout: StageLayout,
+        *,
+        packed: bool = True,
+        layers: Any = None,
     ):
         leaves, self.treedef = jax.tree.flatten(trainable)
         self.stacked = stacked_leaves(trainable, layers)
         self.packed = packed
         self.mesh, self.axis_name = mesh, mesh.axis_names[-1]
-        self.num_devices, self.stage = mesh.shape[self.axis_name], stage
+        self.num_devices, self.layout = mesh.shape[self.axis_name], layout
         # HSDP: the replica axis, over which the blocks are all-reduced once per step.
         self.replica_axis = mesh.axis_names[0] if len(mesh.axis_names) == 2 else None
         self.shapes = [tuple(x.shape) for x in leaves]
-        self.dims = [split_dim(s, self.num_devices, stage) if stage else None for s in self.shapes]
+        rule, n = layout.split_rule, self.num_devices
+        self.dims = [split_dim(s, n, rule) if layout.state_split else None for s in self.shapes]
         self.split = any(d is not None for d in self.dims)
 
     def specs(self, whole: P | None = None) -> Any:
@@ -225,7 +237,7 @@ class ShardPlan:
         splits anything (stages 1 to 3), else replicated."""
         if not self.split:
             return jax.tree.map(lambda _: P(), opt_state)
-        return split_specs(opt_state, self.num_devices, self.axis_name, self.stage)
+        return split_specs(opt_state, self.num_devices, self.axis_name, self.layout.split_rule)
 
     def _split_leaves(self, tree: Any) -> list[Any]:
         return self.treedef.flatten_up_to(tree)
@@ -301,8 +313,9 @@ class ShardPlan:
 
     def at_rest(self, tree: Any) -> Any:
         """The updated parameters as the state keeps them: whole at stages 0 to 2 (one
-        all-gather per dtype, :meth:`gather`), split at stage 3 (nothing gathered)."""
-        return self.local(tree) if self.stage == 3 else self.gather(tree)
+        all-gather per dtype, :meth:`gather`), split where they rest split (stage 3,
+        ``layout.params_split``: nothing gathered)."""
+        return self.local(tree) if self.layout.params_split else self.gather(tree)
 
     def gather(self, tree: Any) -> Any:
         """The whole leaves from every device's block: one all-gather per dtype."""

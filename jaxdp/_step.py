@@ -141,7 +141,7 @@ class TrainStep:
             lambda s: NamedSharding(o.device_mesh, s), (specs.opt_state, specs.window)
         )
         opt_state, window = jax.jit(fresh, out_shardings=shardings)(split_trainable(params, mask))
-        if o.zero_stage == 3:  # the trainable leaves split at rest: each device its block
+        if o.layout.params_split:  # the trainable leaves split at rest: each device its block
             split = jax.tree.map(
                 lambda s: NamedSharding(o.device_mesh, s), specs.params, is_leaf=is_spec
             )
@@ -188,7 +188,7 @@ class TrainStep:
         if o.batch_stats is not None and graphdef is None:
             raise ValueError("batch_stats needs an NNX module with BatchNorm, got a pytree")
         mask = check_params(params, o.trainable, abstract=abstract)
-        if o.zero_stage and not any(mask):
+        if o.layout.state_split and not any(mask):
             raise ValueError(
                 f"zero_stage={o.zero_stage} splits the trainable parameters' optimizer "
                 f"state over the devices, and params has no trainable leaf "
