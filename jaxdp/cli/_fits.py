@@ -23,6 +23,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from .._stages import stage_layout
 from ._config import TrainConfig
 from ._data import Split
 from ._metrics import agree
@@ -66,15 +67,16 @@ def state_bytes(config: TrainConfig, params: int, num_devices: int) -> tuple[int
     moments = 2 if config.optimizer == "adamw" else 1  # SGD keeps its momentum
     # ZeRO stage 1 splits the moments over the devices, stage 2 the accumulator too,
     # stage 3 the weights and gradients too (its gathered layer is a temporary).
+    layout = stage_layout(config.zero_stage)
     per = [
-        ("weights", each, config.zero_stage >= 3),
-        ("gradients", each, config.zero_stage >= 3),
+        ("weights", each, layout.params_split),
+        ("gradients", each, layout.params_split),
         (
             "AdamW's 2 moments" if moments == 2 else "SGD's momentum",
             moments * each,
-            config.zero_stage >= 1,
+            layout.state_split,
         ),
-        ("the accumulator", each, config.zero_stage >= 2),
+        ("the accumulator", each, layout.window_split),
     ]
     share = [b / (num_devices if split else 1) for _, b, split in per]
     described = " + ".join(

@@ -8,6 +8,7 @@ import contextlib
 import sys
 from typing import Any
 
+from .._stages import stage_layout
 from ..plan._memory import (
     DEFAULT_HEADROOM,
     DTYPE_POLICIES,
@@ -258,7 +259,7 @@ def plan_report(args: argparse.Namespace) -> str:
     shown = dict(model=spec.describe(), batch_note=batch_note)
     if args.no_xla:
         return _report(plan, note="XLA's analysis: skipped (--no-xla).", **shown)
-    if plan.zero_stage:
+    if stage_layout(plan.zero_stage).state_split:
         note = (
             "XLA's analysis: at --zero-stage 0 only (a stage's per-device figures shrink with "
             "the device count, and the plan compiles on at most 8 devices); the estimate above "

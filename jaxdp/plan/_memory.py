@@ -32,6 +32,7 @@ import re
 from typing import Literal, NamedTuple
 
 from .._checks import is_integer
+from .._stages import STAGE_LAYOUTS, StageLayout, stage_layout
 
 
 class DtypePolicy(NamedTuple):
@@ -221,6 +222,11 @@ class MemoryPlan:
     remat: Remat | None = None  # stage 3: what a micro-batch keeps for its backward
 
     @property
+    def _layout(self) -> StageLayout:
+        """What the stage splits, as the step reads it (:mod:`jaxdp._stages`)."""
+        return stage_layout(self.zero_stage)
+
+    @property
     def split_over(self) -> int:
         """The devices the split state is split over: a shard group's (HSDP) or all."""
         return self.shards or self.num_devices
@@ -229,7 +235,7 @@ class MemoryPlan:
     def gathered(self) -> float:
         """Stage 3's gathered weights at the peak: one layer (where ``layers`` is known)
         and the root group; 0 below stage 3."""
-        if self.zero_stage != 3:
+        if not self._layout.params_split:
             return 0.0
         return (self.gathered_layer or 0.0) + self.root_group
 
@@ -237,7 +243,7 @@ class MemoryPlan:
     def gathered_gradients(self) -> float:
         """Stage 3: the gathered layer's and the root group's whole gradients, before
         their reduce-scatters; 0 below stage 3."""
-        if self.zero_stage != 3:
+        if not self._layout.params_split:
             return 0.0
         return (self.layer_gradient or 0.0) + self.root_gradient
 
@@ -289,7 +295,7 @@ class MemoryPlan:
     def replica_bytes(self) -> float:
         """HSDP: what each device sends per optimizer step in the all-reduce of its block
         of the gradient sums across the ``num_devices / shards`` replica groups; 0 else."""
-        if self.zero_stage != 3 or self.split_over == self.num_devices:
+        if not self._layout.params_split or self.split_over == self.num_devices:
             return 0.0
         groups = self.num_devices // self.split_over
         return ring_all_reduce_bytes(self.allreduce_bytes / self.split_over, groups)
@@ -301,13 +307,14 @@ class MemoryPlan:
         reduce-scatters and an all-gather (stage 2); per micro-batch the gathers of the
         forward and backward and the reduce-scatters of every layer, within a shard
         group, and under HSDP :attr:`replica_bytes` once (stage 3)."""
-        if not self.zero_stage:
+        layout = self._layout
+        if not layout.state_split:
             return ring_all_reduce_bytes(self.allreduce_bytes, self.num_devices)
         k = self.accum_steps or 1
         share = (self.split_over - 1) / self.split_over
-        if self.zero_stage == 3:  # every collective once per micro-batch
+        if layout.params_split:  # every collective once per micro-batch
             return share * k * (self.allreduce_bytes + self.gather_bytes) + self.replica_bytes
-        scatters = k if self.zero_stage == 2 else 1
+        scatters = k if layout.window_split else 1
         return share * (scatters * self.allreduce_bytes + self.gather_bytes)
 
     @property
@@ -413,6 +420,7 @@ def plan_memory(
     if not is_integer(zero_stage) or zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
     zero_stage = int(zero_stage)
+    layout = stage_layout(zero_stage)
     if layers is not None and (not is_integer(layers) or layers < 1):
         raise ValueError(f"layers={layers!r} must be a positive integer")
     if not (isinstance(root_params, int | float) and 0 <= root_params < params):
@@ -453,8 +461,8 @@ def plan_memory(
         global_batch_size = int(global_batch_size)
         _check_count("global_batch_size", global_batch_size, global_batch_size)
     p = DTYPE_POLICIES[policy]
-    split_over = (shards or num_devices) if zero_stage == 3 else num_devices
-    weights, gradients, master, moments, accumulator = _shares(p, optimizer, zero_stage, split_over)
+    split_over = (shards or num_devices) if layout.params_split else num_devices
+    weights, gradients, master, moments, accumulator = _shares(p, optimizer, layout, split_over)
     # What stage 3 gathers, in the gather dtype, and the gradient of it before the
     # reduce-scatter, in the parameters' (counted at stage 3; at the others, for the
     # fewest devices stage 3 needs).
@@ -465,15 +473,15 @@ def plan_memory(
         gathered_layer = (params - root_params) / layers * gather
         layer_gradient = (params - root_params) / layers * resting
     wire = 2 if comm_dtype else ACCUM_BYTES
-    gather_bytes = params * p.weights if zero_stage else 0.0
-    if zero_stage == 3:
+    gather_bytes = params * p.weights if layout.state_split else 0.0
+    if layout.params_split:
         # Per micro-batch: each layer gathered in the forward and again in the backward
         # (no gathered weight is kept for it, whatever the remat), the root group once;
         # the gradients reduce-scattered in the parameters' dtype (or comm_dtype).
         gather_bytes = (2 * (params - root_params) + root_params) * gather
         wire = 2 if comm_dtype else resting
     per_sample = activation_bytes_per_sample
-    if zero_stage == 3:
+    if layout.params_split:
         remat = remat or STAGE_3_REMAT
     layer, carry = layer_activation_bytes_per_sample, carry_bytes_per_sample
     if remat == "full" and per_sample is not None and layer is not None:
@@ -508,29 +516,30 @@ def plan_memory(
         root_group=root_params * gather,
         layer_gradient=layer_gradient,
         root_gradient=root_params * resting,
-        shards=shards if zero_stage == 3 else None,
-        gather_dtype=(gather_dtype or _COMPUTE_DTYPE[policy]) if zero_stage == 3 else None,
+        shards=shards if layout.params_split else None,
+        gather_dtype=(gather_dtype or _COMPUTE_DTYPE[policy]) if layout.params_split else None,
         remat=remat,
     )
     return _size_batches(plan)
 
 
 def _shares(
-    p: DtypePolicy, optimizer: str, zero_stage: int, num_devices: int
+    p: DtypePolicy, optimizer: str, layout: StageLayout, num_devices: int
 ) -> tuple[float, float, float, float, float]:
-    """Bytes per parameter on one device at a stage, the state split over
-    ``num_devices``: weights, gradients, master weights, optimizer state, accumulator."""
+    """Bytes per parameter on one device at a stage's ``layout``, what it splits split
+    over ``num_devices``: weights, gradients, master weights, optimizer state,
+    accumulator."""
     moments = p.moment * OPTIMIZER_MOMENTS[optimizer]
     n = num_devices
-    if zero_stage == 3:
+    if layout.params_split:
         # Only the split parameters rest: under a mixed policy the float32 master, the
         # weights in half precision existing gathered only. A micro-batch's gradients
         # come back as blocks in the parameters' dtype (the master's).
         resting = p.master or p.weights
         weights = 0 if p.master else p.weights
         return weights / n, resting / n, p.master / n, moments / n, ACCUM_BYTES / n
-    accumulator = ACCUM_BYTES / n if zero_stage == 2 else ACCUM_BYTES
-    if zero_stage:
+    accumulator = ACCUM_BYTES / n if layout.window_split else ACCUM_BYTES
+    if layout.state_split:
         return p.weights, p.gradients, p.master / n, moments / n, accumulator
     return p.weights, p.gradients, p.master, moments, ACCUM_BYTES
 
@@ -540,20 +549,23 @@ def fixed_bytes(
     policy: str,
     optimizer: str,
     num_devices: int,
-    zero_stage: int,
+    layout: StageLayout,
     gathered: float = 0.0,
 ) -> float:
-    """Training state and accumulator per device, at a stage on ``num_devices``; stage 3
-    adds ``gathered`` (its gathered layer and root group and their gradients, the same
-    on any count)."""
+    """Training state and accumulator per device, at a stage's ``layout`` on
+    ``num_devices``; stage 3 adds ``gathered`` (its gathered layer and root group and
+    their gradients, the same on any count)."""
     p = DTYPE_POLICIES[policy]
-    if zero_stage == 3:
-        return params * sum(_shares(p, optimizer, zero_stage, num_devices)) + gathered
-    split = [p.master + p.moment * OPTIMIZER_MOMENTS[optimizer], ACCUM_BYTES]
-    split += [p.weights + p.gradients]
+    if layout.params_split:
+        return params * sum(_shares(p, optimizer, layout, num_devices)) + gathered
+    parts = [
+        (p.master + p.moment * OPTIMIZER_MOMENTS[optimizer], layout.state_split),
+        (ACCUM_BYTES, layout.window_split),
+        (p.weights + p.gradients, layout.params_split),
+    ]
     whole = 0.0
-    for stage, part in enumerate(split, start=1):
-        whole += part / num_devices if zero_stage >= stage else part
+    for part, split in parts:
+        whole += part / num_devices if split else part
     return params * whole
 
 
@@ -563,16 +575,16 @@ def smallest_fit(plan: MemoryPlan, *, max_devices: int = 4096) -> dict[int, int 
     where known); None where no count does (stage 0: the same on any)."""
     assert plan.usable is not None
     found: dict[int, int | None] = {}
-    for stage in (0, 1, 2, 3):
+    for layout in STAGE_LAYOUTS:
         n = 1
         while n <= max_devices:
             gathered = (plan.gathered_layer or 0.0) + plan.root_group
             gathered += (plan.layer_gradient or 0.0) + plan.root_gradient
-            need = fixed_bytes(plan.params, plan.policy, plan.optimizer, n, stage, gathered)
+            need = fixed_bytes(plan.params, plan.policy, plan.optimizer, n, layout, gathered)
             if need <= plan.usable:
                 break
-            n = n + 1 if stage else max_devices + 1
-        found[stage] = n if n <= max_devices else None
+            n = n + 1 if layout.state_split else max_devices + 1
+        found[layout.zero_stage] = n if n <= max_devices else None
     return found
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import textwrap
 from typing import Any
 
+from .._stages import STAGE_LAYOUTS, stage_layout
 from ._memory import (
     ACCUM_BYTES,
     DTYPE_POLICIES,
@@ -94,12 +95,13 @@ def _header(plan: MemoryPlan, model: str | None) -> str:
 
 
 def _zero_line(plan: MemoryPlan) -> list[str]:
-    if not plan.zero_stage:
+    layout = stage_layout(plan.zero_stage)
+    if not layout.state_split:
         return []
     split = "master weights and optimizer state"
-    if plan.zero_stage == 2:
+    if layout.window_split:
         split = "master weights, optimizer state and gradient accumulator"
-    if plan.zero_stage < 3:
+    if not layout.params_split:
         return [
             f"zero_stage={plan.zero_stage}: {split} split over the {plan.num_devices} device(s)"
         ]
@@ -146,13 +148,14 @@ def _table(plan: MemoryPlan) -> str:
         ("= training state", plan.state),
         ("gradient accumulator (fp32)", plan.accumulator),
     ]
-    if plan.zero_stage:
+    layout = stage_layout(plan.zero_stage)
+    if layout.state_split:
         n = plan.num_devices
         rows[2] = (f"master weights (1/{n})", plan.master)
         rows[3] = (f"optimizer state ({moments} moment(s), 1/{n})", plan.optimizer_state)
-        if plan.zero_stage >= 2:
+        if layout.window_split:
             rows[5] = (f"gradient accumulator (fp32, 1/{n})", plan.accumulator)
-    if plan.zero_stage == 3:
+    if layout.params_split:
         rows = _stage_3_rows(plan)
     rows += _batch_rows(plan) if plan.device_memory is None else _fitted_rows(plan)
     lines = ["per device (estimate):"]
@@ -280,7 +283,7 @@ def _what_fits(plan: MemoryPlan) -> str:
     size data parallelism without sharding needs."""
     fewest = smallest_fit(plan)
     lines = []
-    if plan.zero_stage == 0:
+    if not stage_layout(plan.zero_stage).state_split:
         lines.append(
             "Data parallelism keeps a full copy on every device, so more devices do not help "
             f"at zero_stage=0: it needs devices of at least "
@@ -289,17 +292,19 @@ def _what_fits(plan: MemoryPlan) -> str:
         )
     else:
         lines.append(f"Not on {plan.num_devices} device(s) at zero_stage={plan.zero_stage}:")
-    for stage in (1, 2, 3):
-        n = fewest[stage]
+    for layout in STAGE_LAYOUTS:
+        if not layout.state_split:  # the same on any device count
+            continue
+        n = fewest[layout.zero_stage]
         where = f"on {n} device(s) or more" if n else "on no device count up to 4096"
         what = "state and accumulator"
-        if stage == 3:
+        if layout.params_split:
             what = (
                 "state, accumulator, gathered layer, root group and their gradients"
                 if plan.gathered_layer is not None
                 else "state and accumulator (before the gathered layer: give --layers)"
             )
-        lines.append(f"  --zero-stage {stage}: {what} fit {where}")
+        lines.append(f"  --zero-stage {layout.zero_stage}: {what} fit {where}")
     return "\n".join(lines)
 
 
@@ -347,7 +352,8 @@ def _allreduce(plan: MemoryPlan, xla: XlaFigures | None) -> str:
     wire = "bf16" if plan.allreduce_bytes < plan.params * ACCUM_BYTES else "fp32"
     per_param = int(plan.allreduce_bytes // plan.params)
     sums = f"{wire} gradient sums, {per_param} bytes/parameter"
-    if plan.zero_stage == 3:
+    layout = stage_layout(plan.zero_stage)
+    if layout.params_split:
         k = plan.accum_steps
         times = f"{k} per optimizer step" if k else "accum_steps not sized: counted once"
         line = (
@@ -364,9 +370,9 @@ def _allreduce(plan: MemoryPlan, xla: XlaFigures | None) -> str:
                 f"{format_bytes(plan.allreduce_bytes / plan.split_over)}, all-reduced across "
                 f"the {groups} replica groups"
             )
-    elif plan.zero_stage:
+    elif layout.state_split:
         count = "1 reduce-scatter"
-        if plan.zero_stage == 2:
+        if layout.window_split:
             k = plan.accum_steps
             count = (
                 f"{k} reduce-scatter(s), one per micro-batch,"
@@ -391,7 +397,7 @@ def _allreduce(plan: MemoryPlan, xla: XlaFigures | None) -> str:
             f"block across the R = {groups} replica groups = {format_bytes(plan.ring_bytes)} "
             "per step (and receives as much)"
         )
-    elif plan.zero_stage:
+    elif layout.state_split:
         line += (
             f"\nring algorithms over {n} devices: each sends (N-1)/N = {(n - 1) / n:.3f} x "
             f"each payload = {format_bytes(plan.ring_bytes)} per step (and receives as much)"
