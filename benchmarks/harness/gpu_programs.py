@@ -274,13 +274,12 @@ def stage_3_step(
     k: int,
     remat: str = "dots",
     layers: int = 12,
-    declared: Any = None,
     replica_all_reduce: str = "per_layer",
 ) -> tuple[Any, Any, Any]:
     """``(step, abstract state, abstract batch)`` of a stage-3 cell (HSDP with ``shards``)
-    for the scanned model, its blocks a stack by its own metadata (``declared``:
-    ``Parallel(layers=...)`` instead), as tests/gpu/test_gpu_stage3.py and this
-    benchmark compile it; ``replica_all_reduce``: ``Parallel``'s (HSDP)."""
+    for the scanned model, its blocks a stack by its own metadata, as
+    tests/gpu/test_gpu_stage3.py and this benchmark compile it; ``replica_all_reduce``:
+    ``Parallel``'s (HSDP)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -299,7 +298,6 @@ def stage_3_step(
             zero_stage=3,
             shards=shards,
             remat=getattr(jax.checkpoint_policies, remat, remat),
-            layers=declared,
             **({"replica_all_reduce": replica_all_reduce} if shards else {}),
         ),
     )
