@@ -101,16 +101,30 @@ def place(tree: Any, sharding: NamedSharding, *, copy: bool = False) -> Any:
     the caller still holds.
     """
 
-    def put(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            if not copy and x.sharding.is_equivalent_to(sharding, x.ndim):
-                return x
-            # Not device_put(may_alias=False): it still reuses the buffer of a
-            # shard that stays on the same device (jax 0.10.2).
-            return jax.jit(jnp.copy, out_shardings=sharding)(x)
-        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+    leaves, treedef = jax.tree.flatten(tree)
+    moved = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array) and (copy or not x.sharding.is_equivalent_to(sharding, x.ndim))
+    ]
+    out = [
+        x
+        if isinstance(x, jax.Array)
+        else jax.make_array_from_process_local_data(sharding, np.asarray(x))
+        for x in leaves
+    ]
+    if moved:
+        # One program for every device leaf (a program per leaf shape compiled a model's
+        # init as often as it has shapes). Not device_put(may_alias=False): it still
+        # reuses the buffer of a shard that stays on the same device (jax 0.10.2).
+        copies = jax.jit(_copies, out_shardings=sharding)(tuple(leaves[i] for i in moved))
+        for i, x in zip(moved, copies, strict=True):
+            out[i] = x
+    return treedef.unflatten(out)
 
-    return jax.tree.map(put, tree)
+
+def _copies(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    return tuple(jnp.copy(x) for x in xs)
 
 
 @jax.jit
