@@ -70,7 +70,15 @@ def build(config: TrainConfig, data: Split | None = None) -> nnx.Module:
 
     ``gpt``: :class:`jaxdp.models.ScannedTransformer`, ``GPT_LAYERS`` blocks stacked
     (one parameter tree at every ZeRO stage) of width ``hidden``, over the 64 pixel
-    tokens, with a head to the classes."""
+    tokens, with a head to the classes.
+
+    Built in one compiled program (``nnx.jit``), which the run's compilation cache keeps:
+    built op by op, each of its initializers compiled a program of its own in every
+    process (about 1 CPU s of a launch rank's start)."""
+    return nnx.jit(lambda: _built(config, data))()
+
+
+def _built(config: TrainConfig, data: Split | None) -> nnx.Module:
     param_dtype = jnp.float64 if config.precision == "float64" else jnp.float32
     rngs = nnx.Rngs(config.seed)
     if config.model == "gpt":
