@@ -93,10 +93,11 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
     declared = next((x for x in stacks if x is not None), None)  # Parallel.layers
     if declared is not None and declared.route.kind != "gather":
         return _scan_routed(fn, graphdef, treedef, leaves, stacks, carry)
-    dims, how, across = [None] * len(leaves), None, None
+    dims, sizes, how, across = [None] * len(leaves), None, None, None
     if declared is not None:  # stage 3: the blocks handed over, gathered here
         leaves = [x if s is None else s.value for x, s in zip(leaves, stacks, strict=True)]
         dims, how = [None if s is None else s.dim for s in stacks], declared.route.gather
+        sizes = [None if s is None else s.size for s in stacks]
         across = declared.route.across
     _check_layers(treedef.unflatten(leaves))
 
@@ -111,7 +112,7 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
         if across is not None:
             xs = _route_layer(across, (None,) * len(which), which, *xs)
         if how is not None:
-            xs = gather(xs, dims, how)
+            xs = gather(xs, dims, how, sizes)
         layer = treedef.unflatten(xs)
         if graphdef is not None:
             layer = nnx.merge(graphdef, layer)
@@ -227,6 +228,7 @@ class Stack:
     dim: int | None  # a layer's split dimension (the stack's minus one); None: psum
     route: Route
     name: str
+    size: int | None = None  # stage 3: a padded leaf's logical size along dim (None: not)
 
     shape = property(lambda self: self.value.shape)
     dtype = property(lambda self: self.value.dtype)
@@ -346,17 +348,21 @@ def gathered_loss(
     how: Gather,
     warn: Callable[[str], None],
     declared: list[bool],
+    sizes: list[int | None] | None = None,
 ) -> Callable[..., Any]:
     """``parts(params, *rest)`` (:func:`jaxdp._forward.loss_parts`) on the parameters
     as this device holds them at stage 3: ``dims`` per parameter leaf, the dimension
     it is split along (None: whole); ``declared`` per parameter leaf, a stack of layers
-    (the plan's, from ``Parallel.layers`` or the model's metadata). The leaves outside
+    (the plan's, from ``Parallel.layers`` or the model's metadata); ``sizes`` per
+    parameter leaf, the logical size along its dimension of a leaf that rests padded
+    (None: not), so that ``loss_fn`` gets every leaf in the model's shape. The leaves outside
     every stack are gathered up front in one collective per dtype; each stack goes to
     ``loss_fn`` as a :class:`Stack` of its blocks, for :func:`scan_layers` alone, which
     gathers it a layer at a time (also a stack kept whole: the loop's remat is the
     step's). ``warn`` gives a warning once per step: no stack declared, split leaves."""
     # A stack split along its layer axis (a 1-D one) cannot be looped a layer at a time.
     stacked = {i for i, d in enumerate(dims) if declared[i] and (d is None or d >= 1)}
+    sizes = sizes or [None] * len(dims)
     route = Route("gather", how.axis_name, how.num_devices, how.wire, gather=how)
 
     def parts_at_stage_3(params: Any, *rest: Any) -> Any:
@@ -382,16 +388,16 @@ def gathered_loss(
             blocks = jax.lax.optimization_barrier((blocks, batch))[0]
             for i, x in zip(which, blocks, strict=True):
                 leaves[i] = x
-        leaves = gather(leaves, up_front, how)
+        leaves = gather(leaves, up_front, how, sizes)
         paths = jax.tree_util.tree_flatten_with_path(params)[0]
         for i in stacked:
             name, h, dim = jax.tree_util.keystr(paths[i][0]), handed[i], dims[i]
             dim = None if dim is None else dim - 1  # a layer's: its stack's minus the layer axis
             if h is None:
-                leaves[i] = Stack(leaves[i], None, None, dim, route, name)
+                leaves[i] = Stack(leaves[i], None, None, dim, route, name, sizes[i])
             else:
                 across = dataclasses.replace(route, across=h.route)
-                leaves[i] = Stack(leaves[i], h.sums, h.sink, dim, across, name)
+                leaves[i] = Stack(leaves[i], h.sums, h.sink, dim, across, name, sizes[i])
         return parts(treedef.unflatten(leaves), *rest)
 
     return parts_at_stage_3
@@ -400,16 +406,25 @@ def gathered_loss(
 # ---- the gather and its transpose ----------------------------------------------------
 
 
-def gather(leaves: list[Any], dims: list[int | None], how: Gather) -> list[Any]:
+def gather(
+    leaves: list[Any], dims: list[int | None], how: Gather, sizes: list[int | None] | None = None
+) -> list[Any]:
     """``leaves`` with each split one (``dims[i]`` not None: this device's block along
     that dimension) gathered whole: one all-gather per dtype (in ``how.dtype`` when
     set: the whole leaf in that dtype); its gradient is this device's block of the
-    global sum in the block's dtype (one reduce-scatter per dtype)."""
+    global sum in the block's dtype (one reduce-scatter per dtype). ``sizes[i]``: a
+    padded leaf's logical size along ``dims[i]`` (None: not padded): the gathered leaf
+    is sliced to it, and its gradient padded with zeros back before the reduce-scatter."""
     which = [i for i, d in enumerate(dims) if d is not None]
     if not which:
         return list(leaves)
+    sizes = sizes or [None] * len(dims)
     blocks = tuple(leaves[i] for i in which)
-    layout = (tuple(dims[i] for i in which), tuple(str(x.dtype) for x in blocks))
+    layout = (
+        tuple(dims[i] for i in which),
+        tuple(str(x.dtype) for x in blocks),
+        tuple(sizes[i] for i in which),
+    )
     whole = _gathered(layout, how, blocks)
     out = list(leaves)
     for i, x in zip(which, whole, strict=True):
@@ -423,20 +438,21 @@ def _gathered(layout: tuple[Any, Any], how: Gather, blocks: tuple[Any, ...]) -> 
 
 
 def _gathered_forward(layout, how, blocks):
-    dims, blocks = layout[0], _cast(blocks, how.dtype)
+    dims, sizes, blocks = layout[0], layout[2], _cast(blocks, how.dtype)
     if how.packed:
-        wholes = packed_all_gather(blocks, dims, how.axis_name, how.num_devices)
+        wholes = packed_all_gather(blocks, dims, how.axis_name, how.num_devices, sizes)
     else:  # one each: XLA combines them and schedules each where it is used
         wholes = [
-            packed_all_gather([x], [d], how.axis_name, how.num_devices)[0]
-            for x, d in zip(blocks, dims, strict=True)
+            packed_all_gather([x], [d], how.axis_name, how.num_devices, [s])[0]
+            for x, d, s in zip(blocks, dims, sizes, strict=True)
         ]
     return tuple(wholes), None
 
 
 def _gathered_backward(layout, how, _, cotangents):
-    # The gradients go back in the blocks' dtypes (the gather dtype is the forward's).
-    dims, dtypes = layout
+    # The gradients go back in the blocks' dtypes (the gather dtype is the forward's); a
+    # padded leaf's logical gradient is padded with zeros by the reduce-scatter.
+    dims, dtypes, _ = layout
     blocks = packed_reduce_scatter(
         _cast(cotangents, dtypes),
         dims,

@@ -51,7 +51,7 @@ from ._model_kinds import linen_batch_norms
 from ._model_state import configure, device0, from_wire, split_state
 from ._options import StepOptions
 from ._shards import ShardPlan, compress, decompress, spec
-from ._train_state import Report, SkipCounts, TrainState, Window
+from ._train_state import LogicalShapes, Report, SkipCounts, TrainState, Window
 
 Forward = Callable[..., tuple[Any, jax.Array, jax.Array, Any, Any]]
 """``forward(trainable, micro_batch, batch_stats, micro_index, scale) -> (grads, value,
@@ -203,16 +203,26 @@ class _Parts(NamedTuple):
     def dims(self) -> list[int | None]:
         """Per parameter leaf, the dimension it is split along at rest: the plan's where
         the parameters rest split (stage 3), else None (whole)."""
+        return self._per_parameter(self.plan.dims)
+
+    @property
+    def sizes(self) -> list[int | None]:
+        """Per parameter leaf, the logical size along that dimension of a leaf that rests
+        padded (stage 3), else None."""
+        return self._per_parameter(self.plan.sizes)
+
+    def _per_parameter(self, per_trainable: list[Any]) -> list[Any]:
         if not self.plan.layout.params_split:
             return [None] * len(self.mask)
-        dims = iter(self.plan.dims)
-        return [next(dims) if trains else None for trains in self.mask]
+        it = iter(per_trainable)
+        return [next(it) if trains else None for trains in self.mask]
 
 
 def _parts(o: StepOptions, state: TrainState) -> _Parts:
-    mask = trainable_mask(state.params, o.trainable)
+    logical = logical_params(state)
+    mask = trainable_mask(logical, o.trainable)
     trainable = split_trainable(state.params, mask)
-    plan = o.plan(trainable)
+    plan = o.plan(split_trainable(logical, mask))
     stats = split_state(state.model_state)[0]
     return _Parts(mask, trainable, stats, plan, _routing(o, plan, trainable))
 
@@ -276,7 +286,8 @@ def multisteps_call(
         window = _cast_like(state.window, state.window._replace(last=last))
         new, metrics = end(o, state, parts, result, window)
         return new, {**metrics, "emitted": jnp.ones([], bool)}
-    expected = jax.eval_shape(lambda t: empty_window(o, t, {}, jnp.float32).grads, parts.trainable)
+    logical = split_trainable(logical_params(state), parts.mask)
+    expected = jax.eval_shape(lambda t: empty_window(o, t, {}, jnp.float32).grads, logical)
     check_window_layout(
         state.window.grads,
         expected,
@@ -608,14 +619,21 @@ def update(o: StepOptions, parts: _Parts, state: TrainState, reduced: Reduced) -
     sums, plan, skip_nonfinite = reduced.sums, parts.plan, o.skips.nonfinite
     weight = sums.weight
     loss = sums.loss_sum / weight.astype(sums.loss_sum.dtype)
+    # Zero padding (stage 3) adds nothing to the blocks' squares: the norm is the logical one.
     grad_norm = jnp.sqrt(reduced.squares) / weight
     stats_ok = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(sums.batch_stats)]
     finite = jnp.all(jnp.stack([jnp.isfinite(grad_norm), jnp.isfinite(loss), *stats_ok]))
     ok = finite if skip_nonfinite else jnp.ones([], bool)
+    # Stage 3's padded leaves are sliced to the model's shapes before the optimizer (an
+    # uneven sharding inside jit: no collective) and padded back after it, so that it
+    # sees the logical arrays (adafactor's factored moments average over a dimension).
+    opt_like = opt_state_like(o, state) if o.layout.pads else None
 
     def apply(operands: tuple[Any, Any]) -> tuple[Any, Any]:
-        params, opt_state = operands
+        params, opt_state = plan.unpad(operands[0]), plan.unpad_state(operands[1], opt_like)
         mine = plan.local(params)
+        opt_state = plan.constrain(opt_state)
+        summed = plan.unpad(sums.grads)
         if o.cpu_spelling:
             # XLA:CPU spelling of sums / weight: a multiply by 1 / weight, which XLA
             # repeats inside each consumer (AdamW's two moment updates), where it computed
@@ -623,14 +641,15 @@ def update(o: StepOptions, parts: _Parts, state: TrainState, reduced: Reduced) -
             # ms MLP step. At most one rounding apart, none for a power-of-two weight.
             inverse = 1 / weight
             grads = jax.tree.map(
-                lambda g, p: (g * inverse.astype(g.dtype)).astype(p.dtype), sums.grads, mine
+                lambda g, p: (g * inverse.astype(g.dtype)).astype(p.dtype), summed, mine
             )
         else:
             grads = jax.tree.map(
-                lambda g, p: (g / weight.astype(g.dtype)).astype(p.dtype), sums.grads, mine
+                lambda g, p: (g / weight.astype(g.dtype)).astype(p.dtype), summed, mine
             )
         updates, opt_state = o.applied_optimizer.update(grads, opt_state, mine)
-        return plan.at_rest(optax.apply_updates(mine, updates)), plan.constrain(opt_state)
+        params = plan.at_rest(optax.apply_updates(mine, updates))
+        return params, plan.constrain(plan.pad_state(opt_state))
 
     operands = (parts.trainable, state.opt_state)
     if not skip_nonfinite:
@@ -680,6 +699,7 @@ def end(
         graphdef=state.graphdef,
         model_state=model_state,
         skips=skips,
+        logical=state.logical,
     )
     shardings = jax.tree.map(
         lambda s: NamedSharding(o.device_mesh, s), state_specs(o, new), is_leaf=is_spec
@@ -737,11 +757,43 @@ def _zeros_from(operands: tuple[Any, jax.Array]) -> Any:
 # ---- the state on the mesh, and how it starts -----------------------------------------
 
 
+def logical_params(state: TrainState) -> Any:
+    """``state.params`` with each leaf that rests padded (stage 3, ``state.logical``) as a
+    ``jax.ShapeDtypeStruct`` of the model's shape of it: what the plan, the trainable mask
+    and the optimizer's ``init`` read."""
+    if state.logical is None:
+        return state.params
+    leaves, treedef = jax.tree.flatten(state.params)
+    return treedef.unflatten(
+        [
+            x if s is None else jax.ShapeDtypeStruct(s, x.dtype)
+            for x, s in zip(leaves, state.logical.params, strict=True)
+        ]
+    )
+
+
+def logical_shapes(o: StepOptions, params: Any, mask: tuple[bool, ...]) -> LogicalShapes | None:
+    """The :class:`jaxdp.TrainState` ``logical`` record of ``params`` (the model's
+    shapes) at this step's layout: None where no leaf rests padded."""
+    plan = o.plan(split_trainable(params, mask))
+    if not (plan.padded and o.layout.params_split):
+        return None
+    sizes = iter(plan.sizes)
+    return LogicalShapes(
+        tuple(
+            tuple(x.shape) if trains and next(sizes) is not None else None
+            for x, trains in zip(jax.tree.leaves(params), mask, strict=True)
+        )
+    )
+
+
 def opt_state_like(o: StepOptions, state: TrainState) -> Any:
-    """The optimizer state the step's ``init`` builds for ``state``'s parameters."""
-    mask = trainable_mask(state.params, o.trainable)
+    """The optimizer state the step's ``init`` builds for ``state``'s parameters, in the
+    logical shapes (before stage 3 pads it)."""
+    logical = logical_params(state)
+    mask = trainable_mask(logical, o.trainable)
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), split_trainable(state.params, mask)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), split_trainable(logical, mask)
     )
     return jax.eval_shape(o.applied_optimizer.init, abstract)
 
@@ -761,6 +813,7 @@ def state_specs(o: StepOptions, state: TrainState) -> TrainState:
         graphdef=state.graphdef,
         model_state=jax.tree.map(lambda _: P(), state.model_state),
         skips=SkipCounts(P(), P()),
+        logical=state.logical,
     )
 
 
@@ -768,8 +821,9 @@ def empty_window(
     o: StepOptions, trainable: Any, batch_stats: Any, dtype: Any, aux: Any = None
 ) -> Window:
     """A window with nothing added: per-device zero sums (at stages 2 and 3 the split
-    leaves' global sums, each device its block), the committed statistics' shapes per device;
-    ``aux``: the shapes of ``loss_fn``'s aux (:func:`aux_like`)."""
+    leaves' global sums, each device its block; at stage 3 padded as the parameter rests),
+    the committed statistics' shapes per device; ``aux``: the shapes of ``loss_fn``'s aux
+    (:func:`aux_like`). ``trainable`` in the model's (logical) shapes."""
     n = o.num_devices
 
     def rows(x: Any) -> jax.Array:
@@ -783,8 +837,8 @@ def empty_window(
         groups = () if plan.replica_axis is None else (o.num_devices // o.shards,)
         grads = plan.treedef.unflatten(
             [
-                rows(x) if d is None else jnp.zeros((*groups, *x.shape), dtype)
-                for x, d in zip(leaves, plan.dims, strict=True)
+                rows(x) if d is None else jnp.zeros((*groups, *r), dtype)
+                for x, d, r in zip(leaves, plan.dims, plan.rest, strict=True)
             ]
         )
     zero = jnp.zeros([], dtype)
@@ -861,7 +915,7 @@ def _forward(o: StepOptions, parts: _Parts, params, model_state, step, graphdef)
     )
     if o.gathers_per_micro_batch:  # stage 3: gathered for the loss
         parts_of_loss = gathered_loss(
-            parts_of_loss, parts.dims, _gather_how(o), o.warn_once, parts.declared
+            parts_of_loss, parts.dims, _gather_how(o), o.warn_once, parts.declared, parts.sizes
         )
     return micro_forward(
         parts_of_loss,
@@ -884,7 +938,7 @@ def gather_window(parts: _Parts, params: Any, o: StepOptions) -> Any:
     """Stage 3, ``regather="window"``: every split parameter gathered whole (one
     all-gather per dtype) before the micro-batch loop and kept through it."""
     leaves, treedef = jax.tree.flatten(params)
-    return treedef.unflatten(gather(leaves, parts.dims, _gather_how(o)))
+    return treedef.unflatten(gather(leaves, parts.dims, _gather_how(o), parts.sizes))
 
 
 def _scatter(

@@ -1,12 +1,19 @@
 """ZeRO stages 1 to 3: which dimension of each leaf is split over the mesh, and the two
 packed collectives that bring the gradients in and the parameters back.
 
-A leaf keeps its shape at every stage. At stages 1 and 2 it is split over the data
+A leaf keeps its shape at stages 0 to 2. At stages 1 and 2 it is split over the data
 axis along its first dimension whose size divides by ``num_devices``, or kept whole
 (replicated) when none does (a scalar, a bias of 10 on 4 devices). At stage 3 (the
 parameters split at rest too) it is split along its LAST such dimension other than
 the first, a 1-D leaf along its only one: the first dimension of a stack of layers
 is the layer axis, which :func:`jaxdp.scan_layers` loops over and must not be split.
+Where none of those divides, stage 3 splits it all the same (FSDP2's rule), along the
+largest of them (ties: the later one), padded at its end with zeros to a multiple of
+the devices; only a scalar stays whole. The padding lives at rest and on the wire
+only: every gather returns the logical leaf (sliced after the all-gather), every
+reduce-scatter pads the logical gradient with zeros before it, and the update slices
+everything to the logical shapes first (:mod:`jaxdp._pipeline`), so neither
+``loss_fn`` nor the optimizer ever sees a padded array.
 The rule reads the shape alone, so a parameter, its gradient and every
 optimizer-state leaf of its shape (momentum, Adam's moments) lie alike, and an
 elementwise update needs no communication. The user's optimizer runs on these
@@ -26,6 +33,7 @@ however many leaves there are.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -37,17 +45,53 @@ from jax.sharding import PartitionSpec as P
 from ._stages import SplitRule, StageLayout
 
 
-def split_dim(shape: tuple[int, ...], num_devices: int, rule: SplitRule = "first") -> int | None:
+def split_dim(
+    shape: tuple[int, ...], num_devices: int, rule: SplitRule = "first", *, pad: bool = False
+) -> int | None:
     """The dimension a leaf of ``shape`` is split along by a stage's ``rule``
     (``StageLayout.split_rule``): the first that divides by ``num_devices`` (``"first"``,
     stages 1 and 2), the last but the first (``"last_but_first"``, stage 3: never a
-    stack's layer axis; a 1-D leaf its only one); None keeps it whole."""
+    stack's layer axis; a 1-D leaf its only one); None keeps it whole.
+
+    ``pad`` (``StageLayout.pads``, stage 3): where none of the rule's dimensions divides,
+    the largest of them (ties: the later one), which :func:`padded_shape` pads to a
+    multiple of ``num_devices``; a scalar, or a leaf of no element, stays whole. A leaf
+    with a dimension that divides gets that one, as without ``pad``."""
     if num_devices == 1:
         return None
     dims = range(len(shape))
     if rule == "last_but_first" and len(shape) > 1:
         dims = range(len(shape) - 1, 0, -1)
-    return next((k for k in dims if shape[k] >= num_devices and shape[k] % num_devices == 0), None)
+    found = next((k for k in dims if shape[k] >= num_devices and shape[k] % num_devices == 0), None)
+    if found is not None or not pad or not dims or math.prod(shape) == 0:
+        return found
+    return max(dims, key=lambda k: (shape[k], k))
+
+
+def padded_shape(
+    shape: tuple[int, ...], num_devices: int, rule: SplitRule = "first", *, pad: bool = False
+) -> tuple[int, ...]:
+    """``shape`` as a leaf of it rests: its :func:`split_dim` padded up to a multiple of
+    ``num_devices`` (``pad``), else as it is."""
+    shape, dim = tuple(shape), split_dim(shape, num_devices, rule, pad=pad)
+    if dim is None or shape[dim] % num_devices == 0:
+        return shape
+    return (*shape[:dim], -(-shape[dim] // num_devices) * num_devices, *shape[dim + 1 :])
+
+
+def pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``x`` with zeros appended at the end of each dimension up to ``shape``."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape, strict=True)])
+
+
+def slice_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The first ``shape`` elements of ``x`` along each dimension: a padded leaf's logical
+    part (inside jit an uneven sharding of it is fine: no collective)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return jax.lax.slice(x, (0,) * x.ndim, tuple(shape))
 
 
 LAYER_AXIS = "layers"
@@ -109,9 +153,14 @@ def spec(dim: int | None, axis_name: str) -> P:
     return P() if dim is None else P(*(None,) * dim, axis_name)
 
 
-def split_specs(tree: Any, num_devices: int, axis_name: str, rule: SplitRule = "first") -> Any:
-    """:func:`split_dim`'s spec for every leaf of ``tree`` (arrays or shape structs)."""
-    return jax.tree.map(lambda x: spec(split_dim(x.shape, num_devices, rule), axis_name), tree)
+def split_specs(
+    tree: Any, num_devices: int, axis_name: str, rule: SplitRule = "first", *, pad: bool = False
+) -> Any:
+    """:func:`split_dim`'s spec for every leaf of ``tree`` (arrays or shape structs; a
+    padded leaf's shape gives the dimension its logical shape does)."""
+    return jax.tree.map(
+        lambda x: spec(split_dim(x.shape, num_devices, rule, pad=pad), axis_name), tree
+    )
 
 
 def compress(x: jax.Array, wire: Any, num_devices: int) -> jax.Array:
@@ -134,9 +183,13 @@ def _by_dtype(xs: Any) -> list[list[int]]:
     return [[i for i, x in enumerate(xs) if str(x.dtype) == t] for t in dtypes]
 
 
-def packed_all_gather(blocks: Any, dims: Any, axis_name: Any, num_devices: int) -> list[Any]:
+def packed_all_gather(
+    blocks: Any, dims: Any, axis_name: Any, num_devices: int, sizes: Any = None
+) -> list[Any]:
     """The whole leaves from every device's ``blocks`` (each split along ``dims[i]``),
-    packed: one all-gather per dtype."""
+    packed: one all-gather per dtype. ``sizes[i]``: the logical size of a padded leaf
+    along ``dims[i]``, which the gathered leaf is sliced to (None: not padded)."""
+    sizes = sizes or (None,) * len(blocks)
     out = list(blocks)
     for group in _by_dtype(blocks):
         flat = [jnp.moveaxis(blocks[i], dims[i], 0).reshape(-1) for i in group]
@@ -145,6 +198,8 @@ def packed_all_gather(blocks: Any, dims: Any, axis_name: Any, num_devices: int) 
         for i, part in zip(group, jnp.split(rows, bounds, axis=1), strict=True):
             moved = jnp.moveaxis(blocks[i], dims[i], 0).shape
             whole = part.reshape(num_devices * moved[0], *moved[1:])
+            if sizes[i] is not None:  # stage 3: the padding ends on the wire
+                whole = whole[: sizes[i]]
             out[i] = jnp.moveaxis(whole, 0, dims[i])
     return out
 
@@ -161,8 +216,12 @@ def packed_reduce_scatter(
     """Each device's block (along ``dims[i]``) of the sum of every device's ``wholes``,
     packed: one reduce-scatter per dtype, in ``wire`` if given (:func:`compress`).
     ``packed=False``: one per leaf, for XLA to combine into buckets and schedule each
-    as soon as its leaves are computed."""
-    n, out = num_devices, list(wholes)
+    as soon as its leaves are computed. A leaf whose ``dims[i]`` the devices do not
+    divide (stage 3's padded leaves, given logical) is padded with zeros at its end to
+    a multiple of them first: its block is one of the padded leaf's."""
+    n = num_devices
+    wholes = [_padded_along(x, d, n) for x, d in zip(wholes, dims, strict=True)]
+    out = list(wholes)
     groups = _by_dtype(wholes) if packed else [[i] for i in range(len(wholes))]
     for group in groups:
         dtype = wholes[group[0]].dtype
@@ -177,15 +236,27 @@ def packed_reduce_scatter(
     return out
 
 
+def _padded_along(x: jax.Array, dim: int, num_devices: int) -> jax.Array:
+    size = x.shape[dim]
+    if size % num_devices == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[dim] = (0, -(-size // num_devices) * num_devices - size)
+    return jnp.pad(x, widths)
+
+
 class ShardPlan:
     """Where the trainable leaves lie on a mesh at a stage's ``layout``: split along
     :func:`split_dim` by its ``split_rule`` where it splits the optimizer state (ZeRO
     stages 1 to 3), whole at stage 0.
 
-    Built from the trainable tree (frozen leaves are ``optax.MaskedNode()``: no
-    leaves); shapes are read, never values. On a two-axis (replicas x shards) mesh
-    (HSDP, stage 3) the leaves are split over the shard axis, the last, and every
-    replica group holds the same copy; ``num_devices`` is then a shard group's size.
+    Built from the trainable tree in the model's own (logical) shapes (frozen leaves are
+    ``optax.MaskedNode()``: no leaves); shapes are read, never values. Where the layout
+    pads (stage 3), a leaf no dimension of which divides is split along a padded one:
+    ``sizes`` holds its logical size there and ``rest`` the shape it rests in. On a
+    two-axis (replicas x shards) mesh (HSDP, stage 3) the leaves are split over the
+    shard axis, the last, and every replica group holds the same copy; ``num_devices``
+    is then a shard group's size.
     ``packed``: the gradients' reduce-scatter packs every leaf into one per dtype
     (XLA:CPU's spelling), else one per leaf (:func:`packed_reduce_scatter`).
     """
@@ -207,9 +278,18 @@ class ShardPlan:
         # HSDP: the replica axis, over which the blocks are all-reduced once per step.
         self.replica_axis = mesh.axis_names[0] if len(mesh.axis_names) == 2 else None
         self.shapes = [tuple(x.shape) for x in leaves]
-        rule, n = layout.split_rule, self.num_devices
-        self.dims = [split_dim(s, n, rule) if layout.state_split else None for s in self.shapes]
+        rule, n, pad = layout.split_rule, self.num_devices, layout.pads
+        self.dims = [
+            split_dim(s, n, rule, pad=pad) if layout.state_split else None for s in self.shapes
+        ]
         self.split = any(d is not None for d in self.dims)
+        # Per leaf: the logical size along its split dimension where it rests padded.
+        self.sizes = [
+            None if d is None or s[d] % n == 0 else s[d]
+            for s, d in zip(self.shapes, self.dims, strict=True)
+        ]
+        self.rest = [padded_shape(s, n, rule, pad=pad) for s in self.shapes]
+        self.padded = any(x is not None for x in self.sizes)
 
     def specs(self, whole: P | None = None) -> Any:
         """The trainable tree's specs (a gradient's, a parameter block's); ``whole`` for
@@ -237,7 +317,51 @@ class ShardPlan:
         splits anything (stages 1 to 3), else replicated."""
         if not self.split:
             return jax.tree.map(lambda _: P(), opt_state)
-        return split_specs(opt_state, self.num_devices, self.axis_name, self.layout.split_rule)
+        layout = self.layout
+        return split_specs(
+            opt_state, self.num_devices, self.axis_name, layout.split_rule, pad=layout.pads
+        )
+
+    # ---- the padding (stage 3), on the logical arrays outside the map -------------------
+
+    def pad(self, tree: Any) -> Any:
+        """The trainable ``tree`` (logical) as it rests: each padded leaf with zeros
+        appended along its split dimension (no-op where nothing is padded)."""
+        if not self.padded:
+            return tree
+        leaves = self._split_leaves(tree)
+        return self.treedef.unflatten(
+            [pad_to(x, r) for x, r in zip(leaves, self.rest, strict=True)]
+        )
+
+    def unpad(self, tree: Any) -> Any:
+        """The trainable ``tree`` as it rests, each padded leaf sliced to its logical shape."""
+        if not self.padded:
+            return tree
+        leaves = self._split_leaves(tree)
+        return self.treedef.unflatten(
+            [slice_to(x, s) for x, s in zip(leaves, self.shapes, strict=True)]
+        )
+
+    def pad_state(self, opt_state: Any) -> Any:
+        """The optimizer state (logical) as it rests: each leaf padded by the rule on its
+        own shape, as a parameter of that shape is (also where no parameter is: a
+        placeholder of shape ``(1,)``, as adafactor keeps, rests as ``(n,)``)."""
+        if not (self.split and self.layout.pads):
+            return opt_state
+        n, rule = self.num_devices, self.layout.split_rule
+
+        def padded(x: Any) -> Any:
+            return pad_to(x, padded_shape(x.shape, n, rule, pad=True))
+
+        return jax.tree.map(padded, opt_state)
+
+    def unpad_state(self, opt_state: Any, like: Any) -> Any:
+        """The optimizer state as it rests, each leaf sliced to ``like``'s (the logical
+        shapes, ``optimizer.init``'s on the logical parameters)."""
+        if not (self.split and self.layout.pads):
+            return opt_state
+        return jax.tree.map(lambda x, k: slice_to(x, k.shape), opt_state, like)
 
     def _split_leaves(self, tree: Any) -> list[Any]:
         return self.treedef.flatten_up_to(tree)
@@ -314,8 +438,8 @@ class ShardPlan:
     def at_rest(self, tree: Any) -> Any:
         """The updated parameters as the state keeps them: whole at stages 0 to 2 (one
         all-gather per dtype, :meth:`gather`), split where they rest split (stage 3,
-        ``layout.params_split``: nothing gathered)."""
-        return self.local(tree) if self.layout.params_split else self.gather(tree)
+        ``layout.params_split``: padded, nothing gathered)."""
+        return self.local(self.pad(tree)) if self.layout.params_split else self.gather(tree)
 
     def gather(self, tree: Any) -> Any:
         """The whole leaves from every device's block: one all-gather per dtype."""
@@ -342,6 +466,7 @@ class ShardPlan:
             [self.dims[i] for i in which],
             self.axis_name,
             self.num_devices,
+            [self.sizes[i] for i in which],
         )
         for i, whole in zip(which, wholes, strict=True):
             out[i] = whole

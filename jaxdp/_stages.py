@@ -38,6 +38,10 @@ class StageLayout:
         ``"first"`` at stages 1 and 2, ``"last_but_first"`` at stage 3, whose layer
         loop gathers a stack one layer at a time along its first dimension (stage 0
         splits nothing: its rule is never read).
+      pads: a leaf none of whose rule's dimensions divides is split all the same, along
+        its largest such dimension padded with zeros at its end to a multiple of the
+        devices (FSDP2's rule; stage 3), so that only scalars stay whole. False: such a
+        leaf is kept whole (replicated; stages 0 to 2).
     """
 
     zero_stage: int
@@ -45,6 +49,7 @@ class StageLayout:
     window_split: bool
     params_split: bool
     split_rule: SplitRule
+    pads: bool = False
 
 
 STAGE_LAYOUTS: tuple[StageLayout, ...] = (
@@ -63,6 +68,7 @@ STAGE_LAYOUTS: tuple[StageLayout, ...] = (
         window_split=True,
         params_split=True,
         split_rule="last_but_first",
+        pads=True,
     ),
 )
 """The layouts of ZeRO stages 0 to 3, indexed by the stage (:func:`stage_layout`)."""

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._forward import LossReduction, merge_model, split_model
-from ._frozen import Trainable, split_trainable
+from ._frozen import Trainable, combine, split_trainable
 from ._guards import (
     check_loader_batch,
     check_micro_weights,
@@ -28,8 +28,16 @@ from ._mesh_map import is_spec
 from ._model_kinds import as_trainable
 from ._model_state import BatchStats, check_batch_stats, split_state
 from ._options import OLD_SPELLINGS, AccumulationPath, Parallel, Skips, StepOptions, fold
-from ._pipeline import aux_like, empty_window, fused_call, multisteps_call, state_specs
+from ._pipeline import (
+    aux_like,
+    empty_window,
+    fused_call,
+    logical_shapes,
+    multisteps_call,
+    state_specs,
+)
 from ._replicas import check_replicas
+from ._shards import slice_to, spec, split_dim
 from ._skip_watch import ResizeWatch, SkipWatch
 from ._train_state import SkipCounts, TrainState, Window, check_live
 
@@ -145,7 +153,16 @@ class TrainStep:
             split = jax.tree.map(
                 lambda s: NamedSharding(o.device_mesh, s), specs.params, is_leaf=is_spec
             )
-            state = state._replace(params=jax.device_put(params, split))
+            if specs.logical is None:
+                params = jax.device_put(params, split)
+            else:  # padded with zeros first: a device_put needs a leaf the devices divide
+                plan = o.plan(split_trainable(params, mask))
+
+                def padded(p: Any) -> Any:
+                    return combine(plan.pad(split_trainable(p, mask)), p, mask)
+
+                params = jax.jit(padded, out_shardings=split)(params)
+            state = state._replace(params=params, logical=specs.logical)
         return state._replace(opt_state=opt_state, window=window)
 
     def abstract_state(self, params_or_module: Any, *, batch: Any = None) -> TrainState:
@@ -165,7 +182,7 @@ class TrainStep:
         counter = functools.partial(jax.ShapeDtypeStruct, (), jnp.int32)
         state = self._state(graphdef, shapes(params), shapes(model_state), counter)
         _, like, specs = self._fresh_layout(state, mask, batch)
-        state = state._replace(opt_state=like[0], window=like[1])
+        state = like
 
         def placed(spec: P, x: Any) -> Any:
             if x is None:  # an empty subtree under a spec (no aux)
@@ -212,39 +229,52 @@ class TrainStep:
 
     def _fresh_layout(
         self, state: TrainState, mask: tuple[bool, ...], batch: Any
-    ) -> tuple[Callable[[Any], Any], Any, TrainState]:
-        """``(fresh, like, specs)``: the function of the trainable parameters that makes a
-        fresh optimizer state and window, their shapes, and how every leaf of the state
-        lies on the mesh."""
+    ) -> tuple[Callable[[Any], Any], TrainState, TrainState]:
+        """``(fresh, like, specs)``: the function of the trainable parameters (in the
+        model's shapes) that makes a fresh optimizer state and window, the state's shapes
+        as the step keeps it (stage 3: padded, with its ``logical`` record), and how every
+        leaf of it lies on the mesh."""
         o = self.options
         dtype = o.accumulator_dtype(state.params)
         stats = split_state(state.model_state)[0]
+        logical = logical_shapes(o, state.params, mask)
+        plan = o.plan(split_trainable(state.params, mask))
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
+        rest = combine(
+            jax.eval_shape(plan.pad, split_trainable(shapes, mask)), shapes, mask
+        )  # the parameters as they rest (stage 3's padded leaves)
+        resting = state._replace(params=rest, logical=logical)
         aux = None
         if o.has_aux and o.path == "multisteps":
             batch = batch.data if is_loader_batch(batch) else batch
-            aux = aux_like(o, state, None if batch is None else place_batch(batch, self._rows))
+            aux = aux_like(o, resting, None if batch is None else place_batch(batch, self._rows))
 
         def fresh(trainable: Any) -> tuple[Any, Window | None]:
             return self._fresh(trainable, stats, dtype, aux)
 
-        like = jax.eval_shape(fresh, split_trainable(state.params, mask))
-        return fresh, like, state_specs(o, state._replace(opt_state=like[0], window=like[1]))
+        opt_state, window = jax.eval_shape(fresh, split_trainable(state.params, mask))
+        like = resting._replace(opt_state=opt_state, window=window)
+        return fresh, like, state_specs(o, like)
 
     def _fresh(
         self, trainable: Any, batch_stats: Any, dtype: Any, aux: Any
     ) -> tuple[Any, Window | None]:
-        """A fresh optimizer state and window (None on the fused path)."""
+        """A fresh optimizer state and window (None on the fused path), as the state keeps
+        them (stage 3: padded) from the trainable parameters in the model's shapes."""
         o = self.options
         window = None
         if o.path == "multisteps":
             window = empty_window(o, trainable, batch_stats, dtype, aux)
-        return o.applied_optimizer.init(trainable), window
+        return o.plan(trainable).pad_state(o.applied_optimizer.init(trainable)), window
 
     def model(self, state: TrainState) -> Any:
         """The trained model, as given to :meth:`init`: the parameters, or the NNX, bound
         Linen (``.unbind()`` gives ``(module, variables)``) or equinox module. Whole at
-        every ZeRO stage: at stage 3 its split leaves are global arrays (each device
-        holds its block; ``np.asarray`` or ``jax.device_get`` gathers them).
+        every ZeRO stage, in the model's shapes: at stage 3 its split leaves are global
+        arrays (each device holds its block; ``np.asarray`` or ``jax.device_get`` gathers
+        them), and a leaf the state holds padded (``state.logical``) comes back sliced to
+        its own shape, split along another dimension the shard count divides where one
+        does (the first), else replicated.
 
         The model is yours: its arrays are copies (one device copy of the parameters and
         model state, laid out as the state's), so ``nnx.update`` on it (an EMA, other
@@ -252,8 +282,21 @@ class TrainStep:
         ``state`` is donated to the next call. Raises ``ValueError`` for a ``state``
         that was itself donated already."""
         check_live(state)
-        params, model_state = copied((state.params, state.model_state))
+        params, model_state = copied((self._unpadded(state), state.model_state))
         return merge_model(state.graphdef, params, model_state)
+
+    def _unpadded(self, state: TrainState) -> Any:
+        """``state.params`` with each padded leaf sliced to its logical shape (:meth:`model`)."""
+        if state.logical is None:
+            return state.params
+        o, (leaves, treedef) = self.options, jax.tree.flatten(state.params)
+        out = []
+        for x, shape in zip(leaves, state.logical.params, strict=True):
+            if shape is not None:
+                dim = split_dim(shape, o.shards, "first")
+                x = _slicer(shape, NamedSharding(o.device_mesh, spec(dim, o.axis_name)))(x)
+            out.append(x)
+        return treedef.unflatten(out)
 
     # ---- stepping ---------------------------------------------------------------
 
@@ -363,6 +406,13 @@ class TrainStep:
             if len(self._weights) < 64:  # a schedule has a few patterns (0 marks padding)
                 self._weights[key] = placed
         return placed
+
+
+@functools.cache
+def _slicer(shape: tuple[int, ...], sharding: NamedSharding) -> Callable[[Any], Any]:
+    """A padded leaf sliced to its logical ``shape``, laid out by ``sharding``: compiled
+    once per shape and layout."""
+    return jax.jit(functools.partial(slice_to, shape=shape), out_shardings=sharding)
 
 
 def make_train_step(

@@ -7,6 +7,7 @@ optimizer's own, untouched (its leaves split over the mesh at ZeRO stages).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, NamedTuple
 
@@ -79,6 +80,24 @@ class SkipCounts(NamedTuple):
     consecutive_skips: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class LogicalShapes:
+    """The model's own shapes of the parameter leaves that ZeRO stage 3 holds padded
+    (``StageLayout.pads``): static, part of the state's tree structure (no leaves), so a
+    step retraces for another one.
+
+    Attributes:
+      params: per leaf of ``TrainState.params`` (``jax.tree.leaves`` order), the shape the
+        model gave it where the state holds it padded with zeros along its split
+        dimension to a multiple of the shard count, None where it holds it as it is.
+    """
+
+    params: tuple[tuple[int, ...] | None, ...]
+
+
+jax.tree_util.register_static(LogicalShapes)
+
+
 class TrainState(NamedTuple):
     """Everything one optimizer step reads and writes.
 
@@ -87,6 +106,12 @@ class TrainState(NamedTuple):
     parameters' shapes, each split over the mesh along one of its dimensions.
     ``model_state`` holds the committed batch statistics (device 0's in
     ``batch_stats="local"``) and the rng streams' initial keys.
+
+    At ZeRO stage 3 the trainable parameters, the optimizer state's leaves and the
+    window's gradient sums are split too, and a leaf no dimension of which the shard
+    count divides rests padded with zeros to a multiple of it: ``logical`` holds the
+    model's shapes of those leaves (None where nothing is padded), and
+    :meth:`jaxdp.TrainStep.model` gives the model back in them.
     """
 
     step: jax.Array  # optimizer updates applied so far (skipped ones not counted)
@@ -96,6 +121,7 @@ class TrainState(NamedTuple):
     graphdef: Any  # NNX graph definition (static), None for a plain pytree
     model_state: Any  # NNX non-parameter variables, None for a plain pytree
     skips: SkipCounts  # the non-finite skip's counters
+    logical: LogicalShapes | None = None  # stage 3: the padded parameters' own shapes
 
     @property
     def skipped_steps(self) -> jax.Array:
