@@ -43,7 +43,8 @@ def _like_key(x: Any, like: Any) -> Any:
 
 
 def state_from_tree(tree: dict[str, Any], like: TrainState) -> TrainState:
-    """The state of a saved tree read back, with ``like``'s NNX graph and rng key types."""
+    """The state of a saved tree read back, with ``like``'s NNX graph, rng key types and
+    ``logical`` record (stage 3's padded leaves' shapes)."""
     return TrainState(
         step=tree["step"],
         params=tree["params"],
@@ -52,6 +53,7 @@ def state_from_tree(tree: dict[str, Any], like: TrainState) -> TrainState:
         graphdef=like.graphdef,
         model_state=jax.tree.map(_like_key, tree["model_state"], like.model_state),
         skips=SkipCounts(tree["skipped_steps"], tree["consecutive_skips"]),
+        logical=like.logical,
     )
 
 
