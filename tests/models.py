@@ -72,3 +72,25 @@ def train(step: jaxdp.TrainStep, params, batches):
             state, metrics = step(state, call)
             history.append(jax.device_get(metrics))
     return state, history
+
+
+def unpadded(actual, expected):
+    """``actual`` (a ZeRO stage-3 state's parameters or optimizer state) in ``expected``'s
+    shapes: a leaf the state holds padded along one dimension is sliced to the expected
+    shape, after asserting that its padding is exactly zero; every other leaf as it is
+    (a leaf of another rank, or smaller, stays so: the comparison then names it)."""
+
+    def cut(a, b):
+        a_shape, b_shape = np.shape(a), np.shape(b)
+        if len(a_shape) != len(b_shape):
+            return a
+        longer = [i for i, (m, n) in enumerate(zip(a_shape, b_shape, strict=True)) if m != n]
+        if len(longer) != 1 or a_shape[longer[0]] < b_shape[longer[0]]:
+            return a
+        a = np.asarray(a)
+        (d,) = longer
+        padding = np.take(a, range(b_shape[d], a_shape[d]), axis=d)
+        np.testing.assert_array_equal(padding, 0, err_msg="the padding holds other than zeros")
+        return np.take(a, range(b_shape[d]), axis=d)
+
+    return jax.tree.map(cut, actual, expected)

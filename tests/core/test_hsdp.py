@@ -105,7 +105,8 @@ def test_reduce_scatters_stay_in_shard_groups_and_replicas_all_reduce_once(path)
     across = [c for c, g in found if g == REPLICA_GROUPS]
     assert [c.kind for c in across] == ["all-reduce"], report
     (c,) = across
-    split = {k: v for k, v in stacked_params().items() if k != "head"}  # the head: whole
+    # Every leaf, the head padded to 8 x 4 and 4 (3 does not divide by 2).
+    split = {**stacked_params(), "head": {"w": np.zeros((8, 4)), "b": np.zeros(4)}}
     assert c.bytes == 8 * sum(x.size // 2 for x in jax.tree.leaves(split)), report
     assert not loops(c), report
     if path == "fused":
@@ -132,7 +133,10 @@ def test_each_device_holds_its_shard_groups_block_and_replicas_hold_equal_copies
         for a, b in zip(first, second, strict=True):  # replica group 0 == group 1, bitwise
             np.testing.assert_array_equal(a, b)
         assert not np.array_equal(*first)  # and the two blocks of a group differ
-    assert state.params["head"]["w"].sharding.is_fully_replicated
+    # The head rests split too, padded (8 x 3 to 8 x 4: 8 x 2 per device, zeros in its last).
+    head = state.params["head"]["w"]
+    assert head.shape == (8, 4) and {s.data.shape for s in head.addressable_shards} == {(8, 2)}
+    np.testing.assert_array_equal(np.asarray(head)[:, 3], 0)
     # The multisteps window: each replica group's own sums, split over its shard group.
     window = hsdp("multisteps")[1][0].window  # emptied after the run's last window, not resized
     grads = window.grads["blocks"]["w"]
@@ -156,15 +160,13 @@ def test_regather_window_gathers_once_before_the_micro_batch_loop():
 
 
 def rounded_loss(params, batch):
-    """``loss`` on the split leaves rounded to bfloat16 (the head is kept whole: no
-    gather, no rounding), differentiated through the rounding."""
+    """``loss`` on the split leaves, every one (the head padded), rounded to bfloat16,
+    differentiated through the rounding."""
 
-    def rounded(path, x):
-        if "head" in jax.tree_util.keystr(path):
-            return x
+    def rounded(x):
         return x.astype(jnp.bfloat16).astype(x.dtype)
 
-    return loss(jax.tree_util.tree_map_with_path(rounded, params), batch)
+    return loss(jax.tree.map(rounded, params), batch)
 
 
 def test_gather_dtype_bfloat16_gathers_in_bfloat16_and_computes_on_the_rounded_weights():

@@ -74,7 +74,7 @@ def train(num_devices, accum_steps, path, stage, layers, n_layers, **parallel):
     for _ in range(STEPS):
         for c in range(calls):
             state, _ = step(state, (x[c * rows : (c + 1) * rows], y[c * rows : (c + 1) * rows]))
-    return step, jax.device_get(state.params), state
+    return step, jax.device_get(step.model(state)), state
 
 
 # (stage, path, accum_steps, layers of the stack): every stage, both paths, stacks of 1 to
@@ -208,7 +208,7 @@ def test_a_declared_stack_at_stage_3_is_handed_over_and_loss_fn_traced_as_at_sta
         for c in range(calls):
             rows = slice(c * GLOBAL_BATCH // calls, (c + 1) * GLOBAL_BATCH // calls)
             state, _ = step(state, (x[rows], y[rows]))
-        return jax.device_get(state.params)
+        return jax.device_get(step.model(state))
 
     declared = counted(3, ("blocks",))
     assert_trees_close(declared, counted(0, None))

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from models import train
+from models import train, unpadded
 
 import jaxdp
 from jaxdp.testing import TOLERANCES, assert_trees_close
@@ -32,7 +32,8 @@ def optimizer():
 
 def stacked_params(seed=0, layers=LAYERS, width=WIDTH):
     """An embedding, ``layers`` identical residual blocks stacked on a leading axis, a
-    norm and a head whose leaves no device count here divides (kept whole)."""
+    norm and a head whose leaves no device count here divides (at stage 3 padded: 8 x 3
+    to 8 x 4, 3 to 4)."""
     rng = np.random.default_rng(seed)
 
     def normal(*shape, scale):
@@ -126,14 +127,15 @@ def reference(loss_fn=loss, model=stacked_params):
 def assert_same_training(run, expected_run):
     (state, history), (expected, expected_history) = run, expected_run
     assert int(state.step) == int(expected.step) == STEPS
+    # Stage 3 holds the head padded (zeros, asserted): compared in the model's shapes.
     assert_trees_close(
-        state.params,
+        unpadded(state.params, expected.params),
         expected.params,
         rtol=TOLERANCES["float64"].rtol,
         atol=TOLERANCES["float64"].atol,
     )
     assert_trees_close(
-        state.opt_state,
+        unpadded(state.opt_state, expected.opt_state),
         expected.opt_state,
         rtol=TOLERANCES["float64"].rtol,
         atol=TOLERANCES["float64"].atol,
@@ -194,13 +196,13 @@ def test_an_nnx_vmap_stack_rests_split_along_its_width():
     assert kernel.addressable_shards[0].data.shape == (LAYERS, WIDTH, WIDTH // 4)
 
 
-# Per device on 4 devices: the split leaves' blocks (never along the blocks' layer axis),
-# the head's leaves whole (4 divides neither of 8 x 3's last dimension nor 3).
+# Per device on 4 devices: every leaf's block (never along the blocks' layer axis), the
+# head's padded (4 divides neither 8 x 3's last dimension nor 3: padded to 4, 1 each).
 BLOCKS_ON_4 = {
     "embed": {"w": (IN, WIDTH // 4), "b": (WIDTH // 4,)},
     "blocks": {"w": (LAYERS, WIDTH, WIDTH // 4), "b": (LAYERS, WIDTH // 4)},
     "norm": {"scale": (WIDTH // 4,)},
-    "head": {"w": (WIDTH, OUT), "b": (OUT,)},
+    "head": {"w": (WIDTH, 1), "b": (1,)},
 }
 
 
@@ -215,18 +217,61 @@ def test_parameters_gradients_and_moments_rest_split():
         adam = state.opt_state[1][0]
         for tree in (state.params, adam.mu, adam.nu):
             assert per_device_shapes(tree) == BLOCKS_ON_4, when
+            # The padding is zeros and stays zeros.
+            head = tree["head"]
+            assert head["w"].shape == (WIDTH, 4) and head["b"].shape == (4,), when
+            assert (
+                not np.asarray(head["w"])[:, OUT:].any() and not np.asarray(head["b"])[OUT:].any()
+            )
         assert state.params["blocks"]["w"].sharding.spec == jax.sharding.PartitionSpec(
             None, None, "data"
         )
-        assert state.params["head"]["w"].sharding.is_fully_replicated
-    # The model comes back whole: global arrays of the parameters' shapes.
+        assert state.params["head"]["w"].sharding.spec == jax.sharding.PartitionSpec(None, "data")
+        # blocks b, w, embed b, w, head b, w, norm scale: the head's two padded
+        assert state.logical.params == (None,) * 4 + ((OUT,), (WIDTH, OUT), None)
+    # The model comes back in its own shapes: global arrays, the head sliced.
     model = step.model(trained_state)
     assert jax.tree.map(np.shape, model) == jax.tree.map(np.shape, stacked_params())
-    # The multisteps window holds the gradient blocks, as at stage 2 (its shapes do not
-    # depend on K; a trained state's window is emptied, not resized).
+    # The multisteps window holds the gradient blocks, as at stage 2, the head's padded
+    # (its shapes do not depend on K; a trained state's window is emptied, not resized).
     window = trained(3, 4, 1, "multisteps")[0].window
-    expected = {**BLOCKS_ON_4, "head": {"w": (1, WIDTH, OUT), "b": (1, OUT)}}
-    assert per_device_shapes(window.grads) == expected
+    assert per_device_shapes(window.grads) == BLOCKS_ON_4
+
+
+def test_padded_leaves_travel_in_no_all_reduce():
+    """Every leaf but the scalars is split (the head padded): the step's all-reduces carry
+    scalars only (the loss, weight and squares' sums), no parameter's gradient."""
+    step = shared_step(3, 4, 2)
+    compiled = step.compile(step.init(stacked_params()), batches()[0])
+    found = jaxdp.testing.collectives(compiled)
+    reduces = [c for c in found if c.kind == "all-reduce"]
+    assert reduces and all(s.endswith("[]") for c in reduces for s in c.shapes), (
+        jaxdp.testing.format_report(found)
+    )
+
+
+def test_the_model_comes_back_unpadded_and_equal_to_one_device():
+    step, (state, _) = shared_step(3, 4, 2), trained(3, 4, 2)
+    model = step.model(state)
+    assert_trees_close(model, reference()[0].params)
+    # The head laid out along another dimension 4 divides (8 x 3: the first), its bias
+    # (3) replicated.
+    assert model["head"]["w"].sharding.spec == jax.sharding.PartitionSpec("data")
+    assert model["head"]["b"].sharding.is_fully_replicated
+
+
+def test_hsdp_pads_to_the_shard_count():
+    """8 devices in shard groups of 4 and 2: the head (8 x 3) pads to 8 x 4 either way, its
+    block a quarter or a half of it; plain stage 3 on 8 pads to 8 x 8."""
+    for shards, rest, block in ((4, (8, 4), (8, 1)), (2, (8, 4), (8, 2)), (None, (8, 8), (8, 1))):
+        step = jaxdp.make_train_step(
+            loss,
+            optimizer(),
+            mesh=jaxdp.data_mesh(8),
+            parallel=jaxdp.Parallel(zero_stage=3, shards=shards, layers=STACK),
+        )
+        head = step.init(stacked_params()).params["head"]["w"]
+        assert head.shape == rest and head.addressable_shards[0].data.shape == block, shards
 
 
 def loops(collective):
@@ -397,7 +442,7 @@ def test_a_non_finite_update_is_skipped_at_stage_3():
     x, y = batches()[0]
     new, metrics = step(state, (x, np.full_like(y, np.nan)))
     assert bool(metrics["skipped"]) and int(new.step) == 0
-    assert_trees_close(new.params, stacked_params(), rtol=0, atol=0.0)
+    assert_trees_close(step.model(new), stacked_params(), rtol=0, atol=0.0)
 
 
 def test_scan_layers_outside_a_step_is_the_loop():
