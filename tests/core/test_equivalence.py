@@ -44,6 +44,7 @@ from models import (
     mse_loss,
     regression_data,
     train,
+    unpadded,
 )
 from test_stage3 import data as stack_data
 from test_stage3 import loss as stack_loss
@@ -115,6 +116,24 @@ def stack_rows(rows):
     return stack_data(rows=rows)
 
 
+ODD = (5, 7, 11, 3)  # widths no device or shard count here divides: stage 3 pads them
+
+
+def odd_params():
+    return mlp_params(sizes=ODD)
+
+
+def odd_data(rows):
+    x, y = regression_data(rows, sizes=(ODD[0], ODD[-1]))
+    return x, 3 * y  # gradient norms above the clip's threshold on every step
+
+
+def odd_stack():
+    """The stack of width 6: every leaf but the layer axis padded on 4 devices and in
+    shard groups of 4, a layer gathered and sliced inside the loop."""
+    return stacked_params(width=6)
+
+
 class Model:
     """``params()`` (a pytree or an NNX module), ``loss_fn`` for the step, its reduction,
     the loss of the big batch the reference descends, the data and whether the layer
@@ -144,6 +163,9 @@ MODELS = {
     # test_stage3.py), so the same reference: the scanned stack's.
     "stack_unrolled": Model(stacked_params, unscanned_loss, stack_rows, scanned=False),
     "nnx_vmap_stack": Model(nnx_net, nnx_loss, stack_rows, scanned=True),
+    # Leaves that no device count divides, which stage 3 and HSDP pad.
+    "odd_mlp": Model(odd_params, mse_loss, odd_data, scanned=False),
+    "odd_stack": Model(odd_stack, stack_loss, stack_rows, scanned=True),
 }
 
 
@@ -222,13 +244,16 @@ SPLIT = [("mlp", "adamw_clip"), ("mlp", "sgd_nesterov_wd")]
 WIDE_RUNS = [("wide_mlp", name) for name in WIDE_OPTIMIZERS]
 TOKENS = ("tokens", "sgd_momentum")
 MLPS = [("mlp", name) for name in ("adamw", "sgd_momentum", "sgd_nesterov_wd", "adamw_clip")]
+PADDED = [("odd_mlp", "adamw_clip"), ("odd_stack", "adamw_clip")]
 WORKLOADS = {
     "stage_0": [SCANNED, MLPS[0], TOKENS, MLPS[2], ("nnx_vmap_stack", "adamw"), *MLPS[1::2]],
     # The weighted loss 7th: on 4 devices with accumulation.
     "stage_1": [SCANNED, *SPLIT, MLPS[1], *WIDE_RUNS[0:4:2], TOKENS, *WIDE_RUNS[4::2]],
     "stage_2": [SCANNED, *SPLIT, MLPS[0], MLPS[1], WIDE_RUNS[1], TOKENS, *WIDE_RUNS[3::2]],
-    "stage_3": [*STACKS, ("nnx_vmap_stack", "adamw"), MLPS[1], TOKENS, MLPS[0], MLPS[2]],
-    "hsdp": [*STACKS, TOKENS, *MLPS],
+    # The padded workloads 6th and 7th: on 4 devices at stage 3 (multisteps, fused), on 8
+    # in shard groups of 2 and 4 under HSDP (multisteps, fused).
+    "stage_3": [*STACKS, ("nnx_vmap_stack", "adamw"), MLPS[1], TOKENS, *PADDED],
+    "hsdp": [*STACKS, TOKENS, *MLPS[:2], ("odd_mlp", "sgd_nesterov_wd"), PADDED[1]],
 }
 
 
@@ -393,10 +418,12 @@ def test_every_layout_trains_as_one_device_on_the_big_batch(
     # The same sums in another order (micro-batches, devices, a reduce-scatter, norms over
     # shards): a few ulps, with the float64 floor for elements near zero where the split
     # stages sum over blocks (stage 0's cells hold to no floor, as they always did); a
-    # wrong shard or a norm of one device's shard moves the weights by 1e-3 or more.
-    assert_trees_close(state.params, expected, atol=None if stage_of(placement) else 0.0)
+    # wrong shard or a norm of one device's shard moves the weights by 1e-3 or more. A
+    # leaf stage 3 holds padded is compared in the model's shape, its padding zeros.
+    params = unpadded(state.params, expected)
+    assert_trees_close(params, expected, atol=None if stage_of(placement) else 0.0)
     # The optimizer state too, leaf by leaf in the same shapes: only where it lies differs.
-    assert_trees_close(state.opt_state, expected_state)
+    assert_trees_close(unpadded(state.opt_state, expected_state), expected_state)
     losses = [float(m["loss"]) for m in ended]
     np.testing.assert_allclose(losses, expected_losses, rtol=F64.rtol)
 
@@ -493,6 +520,14 @@ def test_the_grid_meets_every_kind_of_cell():
     assert values("strategy", tokens) == {"shard_map", "pmap"}
     # HSDP on 8 devices: 4 x 2 and 2 x 4.
     assert values("shards", where(placement="hsdp", num_devices=8)) == {2, 4}
+    # Leaves padded (stage 3, HSDP): an MLP and a scanned stack, on 4 and 8 devices, both
+    # paths, in shard groups of 4 and 2.
+    padded = where(model="odd_mlp") + where(model="odd_stack")
+    assert values("placement", padded) == {"stage_3", "hsdp"}
+    assert values("num_devices", padded) == {4, 8} and values("path", padded) == set(PATHS)
+    assert values("shards", where(placement="hsdp", model="odd_mlp")) | values(
+        "shards", where(placement="hsdp", model="odd_stack")
+    ) == {2, 4}
 
 
 def conditionals(step, batch):
