@@ -921,3 +921,15 @@ def test_compiled_memory_has_no_peak_on_xla_cpu():
     assert memory.temporaries > memory.arguments > 0, memory
     assert raw == memory.arguments + memory.outputs + 4 < memory.total, (raw, memory)
     assert memory.peak is None
+
+
+def test_stage_3_counts_the_leaves_it_pads_padded(capsys):
+    """Stage 3 pads a leaf no dimension of which the shard group divides: the CNN's head
+    (64 x 10 and 10 on 8 devices, to 64 x 16 and 16), 19,466 parameters resting as 19,856."""
+    common = dict(params=19_466, num_devices=8, zero_stage=3, policy="fp32")
+    plan = jaxdp.plan.plan_memory(**common, padded_params=19_856)
+    assert plan.resting == 12 * 19_856 / 8 > jaxdp.plan.plan_memory(**common).resting
+    argv = ["plan", "--model", "cnn", "--model-arg", "channels=(32, 64)", "--num-devices", "8"]
+    assert main([*argv, "--zero-stage", "3", "--no-xla"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "those no device count divides padded: 19,856 parameters at rest" in out

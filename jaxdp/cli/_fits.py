@@ -23,6 +23,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from .._shards import padded_shape
 from .._stages import stage_layout
 from ._config import TrainConfig
 from ._data import Split
@@ -36,9 +37,14 @@ def check_fits(
     the model ``build()`` makes (``config``'s, on ``data``) cannot fit in the memory there
     is; ``build`` is only traced. On every process (one collective: they stop together)."""
     model = nnx.eval_shape(build)
-    params = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    shapes = [x.shape for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    params = sum(math.prod(s) for s in shapes)
     # HSDP splits over a shard group only; every group holds the same copy.
-    need, parts = state_bytes(config, params, config.shards or mesh.devices.size)
+    n = config.shards or mesh.devices.size
+    layout = stage_layout(config.zero_stage)
+    # Stage 3 holds a leaf no dimension of which the devices divide padded to a multiple.
+    padded = sum(math.prod(padded_shape(s, n, layout.split_rule, pad=layout.pads)) for s in shapes)
+    need, parts = state_bytes(config, params, n, padded if layout.params_split else None)
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     failure = None
     platform = local[0].platform if local else "cpu"
@@ -60,9 +66,13 @@ def check_fits(
         raise failure or ValueError("another process cannot hold the model (its error says why)")
 
 
-def state_bytes(config: TrainConfig, params: int, num_devices: int) -> tuple[int, str]:
+def state_bytes(
+    config: TrainConfig, params: int, num_devices: int, padded: int | None = None
+) -> tuple[int, str]:
     """Bytes of one device's training state at least, and what they are made of, with the
-    split parts split over ``num_devices`` (the shard group's, under HSDP)."""
+    split parts split over ``num_devices`` (the shard group's, under HSDP); ``padded``:
+    stage 3's parameter count with its padded leaves padded (None: ``params``), which the
+    split parts count."""
     each = 8 if config.precision == "float64" else 4  # bfloat16 keeps float32 parameters
     moments = 2 if config.optimizer == "adamw" else 1  # SGD keeps its momentum
     # ZeRO stage 1 splits the moments over the devices, stage 2 the accumulator too,
@@ -79,10 +89,16 @@ def state_bytes(config: TrainConfig, params: int, num_devices: int) -> tuple[int
         ("the accumulator", each, layout.window_split),
     ]
     share = [b / (num_devices if split else 1) for _, b, split in per]
+    need = params * sum(share)
+    held = params if padded is None else padded
+    if held != params:  # the split parts of the padded count, the rest of the model's
+        need = sum(b * (held / num_devices if split else params) for _, b, split in per)
     described = " + ".join(
         f"{what} {b:g}" + (f"/{num_devices}" if split else "") for what, b, split in per
     )
-    return math.ceil(params * sum(share)), f"{described} bytes per parameter"
+    if held != params:
+        described += f", the split parts of {held:,} parameters padded"
+    return math.ceil(need), f"{described} bytes per parameter"
 
 
 def machine_memory() -> int | None:

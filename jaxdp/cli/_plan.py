@@ -255,6 +255,9 @@ def plan_report(args: argparse.Namespace) -> str:
     if args.activation_bytes_per_sample is None:
         options["activation_bytes_per_sample"] = xla.activation_bytes_per_sample(spec)
     options["input_bytes_per_sample"] = xla.input_bytes_per_sample(spec)
+    if stage_layout(args.zero_stage).params_split and args.num_devices > 0:
+        # The leaves stage 3 pads, counted padded over the shard group.
+        options["padded_params"] = xla.padded_param_count(spec, args.shards or args.num_devices)
     plan = plan_memory(params=xla.param_count(spec), **options)
     shown = dict(model=spec.describe(), batch_note=batch_note)
     if args.no_xla:

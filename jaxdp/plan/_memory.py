@@ -220,6 +220,9 @@ class MemoryPlan:
     shards: int | None = None  # stage 3: HSDP's devices per shard group; None: all of them
     gather_dtype: str | None = None  # stage 3: what the weights travel and compute in
     remat: Remat | None = None  # stage 3: what a micro-batch keeps for its backward
+    # Stage 3: the parameters as the state holds them over the shard group, the leaves no
+    # dimension of which it divides padded (from the model's leaves); None: ``params``.
+    padded_params: int | None = None
 
     @property
     def _layout(self) -> StageLayout:
@@ -345,6 +348,7 @@ def plan_memory(
     remat: Remat | None = None,
     layer_activation_bytes_per_sample: float | None = None,
     carry_bytes_per_sample: float | None = None,
+    padded_params: int | None = None,
 ) -> MemoryPlan:
     """Estimates one device's memory for data-parallel training with accumulation.
 
@@ -378,8 +382,10 @@ def plan_memory(
         no half-precision copy rests), with the optimizer state; a micro-batch's
         gradients are blocks in the parameters' dtype, and the step holds what it
         gathers and its whole gradient (``layers``, ``root_params``). Every leaf is
-        assumed split: the planner has no leaf list, and the leaves jaxdp keeps whole
-        (no dimension the device count divides: biases, norms) are small.
+        split, a leaf no dimension of which the shard group's devices divide padded to a
+        multiple of them, as the step pads it: counted padded where ``padded_params``
+        says how many that makes (``jaxdp plan --model`` counts them from the model's
+        leaves), else taken as dividing.
       comm_dtype: ``"bfloat16"``: the gradient sums travel in 2 bytes/parameter.
       layers: the identical layers of the stack :func:`jaxdp.scan_layers` loops over;
         at stage 3 one of ``(params - root_params) / layers`` parameters is gathered at
@@ -401,6 +407,10 @@ def plan_memory(
         * layer + layers * carry``: every layer's input and one layer's activations, as
         its backward recomputes them, beside the root group's activations.
       carry_bytes_per_sample: see ``layer_activation_bytes_per_sample``.
+      padded_params: stage 3: the parameter count with every leaf padded as the step's
+        state holds it over ``shards`` (or ``num_devices``) devices (``jaxdp plan
+        --model`` counts it from the model's leaves); what rests and what the
+        reduce-scatters carry is counted from it. None: ``params`` (every leaf taken as dividing).
 
     Raises:
       ValueError: naming the argument, its value and the rule it breaks.
@@ -460,9 +470,17 @@ def plan_memory(
     if global_batch_size is not None:
         global_batch_size = int(global_batch_size)
         _check_count("global_batch_size", global_batch_size, global_batch_size)
+    if padded_params is not None and (not is_integer(padded_params) or padded_params < params):
+        raise ValueError(
+            f"padded_params={padded_params!r} must be a count of at least params={params:,} "
+            "(the parameters with the leaves stage 3 pads padded)"
+        )
     p = DTYPE_POLICIES[policy]
     split_over = (shards or num_devices) if layout.params_split else num_devices
     weights, gradients, master, moments, accumulator = _shares(p, optimizer, layout, split_over)
+    # Stage 3 holds and reduce-scatters the padded leaves (zeros to a multiple of the
+    # shard group); the other stages keep a leaf that does not divide whole.
+    held = int(padded_params) if layout.params_split and padded_params is not None else params
     # What stage 3 gathers, in the gather dtype, and the gradient of it before the
     # reduce-scatter, in the parameters' (counted at stage 3; at the others, for the
     # fewest devices stage 3 needs).
@@ -495,18 +513,18 @@ def plan_memory(
         num_devices=num_devices,
         device_memory=device_memory,
         headroom=headroom,
-        weights=params * weights,
-        gradients=params * gradients,
-        master=params * master,
-        optimizer_state=params * moments,
-        accumulator=params * accumulator,
+        weights=held * weights,
+        gradients=held * gradients,
+        master=held * master,
+        optimizer_state=held * moments,
+        accumulator=held * accumulator,
         activation_bytes_per_sample=per_sample,
         input_bytes_per_sample=input_bytes_per_sample,
         max_micro_batch_size=None,
         global_batch_size=global_batch_size,
         micro_batch_size=None,
         accum_steps=None,
-        allreduce_bytes=params * wire,
+        allreduce_bytes=held * wire,
         link_bandwidth=link_bandwidth,
         zero_stage=zero_stage,
         gather_bytes=gather_bytes,
@@ -519,6 +537,7 @@ def plan_memory(
         shards=shards if layout.params_split else None,
         gather_dtype=(gather_dtype or _COMPUTE_DTYPE[policy]) if layout.params_split else None,
         remat=remat,
+        padded_params=int(padded_params) if layout.params_split and padded_params else None,
     )
     return _size_batches(plan)
 

@@ -123,8 +123,12 @@ def _zero_line(plan: MemoryPlan) -> list[str]:
         f"micro-batch runs, and its gradients come back in {rest} "
         f"({policy.master or policy.weights})",
         f"  {stack} gathered one layer at a time (jaxdp.scan_layers), {plan.root_params:,} "
-        "outside it (--root-params) gathered whole per micro-batch; every leaf assumed "
-        "split (those no device count divides, kept whole, are not counted)",
+        "outside it (--root-params) gathered whole per micro-batch; every leaf split, "
+        + (
+            f"those no device count divides padded: {plan.padded_params:,} parameters at rest"
+            if plan.padded_params is not None
+            else "those no device count divides padded (not counted without --model)"
+        ),
     ]
 
 

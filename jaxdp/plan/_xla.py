@@ -28,6 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from .._forward import loss_parts, split_model
 from .._model_state import split_state
+from .._shards import padded_shape
+from .._stages import stage_layout
 from .._step import make_train_step
 from .._train_state import TrainState
 from ..models import MODELS
@@ -182,6 +184,18 @@ def param_count(spec: ModelSpec) -> int:
     """Parameters of the model (built abstractly: no memory is allocated)."""
     _, params, _ = split_model(nnx.eval_shape(spec.make))
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def padded_param_count(spec: ModelSpec, num_devices: int) -> int:
+    """Parameters of the model as ZeRO stage 3 holds them split over ``num_devices`` (a
+    shard group's): each leaf no dimension of which its rule gives divides padded to a
+    multiple of them (:func:`jaxdp._shards.padded_shape`)."""
+    layout = stage_layout(3)
+    _, params, _ = split_model(nnx.eval_shape(spec.make))
+    return sum(
+        math.prod(padded_shape(x.shape, num_devices, layout.split_rule, pad=layout.pads))
+        for x in jax.tree.leaves(params)
+    )
 
 
 def input_bytes_per_sample(spec: ModelSpec) -> int:
