@@ -236,6 +236,18 @@ def packed_reduce_scatter(
     return out
 
 
+def unpad_params(params: Any, logical: Any) -> Any:
+    """``params`` (a state's) with each leaf the state holds padded sliced to its own
+    shape (``TrainState.logical``, a :class:`jaxdp._train_state.LogicalShapes`; None: as
+    they are). Inside jit: an uneven sharding there costs no collective."""
+    if logical is None:
+        return params
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef.unflatten(
+        [x if s is None else slice_to(x, s) for x, s in zip(leaves, logical.params, strict=True)]
+    )
+
+
 def _padded_along(x: jax.Array, dim: int, num_devices: int) -> jax.Array:
     size = x.shape[dim]
     if size % num_devices == 0:

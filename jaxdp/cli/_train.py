@@ -44,6 +44,7 @@ from .._layout import BatchSizes, ProcessShare, batch_sizes, epoch_schedule, pro
 from .._mesh import data_mesh
 from .._options import Parallel, Skips
 from .._position import SamplerPosition
+from .._shards import unpad_params
 from .._step import TrainStep, make_train_step
 from .._train_state import TrainState
 from ..checkpoint import CheckpointError, Checkpoints
@@ -564,10 +565,12 @@ def held_out_accuracy(
     counts are summed over devices and processes), ``accum_steps x micro_batch_size``
     rows per device at a time. Compiled once per run (``fresh`` gives the model's
     structure)."""
-    graphdef = fresh.graphdef
+    graphdef, logical = fresh.graphdef, fresh.logical
 
     def correct(params: Any, batch: tuple[jax.Array, jax.Array]) -> dict[str, jax.Array]:
         x, y = batch
+        # Stage 3's padded leaves in the model's shapes (sliced inside the compiled call).
+        params = (unpad_params(params[0], logical), params[1])
         logits = forward(merge_model(graphdef, *params), x, config.precision)
         return {"accuracy": jnp.argmax(logits, -1) == y}
 
