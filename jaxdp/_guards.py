@@ -105,6 +105,26 @@ def check_state_layout(state: TrainState, *, path: str, expected_opt_state: Any)
         )
 
 
+def check_params_layout(
+    trainable: Any, expected: list[tuple[int, ...]], logical: list[tuple[int, ...]], *, step: str
+) -> None:
+    """Refuses parameters another layout laid out: a leaf ZeRO stage 3 holds padded to a
+    multiple of one shard count, given to a step that pads it to another (or not at all),
+    naming the leaf and both shapes (before: a gather of the wrong size, or
+    ``IndivisibleError``). ``expected``: the shapes this step holds them in; ``logical``:
+    the model's."""
+    named = jax.tree_util.tree_flatten_with_path(trainable)[0]
+    for (path, x), want, own in zip(named, expected, logical, strict=True):
+        if tuple(jnp.shape(x)) != tuple(want):
+            padded = f"the model's {own} padded" if tuple(want) != tuple(own) else "as the model's"
+            raise ValueError(
+                f"state.params{jax.tree_util.keystr(path)} has shape {jnp.shape(x)}; this "
+                f"step ({step}) holds it as {tuple(want)} ({padded}). The state was built by "
+                "a step of another layout: build it with this step's init, or restore a "
+                "checkpoint with this step's init as the template"
+            )
+
+
 def check_window_layout(
     grads: Any, expected: Any, trainable: Any, *, num_devices: int, zero_stage: int, shards: Any
 ) -> None:

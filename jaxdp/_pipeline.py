@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._forward import check_aux, loss_parts, micro_forward
 from ._frozen import combine, split_trainable, trainable_mask
-from ._guards import check_state_layout, check_window_layout
+from ._guards import check_params_layout, check_state_layout, check_window_layout
 from ._layers import Gather, Route, Stack, gather, gathered_loss
 from ._mesh import mark_varying
 from ._mesh_map import is_spec, mesh_map, to_varying
@@ -227,6 +227,13 @@ def _parts(o: StepOptions, state: TrainState) -> _Parts:
     return _Parts(mask, trainable, stats, plan, _routing(o, plan, trainable))
 
 
+def _check_rest(o: StepOptions, parts: _Parts) -> None:
+    """The trainable leaves in the shapes this step holds them in (stage 3: padded as it
+    pads them; elsewhere the model's), while JAX traces: free on later calls."""
+    step = f"zero_stage={o.zero_stage}" + (f", shards={o.shards}" if o.parallel.shards else "")
+    check_params_layout(parts.trainable, parts.plan.rest, parts.plan.shapes, step=step)
+
+
 def _param_specs(o: StepOptions, parts: _Parts, params: Any) -> Any:
     """How the parameters lie: replicated, but the split trainable leaves at stage 3."""
     return jax.tree.structure(params).unflatten([spec(d, o.axis_name) for d in parts.dims])
@@ -243,6 +250,7 @@ def fused_call(
     # While JAX traces a new input structure only: free on later calls.
     check_state_layout(state, path=o.path, expected_opt_state=opt_state_like(o, state))
     parts = _parts(o, state)
+    _check_rest(o, parts)
     result = _fused(o, parts, state, batch, micro_weights)
     return end(o, state, parts, result, state.window)
 
@@ -280,6 +288,7 @@ def multisteps_call(
     if o.accum_steps == 1:
         # Every call ends its window: the fused call on this micro-batch. The window's
         # sums stay the zeros they start as (no pass over them: the fused step's speed).
+        _check_rest(o, parts)
         result = _fused(o, parts, state, batch, micro_weight[None])
         check_aux(state.window.last.aux, result.report.aux, recorded_at=_AUX_IN_WINDOW)
         last = _select(result.skipped, state.window.last, result.report)
@@ -296,6 +305,7 @@ def multisteps_call(
         zero_stage=o.zero_stage,
         shards=o.parallel.shards,
     )
+    _check_rest(o, parts)
     specs = _window_specs(o, parts, state.window)
 
     def per_device(params, model_state, step, window, batch, weight, *, ends=False):

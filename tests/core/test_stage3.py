@@ -476,3 +476,13 @@ def test_bad_input_is_refused_naming_it():
     ]:
         with pytest.raises(ValueError, match=stack + got):
             jaxdp.scan_layers(lambda layer, h: layer(h), layers, jnp.zeros((2, 16)))
+
+
+def test_a_state_padded_for_another_layout_is_refused_naming_the_leaf():
+    """A stage-3 state holds the head padded (8 x 3 as 8 x 4 on 4 devices); a step that
+    holds it otherwise (stage 0: as the model's; 8 devices' stage 3 would pad to 8 x 8)
+    refuses it while tracing, naming the leaf and both shapes."""
+    state = shared_step(3, 4, 2).init(stacked_params())
+    said = r"state.params\['head'\]\['b'\] has shape \(4,\); this step \(zero_stage=0\) holds "
+    with pytest.raises(ValueError, match=said + r"it as \(3,\) \(as the model's\)"):
+        make(0, 4, 2)(state, batches()[0])
