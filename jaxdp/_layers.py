@@ -7,7 +7,10 @@ packed all-gather per dtype per micro-batch) and the stacked ones as blocks, whi
 :func:`scan_layers` gathers a layer at a time inside its loop, under a remat that saves
 no gathered weight: the peak holds one layer's weights, not the model's. Every gather
 is :func:`gather`, whose backward is the packed reduce-scatter of stage 2: each
-device gets its block of the gradient's global sum (in ``comm_dtype`` on the wire).
+device gets its block of the gradient's global sum (in ``comm_dtype`` on the wire). A
+leaf the state holds padded (no dimension of it divides) is gathered padded and sliced
+to its own shape, a stack's layer by layer, so ``loss_fn`` never sees the padding; its
+gradient is padded with zeros again before the reduce-scatter.
 
 Which leaves are a stack is data, not a guess: the step's :class:`jaxdp._shards.ShardPlan`
 reads it from ``Parallel.layers`` or the model's own "layers" sharding metadata, and hands
