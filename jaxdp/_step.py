@@ -125,7 +125,9 @@ class TrainStep:
         covers trainable parameters only; at ZeRO stages its leaves of a
         parameter's shape are split over the mesh, and at stage 3 the trainable
         parameters too (``state.params`` holds global arrays, each device its
-        block: :meth:`model` gives the whole model).
+        block, a leaf no dimension of which the shard count divides padded with
+        zeros to a multiple of it, ``state.logical`` its own shape: :meth:`model`
+        gives the whole model in its own shapes).
 
         ``batch``: one call's batch (arrays or ``jax.ShapeDtypeStruct``), needed
         only with ``has_aux=True`` on the multisteps path, whose window holds the
