@@ -8,7 +8,9 @@ cell table, each value met where it matters (test_the_grid_meets_every_kind_of_c
 - the workload, a model and an optimizer: the MLP and the token model (weighted loss,
   the exact global token mean) written as plain pytrees, a stack of residual blocks
   through ``jaxdp.scan_layers`` and the same blocks in a Python loop, the stack as NNX
-  modules made with ``nnx.vmap``; the optimizers that read more than an element (norms
+  modules made with ``nnx.vmap``; an MLP and a scanned stack whose leaves no device or
+  shard count divides, which stage 3 and HSDP hold padded (compared in the model's shapes,
+  the padding asserted zero); the optimizers that read more than an element (norms
   over the whole tree or per leaf, factored moments, masks by shape, wrappers) on a wider
   MLP whose gradient norms exceed every clip threshold;
 - the strategy of stage 0 (``shard_map`` or ``pmap``: how the per-device program is mapped,
