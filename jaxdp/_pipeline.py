@@ -784,17 +784,27 @@ def logical_params(state: TrainState) -> Any:
 
 def logical_shapes(o: StepOptions, params: Any, mask: tuple[bool, ...]) -> LogicalShapes | None:
     """The :class:`jaxdp.TrainState` ``logical`` record of ``params`` (the model's
-    shapes) at this step's layout: None where no leaf rests padded."""
-    plan = o.plan(split_trainable(params, mask))
-    if not (plan.padded and o.layout.params_split):
+    shapes) at this step's layout: the parameters' and the optimizer state's leaves that
+    rest padded (:meth:`ShardPlan.pad`, :meth:`ShardPlan.pad_state`); None where none does."""
+    trainable = split_trainable(params, mask)
+    plan = o.plan(trainable)
+    if not (plan.split and o.layout.pads):
         return None
     sizes = iter(plan.sizes)
-    return LogicalShapes(
-        tuple(
-            tuple(x.shape) if trains and next(sizes) is not None else None
-            for x, trains in zip(jax.tree.leaves(params), mask, strict=True)
-        )
+    own = tuple(
+        tuple(x.shape) if trains and next(sizes) is not None else None
+        for x, trains in zip(jax.tree.leaves(params), mask, strict=True)
     )
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), trainable)
+    opt_state = jax.eval_shape(o.applied_optimizer.init, shapes)
+    rested = jax.eval_shape(plan.pad_state, opt_state)
+    opt_own = tuple(
+        None if x.shape == r.shape else tuple(x.shape)
+        for x, r in zip(jax.tree.leaves(opt_state), jax.tree.leaves(rested), strict=True)
+    )
+    if all(x is None for x in own + opt_own):
+        return None
+    return LogicalShapes(own, opt_own)
 
 
 def opt_state_like(o: StepOptions, state: TrainState) -> Any:

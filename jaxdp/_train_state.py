@@ -82,17 +82,21 @@ class SkipCounts(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class LogicalShapes:
-    """The model's own shapes of the parameter leaves that ZeRO stage 3 holds padded
+    """The model's own shapes of the leaves that ZeRO stage 3 holds padded
     (``StageLayout.pads``): static, part of the state's tree structure (no leaves), so a
-    step retraces for another one.
+    step retraces for another one. Checkpoints save and compare the state in these
+    shapes (:mod:`jaxdp.checkpoint`).
 
     Attributes:
       params: per leaf of ``TrainState.params`` (``jax.tree.leaves`` order), the shape the
         model gave it where the state holds it padded with zeros along its split
         dimension to a multiple of the shard count, None where it holds it as it is.
+      opt_state: the same per leaf of ``TrainState.opt_state``: the shape the optimizer's
+        ``init`` gives it on the model's shapes, where the state holds it padded.
     """
 
     params: tuple[tuple[int, ...] | None, ...]
+    opt_state: tuple[tuple[int, ...] | None, ...] = ()
 
 
 jax.tree_util.register_static(LogicalShapes)

@@ -68,7 +68,7 @@ def child(point: str, directory: pathlib.Path) -> None:
         if i == 2:
             checkpoints.wait_until_finished()  # the first save is whole
             if point == "hashing":
-                _checkpoints.array_sha256 = lambda x: hold("hashing")
+                _checkpoints.array_sha256 = lambda *x: hold("hashing")
             elif point == "rename":
 
                 async def finalize(self):
@@ -142,7 +142,7 @@ def ending(how: str, directory: pathlib.Path) -> None:
     state, _ = step(init(step), batch(1))
     np.save(directory.parent / "step1.npy", np.asarray(state.params["w"]))
     sha256 = _checkpoints.array_sha256
-    _checkpoints.array_sha256 = lambda x: (time.sleep(0.2), sha256(x))[1]
+    _checkpoints.array_sha256 = lambda *x: (time.sleep(0.2), sha256(*x))[1]
     Checkpoints(directory, background=True).save(state)
     if how == "exit":
         sys.exit(0)
@@ -313,7 +313,7 @@ def hold_at(point: str) -> None:
         hold("rename")
 
     hooks = {
-        "hashing": (_checkpoints, "array_sha256", lambda x: hold("hashing")),
+        "hashing": (_checkpoints, "array_sha256", lambda *x: hold("hashing")),
         "writing": (ocp.CompositeCheckpointHandler, "save", written),
         "rename": (atomicity.AtomicRenameTemporaryPath, "finalize", finalize),
         "verifying": (Checkpoints, "_read_on_host", lambda *args: hold("verifying")),

@@ -57,7 +57,7 @@ from ._rules import (
     named,
 )
 from ._saving import saving
-from ._tree import abstract, join, kind, saved_tree, split, state_from_tree, zeros
+from ._tree import abstract, join, kind, own_shapes, saved_tree, split, state_from_tree, zeros
 from ._window import param_shape, read_as, relaid, relay
 from ._write_failure import no_room, quiet_writer_thread_logs
 
@@ -235,7 +235,7 @@ class Checkpoints:
             )
         if position is not None:
             check_position(state, position)
-        tree = saved_tree(state)
+        tree, shapes = saved_tree(state), own_shapes(state)
         meta = {
             "format": FORMAT,
             "samples": samples,
@@ -243,7 +243,8 @@ class Checkpoints:
             "position": position._asdict() if position is not None else None,
             "batch": sizes._asdict() if sizes is not None else None,
             "seed": seed,
-            "leaves": {name: describe(x) for name, x in named(tree)},  # SHA-256s: _write
+            # SHA-256s: _write. Stage 3's padded leaves in the model's shapes (own_shapes).
+            "leaves": {name: describe(x, shapes.get(name)) for name, x in named(tree)},
             "extra": extra or {},
         }
         if loader is not None:
@@ -280,8 +281,11 @@ class Checkpoints:
         # Process 0 writes the meta: in a background save, beside the step, no other process
         # takes SHA-256s that would not be written (on a split leaf orbax's checks apply).
         hashes = like is not None or jax.process_index() == 0
+        shapes = {name: d["shape"] for name, d in meta["leaves"].items()}
         digests = {
-            name: array_sha256(x) if hashes and not isinstance(x, _background.Shards) else None
+            name: array_sha256(x, shapes[name])
+            if hashes and not isinstance(x, _background.Shards)
+            else None
             for part in items.values()
             for name, x in named(part)
         }
@@ -441,7 +445,8 @@ class Checkpoints:
         failures: list[tuple[int, Exception]] = []
         for number, meta in self._newest_first(failures):
             path = self.directory / str(number)
-            here = {name: describe(x) for name, x in named(saved_tree(like))}
+            shapes = own_shapes(like)
+            here = {name: describe(x, shapes.get(name)) for name, x in named(saved_tree(like))}
             if data is not None:  # first: other data explain most other differences
                 check_data(data, meta, path=path)
             if meta["format"] == 2:
@@ -555,7 +560,11 @@ class Checkpoints:
                     lambda p, x: zeros(x) if is_accumulator(leaf_name(p)) else x, tree
                 )
             return state_from_tree(tree, like)
-        leaves = meta["leaves"]
+        leaves, shapes = meta["leaves"], own_shapes(like)
+        # Stage 3's padded leaves: saved padded for one shard count and read for another,
+        # orbax pads with zeros or drops the padding at each dimension's end (not strict),
+        # the model's shapes having been compared first (check_compatible).
+        padded = bool(shapes) or any("stored" in d for d in leaves.values())
 
         def saved_kind(name: str, _: Any) -> str:
             return kind(name, leaves[name]["per_device"])
@@ -564,8 +573,8 @@ class Checkpoints:
             # A window's gradient sum saved in another layout is read as saved, then
             # re-laid out (:mod:`._window`); every other leaf straight into this run's.
             name = leaf_name(path)
-            if accumulators and relaid(name, leaves, x.shape):
-                return read_as(leaves[name]["shape"], x)
+            if accumulators and relaid(name, leaves, shapes.get(name, x.shape)):
+                return read_as(leaves[name]["shape"], x, whole=padded)
             return abstract(x)
 
         like_tree = saved_tree(like)
@@ -581,7 +590,9 @@ class Checkpoints:
             number,
             args=ocp.args.Composite(
                 **{
-                    item: ocp.args.StandardRestore(jax.tree_util.tree_map_with_path(target, part))
+                    item: ocp.args.StandardRestore(
+                        jax.tree_util.tree_map_with_path(target, part), strict=not padded
+                    )
                     for item, part in wanted.items()
                 }
             ),
@@ -591,7 +602,7 @@ class Checkpoints:
 
         def laid_out(path: Any, x: Any, here: Any) -> Any:
             name = leaf_name(path)
-            if x.shape == here.shape or not relaid(name, leaves, here.shape):
+            if x.shape == here.shape or not relaid(name, leaves, shapes.get(name, here.shape)):
                 return x
             return relay(x, here, rank=len(param_shape(name, leaves)))
 

@@ -62,8 +62,11 @@ def _digest(meta: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def array_sha256(x: jax.Array | np.ndarray) -> str | None:
-    """SHA-256 of the value's bytes; None where this process cannot see all of it."""
+def array_sha256(x: jax.Array | np.ndarray, shape: Any = None) -> str | None:
+    """SHA-256 of the value's bytes; None where this process cannot see all of it.
+    ``shape``: of a leaf held padded (ZeRO stage 3), the model's shape, whose part of the
+    value (the first ``shape`` elements along each dimension) is hashed, whatever the
+    padding of the layout that wrote or read it."""
     if isinstance(x, (np.ndarray, np.generic)):  # a background save's host copy
         value = x
     elif x.is_fully_addressable:
@@ -72,6 +75,8 @@ def array_sha256(x: jax.Array | np.ndarray) -> str | None:
         value = np.asarray(x.addressable_data(0))
     else:
         return None  # another process holds part of it; orbax's own checks apply
+    if shape is not None and tuple(shape) != value.shape:
+        value = value[tuple(slice(0, n) for n in shape)]
     # Over the array's own bytes, not a copy (``tobytes``): hashlib then releases the GIL
     # for the whole digest, so a background save's hashing leaves the training loop be.
     data = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
@@ -82,8 +87,9 @@ def check_sha256(tree: Any, leaves: dict[str, Any], read: Callable[[str], bool])
     """Raises :class:`CheckpointError` for the first leaf of ``tree`` that was ``read``
     and does not match the SHA-256 in ``leaves`` (meta's)."""
     for name, x in named(tree):
-        expected = leaves.get(name, {}).get("sha256")
+        saved = leaves.get(name, {})
+        expected = saved.get("sha256")
         if read(name) and expected is not None:
-            actual = array_sha256(x)
+            actual = array_sha256(x, saved.get("shape"))
             if actual is not None and actual != expected:
                 raise CheckpointError(f"{name} does not match its SHA-256")

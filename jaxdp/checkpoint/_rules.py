@@ -186,10 +186,15 @@ def is_accumulator(name: str) -> bool:
     return name.startswith("window/") and not name.startswith(("window/position", "window/last/"))
 
 
-def describe(x: Any) -> dict[str, Any]:
-    """Shape, dtype and placement of a leaf, as stored in a checkpoint's meta."""
-    return {
-        "shape": list(x.shape),
+def describe(x: Any, shape: Any = None) -> dict[str, Any]:
+    """Shape, dtype and placement of a leaf, as stored in a checkpoint's meta. ``shape``:
+    the model's shape of a leaf the state holds padded (ZeRO stage 3), which ``shape``
+    records, and ``stored`` the padded one it is written in."""
+    out = {
+        "shape": list(x.shape if shape is None else shape),
         "dtype": str(jnp.dtype(x.dtype)),
         "per_device": is_per_device(x),
     }
+    if shape is not None and tuple(shape) != tuple(x.shape):
+        out["stored"] = list(x.shape)
+    return out

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .._train_state import SkipCounts, TrainState
-from ._rules import is_accumulator, is_per_device, leaf_name
+from ._rules import is_accumulator, is_per_device, leaf_name, named
 
 ITEMS = ("replicated", "per_device", "shards")
 
@@ -27,6 +27,27 @@ def saved_tree(state: TrainState) -> dict[str, Any]:
         "skipped_steps": state.skipped_steps,
         "consecutive_skips": state.consecutive_skips,
     }
+
+
+def own_shapes(state: TrainState) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of each leaf of :func:`saved_tree` that the state holds padded
+    (ZeRO stage 3, ``state.logical``), in the model's shape: the parameters and the
+    optimizer state by the record, a window's gradient sum by its parameter's (its rows,
+    then that shape). A checkpoint describes, compares and hashes the leaves in these
+    shapes, so that a leaf padded for one device count reads into another's layout."""
+    if state.logical is None:
+        return {}
+    out: dict[str, tuple[int, ...]] = {}
+    for part, shapes in (("params", state.logical.params), ("opt_state", state.logical.opt_state)):
+        for (name, _), shape in zip(named({part: getattr(state, part)}), shapes, strict=True):
+            if shape is not None:
+                out[name] = tuple(shape)
+    if state.window is not None:
+        for name, x in named({"window": {"grads": state.window.grads}}):
+            own = out.get("params/" + name[len("window/grads/") :])
+            if own is not None:
+                out[name] = (*x.shape[: x.ndim - len(own)], *own)
+    return out
 
 
 def _is_key(x: Any) -> bool:

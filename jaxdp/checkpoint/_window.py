@@ -47,11 +47,13 @@ def param_shape(name: str, leaves: dict[str, Any]) -> list[int] | None:
     return None if own is None else list(own["shape"])
 
 
-def read_as(shape: Any, like: Any) -> jax.ShapeDtypeStruct:
+def read_as(shape: Any, like: Any, *, whole: bool = False) -> jax.ShapeDtypeStruct:
     """How a sum saved as ``shape`` is read for ``like`` (this run's leaf): split as
-    ``like`` is, behind its rows, when only the saved one has rows; else whole."""
+    ``like`` is, behind its rows, when only the saved one has rows; else whole (also
+    with ``whole``: ZeRO stage 3's padded leaves, read in the model's shapes, which the
+    devices need not divide)."""
     spec = P()
-    if len(shape) == len(like.shape) + 1:
+    if not whole and len(shape) == len(like.shape) + 1:
         spec = P(None, *like.sharding.spec)
     return jax.ShapeDtypeStruct(
         tuple(shape), like.dtype, sharding=NamedSharding(like.sharding.mesh, spec)
@@ -60,10 +62,13 @@ def read_as(shape: Any, like: Any) -> jax.ShapeDtypeStruct:
 
 def relay(x: jax.Array, like: Any, rank: int) -> jax.Array:
     """``x`` (a saved sum of a parameter of ``rank`` dimensions) in ``like``'s layout:
-    its total over its rows, as the global sum or in the first row."""
+    its total over its rows, as the global sum or in the first row (padded with zeros to
+    ``like``'s shape where ZeRO stage 3 holds it padded)."""
 
     def laid_out(x: jax.Array) -> jax.Array:
         total = x.sum(0) if x.ndim > rank else x
+        own = like.shape[len(like.shape) - rank :]
+        total = jnp.pad(total, [(0, n - m) for m, n in zip(total.shape, own, strict=True)])
         if len(like.shape) == rank:
             return total
         return jnp.zeros(like.shape, like.dtype).at[0].set(total)
