@@ -236,6 +236,11 @@ STAGE_3_CELLS = (
     ("1x2x8", 8, 1, "dots"),
     ("1x2x8", 8, 4, "dots"),
     ("1x16x8", 8, 1, "dots"),
+    ("1x128x8", 8, 1, "dots"),
+    # Plain stage 3 over every device at scale: its leaves padded where 1,024 divides none
+    # of their dimensions (FSDP2's rule), none left to an all-reduce.
+    ("1x16x8", None, 1, "dots"),
+    ("1x128x8", None, 1, "dots"),
     # HSDP's all-reduce across the replica groups once after the backward, not per layer
     ("1x2x8", 8, 1, "dots", "after_backward"),
     ("1x2x8", 8, 4, "dots", "after_backward"),
@@ -426,6 +431,9 @@ def compile_stage_3_cell(
             "hidden_share": hidden / carried if carried else 0.0,
             "hidden_share_but_first_and_last": rest_hidden / rest_bytes if rest_bytes else 0.0,
         }
+    # A gradient all-reduce of more than scalars (64 KiB) is a leaf stage 3 failed to split.
+    reduced = [c for c in found if c.kind == "all-reduce"]
+    row["largest_all_reduce_bytes"] = max((c.bytes for c in reduced), default=0)
     if shards is not None:  # HSDP: the blocks' all-reduce across the replica groups
         across = [c for c in found if c.kind == "all-reduce" and c.bytes > 2**16]
         block = _nbytes(state.params["tok_emb"]) // shards  # the embedding-sized blocks'
