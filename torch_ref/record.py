@@ -216,17 +216,26 @@ class Recorder:
     def save(self, path: str | os.PathLike | None = None) -> Path | None:
         """Rank 0 writes the record (a pickle, read by ``load_record``) to ``path``,
         the recorder's, or ``$TORCH_REF_RECORD``; returns it (None on other ranks).
-        Removes the hook on the optimizer."""
+        Removes the hook on the optimizer. Called on every rank, it returns on each once
+        rank 0 has written (a barrier, also when the write fails): a rank that went on to
+        ``destroy_process_group`` and exited while rank 0 still wrote made gloo abort
+        rank 0 ("terminate called without an active exception", seen 1 run in 3 on 2
+        busy cores)."""
         self.hook.remove()
         target = path or self.path or os.environ.get(RECORD_ENV)
         if target is None:
             raise ValueError(f"Recorder.save() needs a path: path= or ${RECORD_ENV}")
-        if self.rank != 0:
-            return None
-        if not self.record.states:
-            raise ValueError("the recorder has no step to save: call step() after each step")
-        Path(target).write_bytes(pickle.dumps(self.record))
-        return Path(target)
+        try:
+            if self.rank == 0:  # it alone records the steps
+                if not self.record.states:
+                    raise ValueError(
+                        "the recorder has no step to save: call step() after each step"
+                    )
+                Path(target).write_bytes(pickle.dumps(self.record))
+        finally:
+            if self.grouped and self.world_size > 1:
+                dist.barrier()
+        return Path(target) if self.rank == 0 else None
 
     def __enter__(self) -> Recorder:
         return self
