@@ -79,6 +79,14 @@ def padded_shape(
     return (*shape[:dim], -(-shape[dim] // num_devices) * num_devices, *shape[dim + 1 :])
 
 
+def resting_size(shapes: Any, num_devices: int, layout: StageLayout) -> int:
+    """Elements of leaves of ``shapes`` as ``layout`` holds them split over ``num_devices``:
+    each padded as :func:`padded_shape` pads it (what ``jaxdp plan`` and ``jaxdp train``'s
+    fit check count at stage 3)."""
+    rule, pad = layout.split_rule, layout.pads
+    return sum(math.prod(padded_shape(s, num_devices, rule, pad=pad)) for s in shapes)
+
+
 def pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """``x`` with zeros appended at the end of each dimension up to ``shape``."""
     if tuple(x.shape) == tuple(shape):

@@ -23,7 +23,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from .._shards import padded_shape
+from .._shards import resting_size
 from .._stages import stage_layout
 from ._config import TrainConfig
 from ._data import Split
@@ -43,7 +43,7 @@ def check_fits(
     n = config.shards or mesh.devices.size
     layout = stage_layout(config.zero_stage)
     # Stage 3 holds a leaf no dimension of which the devices divide padded to a multiple.
-    padded = sum(math.prod(padded_shape(s, n, layout.split_rule, pad=layout.pads)) for s in shapes)
+    padded = resting_size(shapes, n, layout)
     need, parts = state_bytes(config, params, n, padded if layout.params_split else None)
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     failure = None

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._forward import loss_parts, split_model
 from .._model_state import split_state
-from .._shards import padded_shape
+from .._shards import resting_size
 from .._stages import stage_layout
 from .._step import make_train_step
 from .._train_state import TrainState
@@ -189,13 +189,9 @@ def param_count(spec: ModelSpec) -> int:
 def padded_param_count(spec: ModelSpec, num_devices: int) -> int:
     """Parameters of the model as ZeRO stage 3 holds them split over ``num_devices`` (a
     shard group's): each leaf no dimension of which its rule gives divides padded to a
-    multiple of them (:func:`jaxdp._shards.padded_shape`)."""
-    layout = stage_layout(3)
+    multiple of them (:func:`jaxdp._shards.resting_size`)."""
     _, params, _ = split_model(nnx.eval_shape(spec.make))
-    return sum(
-        math.prod(padded_shape(x.shape, num_devices, layout.split_rule, pad=layout.pads))
-        for x in jax.tree.leaves(params)
-    )
+    return resting_size([x.shape for x in jax.tree.leaves(params)], num_devices, stage_layout(3))
 
 
 def input_bytes_per_sample(spec: ModelSpec) -> int:
