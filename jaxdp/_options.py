@@ -481,13 +481,14 @@ class StepOptions:
             layers=self.parallel.layers,
         )
 
-    @property
-    def compiler_options(self) -> dict[str, int]:
+    def compiler_options(self, routed: bool = False) -> dict[str, int]:
         """The XLA options the step's own program is compiled with (never the process's
         ``XLA_FLAGS``): on GPUs, XLA combines the gradient collectives into buckets of
         at most ``Parallel.bucket_cap_mb`` of gradient sums (its default threshold is
         30 MiB). XLA measures a reduce-scatter by its result, each device's block: a
-        shard group's share of the bucket."""
+        shard group's share of the bucket. ``routed``: the program sends a declared
+        stack's gradients layer by layer at stages 0 to 2 (``jaxdp._pipeline``'s
+        routing, which the step reads from the state it is called with)."""
         if self.mesh.devices.flat[0].platform != "gpu":
             return {}
         cap = int(self.parallel.bucket_cap_mb * 2**20)
@@ -498,6 +499,13 @@ class StepOptions:
         # stage 2 94% against 80%; tests/gpu holds each). The peak did not change. A
         # tuning measured per stage, so keyed by its number, not by what it splits.
         in_flight = (1, 2, 1, 2)[self.layout.zero_stage]
+        if routed and not self.layout.params_split:
+            # A scanned stack's layers, one collective each (jaxdp._layers.Route), hid
+            # more with one in flight at stage 1 too: the scanned GPT-2 small on 8 H100s
+            # 91.7% against 83.5% of the bytes but the embeddings' (BENCHMARKS.md section
+            # 9, "The scanned model"); two in flight paired the last layers' under
+            # each other, after the products.
+            in_flight = 1
         # At stage 3 an all-reduce carries blocks too (HSDP's across the replica groups):
         # a shard group's share of the bucket, as the reduce-scatter's. At the whole cap
         # XLA combined the untied head's block, done first, with the backward's last layer.

@@ -174,9 +174,9 @@ def _routing(o: StepOptions, plan: ShardPlan, trainable: Any) -> Routing | None:
     if layout.params_split:
         route = Route("psum", plan.replica_axis, plan.mesh.shape[plan.replica_axis], o.comm)
     elif not layout.state_split:
-        route = Route("psum", plan.mesh.axis_names, plan.mesh.devices.size, o.comm)
+        route = Route("psum", plan.mesh.axis_names, plan.mesh.devices.size, o.comm, packed=True)
     else:
-        route = Route("scatter", plan.axis_name, plan.num_devices, o.comm)
+        route = Route("scatter", plan.axis_name, plan.num_devices, o.comm, packed=True)
     paths = jax.tree_util.tree_flatten_with_path(trainable)[0]
     names = tuple(jax.tree_util.keystr(p) for p, _ in paths)
     dtype = o.accumulator_dtype(trainable)
@@ -225,6 +225,14 @@ def _parts(o: StepOptions, state: TrainState) -> _Parts:
     plan = o.plan(split_trainable(logical, mask))
     stats = split_state(state.model_state)[0]
     return _Parts(mask, trainable, stats, plan, _routing(o, plan, trainable))
+
+
+def routes_a_stack(o: StepOptions, state: TrainState) -> bool:
+    """Whether the step's program for ``state`` sends a declared stack's gradients layer
+    by layer from :func:`jaxdp.scan_layers`' backward (its :class:`Routing`): what the
+    program's compiler options depend on (:meth:`StepOptions.compiler_options`). Read
+    from the shapes and metadata of ``state``, as the step traces it."""
+    return _parts(o, state).routing is not None
 
 
 def _check_rest(o: StepOptions, parts: _Parts) -> None:

@@ -34,6 +34,7 @@ from ._pipeline import (
     fused_call,
     logical_shapes,
     multisteps_call,
+    routes_a_stack,
     state_specs,
 )
 from ._replicas import check_replicas
@@ -76,11 +77,18 @@ class TrainStep:
         donate = (0,) if options.donate else ()
         # One call of the step, read top to bottom: jaxdp/_pipeline.py.
         body = fused_call if options.path == "fused" else multisteps_call
-        self._jitted = jax.jit(
-            functools.partial(body, options),
-            donate_argnums=donate,
-            compiler_options=options.compiler_options or None,
-        )
+        # One jitted program per set of compiler options, which on GPUs depend on whether
+        # the program routes a declared stack (read from the state: the model's metadata
+        # may declare it); where they do not, one program, and nothing read per call.
+        self._programs = {
+            routed: jax.jit(
+                functools.partial(body, options),
+                donate_argnums=donate,
+                compiler_options=options.compiler_options(routed) or None,
+            )
+            for routed in {False, options.compiler_options(True) != options.compiler_options()}
+        }
+        self._routes: dict[Any, bool] = {}  # the parameters' structure and shapes -> routed
         self._weights: dict[bytes, jax.Array] = {}
         # The batch's rows: over every device, in the data mesh's order (also under HSDP).
         self._rows = NamedSharding(options.device_mesh, P(options.batch_axes))
@@ -334,9 +342,20 @@ class TrainStep:
         sizes, inputs = self._prepare(batch, micro_weights)
         self._resize.before(state, sizes)
         self.watch.before(state)
-        state, metrics = self._jitted(state, *inputs)
+        state, metrics = self._program(state)(state, *inputs)
         self.watch.after(metrics)
         return state, metrics
+
+    def _program(self, state: TrainState) -> Any:
+        """The jitted program for ``state``: the one routing its declared stack, where
+        that takes other compiler options (:meth:`StepOptions.compiler_options`)."""
+        if len(self._programs) == 1:
+            return self._programs[False]
+        leaves, structure = jax.tree.flatten(state.params)
+        key = (structure, tuple(jnp.shape(x) for x in leaves))  # what the routing reads
+        if key not in self._routes:
+            self._routes[key] = routes_a_stack(self.options, state)
+        return self._programs[self._routes[key]]
 
     def check(self, state: TrainState) -> None:
         """Raises :class:`NonFiniteError` if ``state`` follows ``max_consecutive_skips``
@@ -348,13 +367,13 @@ class TrainStep:
         """The step lowered for these inputs: arrays, or ``jax.ShapeDtypeStruct`` with
         shardings (nothing is allocated); ``.compile()`` it for :func:`all_reduces`
         or XLA's memory analysis."""
-        return self._jitted.lower(state, *self._prepare(batch, micro_weights)[1])
+        return self._program(state).lower(state, *self._prepare(batch, micro_weights)[1])
 
     def trace(self, state: Any, batch: Any, micro_weights: Any = None) -> Any:
         """The step traced for these inputs, as :meth:`lower` takes them: a
         ``jax.stages.Traced``, whose ``.jaxpr`` is the program before XLA (every loop and
         its length; :func:`jaxdp.throughput.step_flops` counts from it)."""
-        return self._jitted.trace(state, *self._prepare(batch, micro_weights)[1])
+        return self._program(state).trace(state, *self._prepare(batch, micro_weights)[1])
 
     def compile(self, state: TrainState, batch: Any, micro_weights: Any = None) -> Any:
         """The compiled step for these shapes (for :func:`all_reduces`, memory analysis)."""

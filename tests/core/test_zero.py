@@ -251,7 +251,7 @@ def test_a_cpu_step_carries_no_compiler_option_of_its_own():
     step = jaxdp.make_train_step(
         mse_loss, optax.sgd(0.1), mesh=jaxdp.data_mesh(4), parallel=parallel
     )
-    assert step.options.compiler_options == {}
+    assert step.options.compiler_options() == {}
 
 
 def test_skip_unused_at_stage_2_as_at_stage_0():
