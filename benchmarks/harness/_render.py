@@ -460,10 +460,11 @@ def gpu_programs_section(g: dict[str, Any]) -> str:
 def _scanned_programs(cells: list[dict[str, Any]]) -> str:
     """Stages 0 to 2 on the scanned model, its stack undeclared and declared
     (``Parallel(layers=...)``): the share of the gradient bytes hidden."""
-    header = ["stage, path, K", "stack", "gradient collectives", "hidden (all)"]
+    header = ["topology", "stage, path, K", "stack", "gradient collectives", "hidden (all)"]
     header += ["hidden (but the embeddings)", "compile"]
     rows = [
         [
+            f"`{r['topology']}`",
             f"{r['zero_stage']}, {r['path']}, {r['accum_steps']}",
             "declared" if r["declared"] else "-",
             r["gradient_collectives"],
@@ -473,12 +474,11 @@ def _scanned_programs(cells: list[dict[str, Any]]) -> str:
         ]
         for r in cells
     ]
-    topology = cells[0]["topology"]
     return (
-        f"The scanned GPT-2-small-sized model (the stage-3 rows' model, an untied head) at "
-        f"stages 0 to 2 on `{topology}`, its blocks undeclared and declared a stack of "
-        "layers (`Parallel(layers=('blocks',))`: each layer's gradients leave the unrolled "
-        "loop's backward as the layer ends); the embeddings: the token embedding's and the "
+        "The scanned GPT-2-small-sized model (the stage-3 rows' model, an untied head) at "
+        "stages 0 to 2, its blocks undeclared and declared a stack of layers (by its "
+        "metadata: each layer's gradients leave the unrolled loop's backward as the layer "
+        "ends, in one collective per layer); the embeddings: the token embedding's and the "
         "head's, 154.5 MB each:\n\n" + markdown_table(header, rows)
     )
 

@@ -480,9 +480,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         compile_stage_3_cell(*cell, layers=2 if args.quick else 12)
         for cell in (STAGE_3_CELLS[:1] if args.quick else STAGE_3_CELLS)
     ]
-    # The scanned model at stages 0 to 2, its stack undeclared and declared, on one node.
+    # The scanned model at stages 0 to 2, its stack undeclared and declared.
     scanned = [
-        scanned_row(TOPOLOGIES[0], *cell, layers)
+        scanned_row(topology, *cell, layers)
+        for topology in topologies
         for cell in (QUICK_CELLS if args.quick else CELLS)
         for layers in (no_stack, None)
     ]
