@@ -80,13 +80,14 @@ class TrainStep:
         # One jitted program per set of compiler options, which on GPUs depend on whether
         # the program routes a declared stack (read from the state: the model's metadata
         # may declare it); where they do not, one program, and nothing read per call.
+        differ = options.compiler_options(True) != options.compiler_options()
         self._programs = {
             routed: jax.jit(
                 functools.partial(body, options),
                 donate_argnums=donate,
                 compiler_options=options.compiler_options(routed) or None,
             )
-            for routed in {False, options.compiler_options(True) != options.compiler_options()}
+            for routed in ((False, True) if differ else (False,))
         }
         self._routes: dict[Any, bool] = {}  # the parameters' structure and shapes -> routed
         self._weights: dict[bytes, jax.Array] = {}
