@@ -578,6 +578,39 @@ def test_launched_scripts_given_different_ports_end_with_one_line_each_before_ja
         assert read_failure(tmp_path / f"failure-{rank}").status == 2
 
 
+def test_the_join_watchdog_sees_a_wait_that_begins_as_it_asks_whether_the_run_is_up():
+    """A CI run on a loaded machine: the watchdog looked for the wait, then asked whether
+    the run was up; the wait began (and JAX's client came) in between, so it took the run
+    for joined and the rank ran on to JAX's abort (-6). Here the wait begins within that
+    ask, every time: the watchdog still gives up at the wait's timeout_s."""
+    from jaxdp.cli import _rank
+
+    def begins_the_wait():
+        wait = threading.Timer(30, lambda: None)
+        wait.name, wait.daemon = "jaxdp-join", True
+        wait.timeout_s, wait.timeout_source = 0.2, "JAXDP_TIMEOUT_S='0.2'"
+        wait.start()
+        link.joined = lambda: True  # JAX's client exists from here on
+        return True
+
+    said = []
+    link = types.SimpleNamespace(
+        joined=begins_the_wait,
+        never_joined=lambda who, address, timeout_s, source: f"{who} {address} {source}",
+        give_up=lambda prog, text: said.append((prog, text)),
+    )
+    _rank._watch_the_join(link, "process 1 of 2", "127.0.0.1:1")
+    (wait,) = [t for t in threading.enumerate() if t.name == "jaxdp-join"]
+    wait.cancel()
+    assert said == [
+        (
+            "jaxdp launch",
+            "process 1 of 2 127.0.0.1:1 JAXDP_TIMEOUT_S='0.2'; the script stopped in "
+            "jaxdp.initialize",
+        )
+    ]
+
+
 def test_a_launched_script_is_not_ended_before_it_begins_to_join(tmp_path):
     """The wrapper's join watchdog arms only once jaxdp.initialize waits: a rank that
     works past JAXDP_TIMEOUT_S first (here it never joins: it needs no peers) runs on."""

@@ -138,25 +138,37 @@ def _guard_the_join(link: types.ModuleType, who: str, address: str) -> None:
         except ValueError as e:
             link.give_up("jaxdp launch", str(e))
     os.environ["JAXDP_JOIN_GRACE_S"] = str(link.JAX_GRACE_S)
+    watch = threading.Thread(
+        target=_watch_the_join, args=(link, who, address), name="jaxdp-join-watchdog"
+    )
+    watch.daemon = True
+    watch.start()
 
-    def watch() -> None:  # ends with the process, or once the join's wait ended
-        while True:
-            joining = next((t for t in threading.enumerate() if t.name == "jaxdp-join"), None)
-            if joining is not None:
-                break
-            if link.joined():  # up without a wait seen here: nothing to watch
-                return
-            time.sleep(0.1)
-        # The wait began within 0.1 s; JAX's deadline is JAX_GRACE_S after timeout_s.
-        # (joined() is true during the wait already: JAX's client exists before it connects.)
-        began = time.monotonic()
-        while joining.is_alive():
-            if time.monotonic() - began >= joining.timeout_s:
-                said = link.never_joined(who, address, joining.timeout_s, joining.timeout_source)
-                link.give_up("jaxdp launch", f"{said}; the script stopped in jaxdp.initialize")
-            joining.join(0.1)
 
-    threading.Thread(target=watch, name="jaxdp-join-watchdog", daemon=True).start()
+def _watch_the_join(link: types.ModuleType, who: str, address: str) -> None:
+    """Ends the process (:func:`give_up`) once ``jaxdp.initialize`` waited its ``timeout_s``
+    for the run to join; returns when the run is up without a wait seen, or the wait ended."""
+    while True:
+        # Whether the run is up, asked before looking for the wait: the wait begins before
+        # JAX's client exists and ends after it connected, so "up, and no wait after" means
+        # joined. Asked after, a wait that began in between was missed as joined (a CI run
+        # on a loaded machine: the rank ran on to JAX's abort).
+        up = link.joined()
+        joining = next((t for t in threading.enumerate() if t.name == "jaxdp-join"), None)
+        if joining is not None:
+            break
+        if up:  # up without a wait seen here: nothing to watch
+            return
+        time.sleep(0.1)
+    # The wait began within 0.1 s; JAX's deadline is JAX_GRACE_S after timeout_s.
+    # (joined() is true during the wait already: JAX's client exists before it connects.)
+    began = time.monotonic()
+    while joining.is_alive():
+        if time.monotonic() - began >= joining.timeout_s:
+            said = link.never_joined(who, address, joining.timeout_s, joining.timeout_source)
+            link.give_up("jaxdp launch", f"{said}; the script stopped in jaxdp.initialize")
+            return  # give_up ends the process; a stand-in for it may not
+        joining.join(0.1)
 
 
 def _in_a_multi_process_run() -> bool:
