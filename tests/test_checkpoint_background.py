@@ -47,9 +47,17 @@ def batch(i):
     return rng.normal(size=(8, WIDTH)), rng.normal(size=(8, WIDTH))
 
 
+def say(line: str) -> None:
+    """Writes ``line`` and its newline in one write: the save's thread and the training
+    one each say a line, and print writes a text and its newline apart, which let the two
+    lines interleave ("held at hashingtrained step 3", then an empty line: a CI run)."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
+
+
 def hold(point: str) -> None:
     """Says the save reached ``point`` and waits there to be killed."""
-    print(f"held at {point}", flush=True)
+    say(f"held at {point}")
     time.sleep(600)
 
 
@@ -79,7 +87,7 @@ def child(point: str, directory: pathlib.Path) -> None:
                 _checkpoints.Checkpoints._read_on_host = lambda *args: hold(point)
         checkpoints.save(state)
     state, _ = step(state, batch(3))  # while the second save is held
-    print(f"trained step {int(state.step)}", flush=True)
+    say(f"trained step {int(state.step)}")
     checkpoints.wait_until_finished()
 
 
@@ -349,7 +357,7 @@ def distributed_child(point: str, process_id: int, port: int, directory: pathlib
         checkpoints.save(state)
     x, y = batch(3)
     state, _ = step(state, (x[:, :8], y[:, :4]))  # while the second save is held
-    print(f"trained step {int(state.step)}", flush=True)
+    say(f"trained step {int(state.step)}")
     checkpoints.wait_until_finished()
 
 
