@@ -31,6 +31,15 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "torch_batch" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group(BATCH_GROUP))
+            # xdist joins every group a test is marked with into one name: another mark
+            # (its module's) would send it to a worker of its own, which makes the batch
+            # again (about 40 CPU s).
+            groups = {m.args[0] for m in item.iter_markers("xdist_group")}
+            if groups != {BATCH_GROUP}:
+                raise pytest.UsageError(
+                    f"{item.nodeid} reads torch_batch, so its only xdist group must be "
+                    f"{BATCH_GROUP!r}; it is also in {sorted(groups - {BATCH_GROUP})}"
+                )
 
 
 def _batch_owners(items) -> dict:

@@ -18,10 +18,11 @@ from jaxdp.parity import RTOL, OptimizerSpec, compare, compare_models, format_pa
 from jaxdp.parity._locate import STAGES
 from jaxdp.parity._port import prepare, run_jax_port, torch_trajectory
 
-# One xdist worker runs this module (but the BatchNorm cell, which reads the torch batch
-# on that batch's worker): the command's tests reuse the programs the ports' tests
-# compiled in its process.
-pytestmark = pytest.mark.xdist_group("ports")
+# One xdist worker runs this module's tests, each marked: the command's tests reuse the
+# programs the ports' tests compiled in its process. Not the BatchNorm cell, which reads
+# the torch batch on that batch's worker (conftest.py; a module-wide mark put it in a
+# group of its own, "ports_torch_runs", and the worker it went to made the batch again).
+ports = pytest.mark.xdist_group("ports")
 
 MODELS = pathlib.Path(__file__).parent / "library_ports.py"
 ADAMW = OptimizerSpec("adamw", 1e-2, weight_decay=1e-2)
@@ -33,6 +34,7 @@ PORTS = {  # library: (the port, the port with epsilon 1e-5)
 }
 
 
+@ports
 @pytest.mark.parametrize("library", PORTS)
 def test_rms_norm_port_trains_like_torch_without_a_mapping(library):
     report = compare_models(
@@ -43,6 +45,7 @@ def test_rms_norm_port_trains_like_torch_without_a_mapping(library):
     assert {"fc1", "norm", "fc2"} == {name.split(".")[0] for name in report.max_abs[0]}
 
 
+@ports
 @pytest.mark.parametrize("library", PORTS)
 def test_a_wrong_rms_norm_epsilon_is_located_in_norm(library):
     report = compare_models(
@@ -58,6 +61,7 @@ def test_a_wrong_rms_norm_epsilon_is_located_in_norm(library):
 CLIP = OptimizerSpec("sgd", 0.1, momentum=0.9, max_grad_norm=0.01)
 
 
+@ports
 @pytest.mark.parametrize("library", ["linen", "equinox"])
 def test_locator_reaches_the_optimizer_of_a_linen_and_an_equinox_port(library):
     """Every stage runs (the learning rate aside: the port's own optax chain does not say
@@ -81,6 +85,7 @@ def test_locator_reaches_the_optimizer_of_a_linen_and_an_equinox_port(library):
     assert kernel in found.names, found.describe()
 
 
+@ports
 def test_frozen_torch_parameters_stay_frozen_in_a_linen_port():
     report = compare_models(
         lp.torch_rms_net_frozen_bias, lp.LinenRMSNet, lp.features(), steps=3, **LAYOUT
@@ -128,6 +133,7 @@ def test_linen_port_carries_batch_norm_statistics_as_ddp_ranks_do(torch_batch):
     assert {"bn.mean", "bn.var", "bn.scale", "bn.bias"} <= set(report.max_abs[0])
 
 
+@ports
 def test_flax_batch_norm_differs_from_torch_in_its_running_variance_only():
     """linen.BatchNorm's running variance takes the batch's biased variance, torch's the
     unbiased one (with 4 rows a micro-batch, 3/4 of it); everything else agrees."""
@@ -138,6 +144,7 @@ def test_flax_batch_norm_differs_from_torch_in_its_running_variance_only():
     assert (report.first_failure, beyond) == (1, {"bn.var"}), format_parity(report)
 
 
+@ports
 @pytest.mark.parametrize("port", ["LinenRMSNet", "EqxRMSNet"])
 def test_parity_command_takes_a_linen_and_an_equinox_port(tmp_path, port, monkeypatch, capsys):
     """The command's own code (flags, the models loaded from a file, the report, the exit
@@ -160,6 +167,7 @@ def test_parity_command_takes_a_linen_and_an_equinox_port(tmp_path, port, monkey
     assert lines[-1] == "PASS: every step within tolerance"
 
 
+@ports
 def test_a_stateful_equinox_port_is_refused_before_anything_trains():
     def stateful(key):
         return eqx.nn.Sequential(
