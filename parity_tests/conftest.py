@@ -32,8 +32,9 @@ def pytest_collection_modifyitems(items):
         if "torch_batch" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group(BATCH_GROUP))
             # xdist joins every group a test is marked with into one name: another mark
-            # (its module's) would send it to a worker of its own, which makes the batch
-            # again (about 40 CPU s).
+            # (its module's) makes a group of its own, run apart from the batch's, on
+            # another worker or later on the same one (whose session fixtures xdist
+            # tears down when its queue runs dry): either made the batch again, 40 CPU s.
             groups = {m.args[0] for m in item.iter_markers("xdist_group")}
             if groups != {BATCH_GROUP}:
                 raise pytest.UsageError(

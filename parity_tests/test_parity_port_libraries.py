@@ -20,8 +20,8 @@ from jaxdp.parity._port import prepare, run_jax_port, torch_trajectory
 
 # One xdist worker runs this module's tests, each marked: the command's tests reuse the
 # programs the ports' tests compiled in its process. Not the BatchNorm cell, which reads
-# the torch batch on that batch's worker (conftest.py; a module-wide mark put it in a
-# group of its own, "ports_torch_runs", and the worker it went to made the batch again).
+# the torch batch with that batch's tests (conftest.py; a module-wide mark put it in a
+# group of its own, "ports_torch_runs", run apart, which made the batch again).
 ports = pytest.mark.xdist_group("ports")
 
 MODELS = pathlib.Path(__file__).parent / "library_ports.py"
