@@ -35,7 +35,10 @@ def pytest_collection_modifyitems(items):
             # (its module's) makes a group of its own, run apart from the batch's, on
             # another worker or later on the same one (whose session fixtures xdist
             # tears down when its queue runs dry): either made the batch again, 40 CPU s.
-            groups = {m.args[0] for m in item.iter_markers("xdist_group")}
+            groups = {  # as xdist reads a group's name
+                m.args[0] if m.args else m.kwargs.get("name", "default")
+                for m in item.iter_markers("xdist_group")
+            }
             if groups != {BATCH_GROUP}:
                 raise pytest.UsageError(
                     f"{item.nodeid} reads torch_batch, so its only xdist group must be "

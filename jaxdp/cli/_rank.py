@@ -138,11 +138,9 @@ def _guard_the_join(link: types.ModuleType, who: str, address: str) -> None:
         except ValueError as e:
             link.give_up("jaxdp launch", str(e))
     os.environ["JAXDP_JOIN_GRACE_S"] = str(link.JAX_GRACE_S)
-    watch = threading.Thread(
-        target=_watch_the_join, args=(link, who, address), name="jaxdp-join-watchdog"
-    )
-    watch.daemon = True
-    watch.start()
+    threading.Thread(
+        target=_watch_the_join, args=(link, who, address), name="jaxdp-join-watchdog", daemon=True
+    ).start()
 
 
 def _watch_the_join(link: types.ModuleType, who: str, address: str) -> None:
