@@ -85,7 +85,9 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
     ``Parallel.remat``'s policy (on any device count, also where nothing is split): the
     backward gathers each layer again instead of keeping the gathered weights, so the
     step's peak holds one layer at a time; each layer's gradient is reduce-scattered
-    inside the loop (docs/semantics.md, "ZeRO stage 3"). At stages 0 to 2 on GPUs each
+    inside the loop (docs/semantics.md, "ZeRO stage 3"), and under HSDP its block
+    all-reduced across the replica groups in the backward of the layer below (the
+    lowest layer's after the loop). At stages 0 to 2 on GPUs each
     layer's gradient leaves the backward as that layer's ends (:class:`Stack`).
 
     Raises:
@@ -110,16 +112,7 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
         across = declared.route.across
     _check_layers(treedef.unflatten(leaves))
 
-    xs = leaves
-    if across is not None:  # HSDP: each layer's blocks all-reduced over the replicas too
-        # The split ones (a stack kept whole has no block to send: it is not routed).
-        which = [i for i, s in enumerate(stacks) if s is not None and s.sink is not None]
-        leaves = [jax.lax.stop_gradient(x) if i in which else x for i, x in enumerate(leaves)]
-        xs = (leaves, tuple(stacks[i].sums for i in which), tuple(stacks[i].sink for i in which))
-
     def body(carry, xs):
-        if across is not None:
-            xs = _route_layer(across, (None,) * len(which), which, *xs)
         if how is not None:
             xs = gather(xs, dims, how, sizes)
         layer = treedef.unflatten(xs)
@@ -139,7 +132,112 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
         # it would add keeps XLA's collective pipeliner from moving the backward's
         # gather one layer ahead.
         body = jax.checkpoint(body, policy=how.policy, prevent_cse=False)
-    return jax.lax.scan(body, carry, xs)[0]
+    if across is not None:  # HSDP: each layer's blocks all-reduced over the replicas too
+        return _scan_relayed(body, across, leaves, stacks, carry)
+    return jax.lax.scan(body, carry, leaves)[0]
+
+
+def _scan_relayed(body, route: Route, leaves, stacks, carry):
+    """HSDP's loop over a stack: ``body`` a layer at a time, and in the backward each
+    layer's reduce-scattered blocks all-reduced over the replica groups by ``route``
+    (plus the window's sums of them) ONE LAYER LATER, in the backward of the layer below,
+    under that layer's matrix products, and written into the sinks one layer later again;
+    the lowest layer's all-reduce, the backward's last, after the loop. The blocks and the
+    all-reduced blocks go down through a mailbox the loop carries (:func:`_relayed`).
+
+    Why written here: in the layer's own backward the all-reduce waits for that layer's
+    reduce-scatter, the last thing it does, and XLA's collective pipeliner, which moved it
+    on a layer, peels a layer out of the backward's loop for each kind of collective it
+    moves; XLA:GPU's scheduler keeps no collective in flight across a loop's bounds, so
+    the peeled layers' all-reduces were exposed. Written into the sinks in the layer it
+    is reduced in, XLA began that write (an asynchronous dynamic-update-slice) as early
+    as it could, and so ended the all-reduce after two products. GPT-2 small scanned,
+    ``shards=8`` on 2 x 8 to 128 x 8 H100s: 82.5% of these all-reduces' bytes but the
+    embeddings' under a matrix product -> 90.8%, at K=1 and 4 (BENCHMARKS.md, section 9).
+    The top layer runs outside the loop (the backward's first, nothing comes from above),
+    so XLA keeps its gathered weights for its backward, which follows at once: one
+    layer's gather fewer."""
+    which = [i for i, s in enumerate(stacks) if s is not None and s.sink is not None]
+    # The split ones (a stack kept whole has no block to send: it is not routed). Their
+    # gradients leave through the sinks, as the mailbox hands them on.
+    leaves = [jax.lax.stop_gradient(x) if i in which else x for i, x in enumerate(leaves)]
+    sums = tuple(stacks[i].sums for i in which)
+    sinks = tuple(stacks[i].sink for i in which)
+    n, dims = jnp.shape(leaves[which[0]])[0], (None,) * len(which)
+
+    def rows(tree, start, stop=None):
+        return jax.tree.map(lambda x: x[start:stop], tree)
+
+    def relayed(at, values, mail, sums, write):
+        picked = None if values is None else tuple(values[i] for i in which)
+        picked, mail = _relayed(at, route, dims, picked, mail, sums, write)
+        if values is not None:
+            values = list(values)
+            for i, x in zip(which, picked, strict=True):
+                values[i] = x
+        return values, mail
+
+    def below_the_top(state, xs):
+        carry, mail = state
+        values, sums_above, write = xs
+        values, mail = relayed("layer", values, mail, sums_above, write)
+        return (body(carry, values)[0], mail), None
+
+    # The mailbox: a layer's blocks on their way to the all-reduce (zeros in the forward)
+    # and the all-reduced blocks of the layer above on their way to its sinks' row. It
+    # starts at the lowest layer's row, which gets what arrives there last: that layer's.
+    mail = (tuple(jnp.zeros_like(leaves[i][0]) for i in which), tuple(x[0] for x in sinks))
+    lowest = tuple(None if x is None else x[0] for x in sums)
+    second = tuple(x[1] for x in sinks) if n > 1 else None
+    _, mail = relayed("bottom", None, mail, lowest, second)
+    if n > 1:
+        # Layer j writes the row of layer j + 2; the one below the top, a zero row.
+        writes = jax.tree.map(lambda x: jnp.concatenate([x[2:], jnp.zeros_like(x[:1])]), sinks)
+        xs = (rows(leaves, 0, n - 1), rows(sums, 1), writes)
+        carry, mail = jax.lax.scan(below_the_top, (carry, mail), xs)[0]
+    top, _ = relayed("top", [x[n - 1] for x in leaves], mail, None, None)
+    return body(carry, top)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _relayed(at: str, route: Route, dims: tuple[Any, ...], values, mail, sums, write):
+    """``(values, mail)``: a layer's blocks and the mailbox (``(blocks, reduced)``) of
+    :func:`_scan_relayed`'s loop. In the backward the blocks' gradients go into the
+    mailbox, to the layer below; the blocks that arrive in it (the layer above's), plus
+    the window's ``sums`` of them, are all-reduced by ``route`` and go on in it; the
+    all-reduced blocks that arrive (from two layers above) are the gradient of ``write``,
+    that layer's row of the sinks. ``at``: ``"layer"``; ``"top"``, which only hands its
+    blocks down; ``"bottom"``, no layer, the mailbox's start: what arrives, the lowest
+    layer's, is all-reduced into the mailbox's own row (None: ``write``, one layer only)."""
+    return values, mail
+
+
+def _relayed_forward(at, route, dims, values, mail, sums, write):
+    like = tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in mail[1])
+    return (values, mail), (sums, like, write is not None)
+
+
+def _relayed_backward(at, route, dims, residuals, cotangents):
+    sums, like, writes = residuals
+    grads, (arrived, reduced_above) = cotangents
+    handed = None
+    if at != "bottom":
+        handed = tuple(g.astype(m.dtype) for g, m in zip(grads, arrived, strict=True))
+    if at == "top":
+        return None, (handed, None), None, None
+    # One collective for the layer: combined with another, its bucket waited for that
+    # one's (the embeddings', after the loop); XLA's combiner leaves it whole.
+    packed = dataclasses.replace(route, packed=True)
+    reduced = _routed_backward(packed, dims, (sums, like), arrived)[2]
+    if handed is not None:
+        # Tied to the blocks handed down: the layer below's all-reduce begins after this
+        # one, so XLA cannot combine the two into one that waits for the lower layer's
+        # reduce-scatter (without it 8.3% of the bytes were hidden, not 90.8%).
+        handed = jax.lax.optimization_barrier((handed, reduced))[0]
+    return None, (handed, reduced), None, reduced_above if writes else None
+
+
+_relayed.defvjp(_relayed_forward, _relayed_backward)
 
 
 def _check_a_stack(layers: nnx.Module) -> None:
@@ -208,17 +306,18 @@ class Route:
     reduce-scatters them. ``n``: the devices it runs over; ``wire``:
     ``Parallel.comm_dtype`` (None: the sums' own). ``across`` (HSDP, stage 3): the
     ``"psum"`` route over the replica groups that each layer's reduce-scattered block
-    (plus the window's sums of it) takes next, in the same backward. ``packed``: a
-    layer's gradients travel in one collective per dtype (stages 0 to 2), not one per
-    leaf for XLA to combine into buckets (HSDP's blocks across the replica groups).
+    (plus the window's sums of it) takes next, in the same backward, a layer later
+    (:func:`_scan_relayed`). ``packed``: a layer's gradients travel in one collective
+    per dtype (stages 0 to 2, and a stack's blocks across the replica groups), not one
+    per leaf for XLA to combine into buckets (HSDP's other blocks).
 
     Why packed at stages 0 to 2: XLA's combiner otherwise merges leaves of neighbouring
     layers into one bucket, which waits for its last leaf, so the buckets of the first
     layers (the backward's last) had no matrix product left under them. Measured on the
     scanned GPT-2 small for 8 H100s (BENCHMARKS.md section 9, "The scanned model"):
     stage 0 84.9% -> 100% of the bytes but the embeddings' hidden, stage 2 79.4% -> 100%.
-    HSDP's blocks packed hid none of their bytes across the replica groups (82% one per
-    leaf)."""
+    A stack's blocks across the replica groups are packed where they are sent
+    (:func:`_relayed`): ``packed`` is False for HSDP's leaves outside every stack."""
 
     kind: str
     axes: Any

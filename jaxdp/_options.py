@@ -120,13 +120,13 @@ class Parallel:
     ``replica_all_reduce`` (HSDP): when a declared stack's blocks are all-reduced
     across the replica groups on the window's last micro-batch. ``"per_layer"``
     (default; torch FSDP2's HSDP) inside :func:`jaxdp.scan_layers`' backward, each
-    layer's right after its reduce-scatter, so the cross-host bytes travel under the
-    backward (on GPUs' spelling); ``"after_backward"`` ONCE after it, which leaves the
-    reduce-scatters within the shard group more room. A trade XLA:GPU's schedule makes
-    (BENCHMARKS.md, section 9: GPT-2 small on 2 x 8 H100s, K = 4, the cross-host
-    all-reduce 82% against 17% hidden but the embedding-sized blocks', the
-    reduce-scatters 75% against 89% but each micro-batch's first and last). The sums,
-    and so the update, are the same.
+    layer's after its reduce-scatter, under the next layer's backward, so the cross-host
+    bytes travel under the backward (on GPUs' spelling); ``"after_backward"`` ONCE after
+    it, which leaves the reduce-scatters within the shard group more room. A trade
+    XLA:GPU's schedule makes (BENCHMARKS.md, section 9: GPT-2 small on 2 x 8 H100s,
+    K = 4, the cross-host all-reduce 91% against 16% hidden but the embedding-sized
+    blocks', the reduce-scatters 84% against 89% but each micro-batch's first and
+    last). The sums, and so the update, are the same.
 
     ``remat``: what :func:`jaxdp.scan_layers`' loop keeps of each layer for the
     backward, which gathers the layer's weights again either way (no gathered weight is
@@ -521,14 +521,10 @@ class StepOptions:
             # flight while the layer before computes, in the forward and the backward),
             # each started as soon as its shard is there. Without them no gather of a
             # scanned GPT-2 small hid under a matrix product on 8 H100s.
-            # HSDP: each layer's all-reduce across the replica groups too (a declared
-            # stack's, jaxdp._layers), which moves it one layer on, so that the layer's
-            # reduce-scatter is not waited for at once: GPT-2 small scanned on 2 x 8
-            # H100s, the reduce-scatters' bytes but the first and last 10% -> 30% hidden,
-            # the all-reduces' as they were (BENCHMARKS.md, section 9).
-            hsdp = self.shards < self.num_devices
-            kinds = ("all_gather", "reduce_scatter") + (("all_reduce",) if hsdp else ())
-            options |= _collective_pipelining(kinds)
+            # Not HSDP's all-reduces across the replica groups: jaxdp._layers sends each
+            # layer's one layer later itself, and the pipeliner peels another layer out of
+            # the backward's loop for each kind it moves.
+            options |= _collective_pipelining(("all_gather", "reduce_scatter"))
             options["xla_gpu_experimental_collective_start_as_early_as_possible"] = True
         return options
 

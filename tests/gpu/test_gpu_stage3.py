@@ -53,11 +53,11 @@ def program(topology: str, k: int, shards: int | None = None, when: str = "per_l
 
 
 # Stage 3 on one node at K = 1, HSDP (shard groups of 8) on two at K = 4: each layout, each
-# K. HSDP's all-reduce across the replica groups after the backward here: per layer (the
-# default), the last micro-batch's reduce-scatters wait for it and hide less (75% but the
-# first and last on this cell), which the test below holds with what it hides. BENCHMARKS.md,
-# section 9 reads both layouts at both K (`bin/jaxdp bench --only gpu_programs`).
-CELLS = [("1x1x8", 1, None, "per_layer"), ("1x2x8", 4, 8, "after_backward")]
+# K. HSDP's all-reduce across the replica groups per layer (the default; the test below
+# holds what it hides on the same program). BENCHMARKS.md, section 9 reads both layouts at
+# both K and HSDP's all-reduce after the backward (`bin/jaxdp bench --only gpu_programs`).
+CELLS = [("1x1x8", 1, None, "per_layer"), ("1x2x8", 4, 8, "per_layer")]
+ACROSS_HIDDEN = 0.9  # HSDP's cross-host bytes: the share issue 48 asks for
 
 
 @pytest.mark.parametrize(("topology", "k", "shards", "when"), CELLS)
@@ -97,15 +97,16 @@ def test_hsdp_sends_each_layers_blocks_across_the_hosts_under_the_backward():
     """HSDP, the stack declared (the model's metadata), ``replica_all_reduce="per_layer"``
     (the default): each layer's reduce-scattered block goes across the replica groups,
     the only traffic between hosts, inside the backward's layer loop, under the next
-    layers' matrix products (not once after the backward: 17% hidden). Left out: the two
-    embedding-sized blocks' (the token embedding's, complete at the backward's end, and
-    the untied head's, which XLA schedules after the loop with its reduce-scatter).
-    Measured: 82% of the rest."""
-    compiled, state = program("1x2x8", 1, 8)
+    layer's matrix products (not once after the backward: 16% hidden); the lowest
+    layer's, the backward's last, after it. Left out: the two embedding-sized blocks'
+    (the token embedding's, complete at the backward's end, and the untied head's, which
+    XLA schedules after the loop with its reduce-scatter). Measured: 90.8% of the rest,
+    also at K=1 and on 16 x 8 and 128 x 8 H100s (BENCHMARKS.md, section 9)."""
+    compiled, state = program("1x2x8", 4, 8)
     embedding = _nbytes(state.params["tok_emb"]) // 8  # a block of the token embedding
     assert_collectives(
         compiled,
-        all_reduce=Buckets(None, hidden=HIDDEN, exposed=lambda c: c.bytes >= embedding),
+        all_reduce=Buckets(None, hidden=ACROSS_HIDDEN, exposed=lambda c: c.bytes >= embedding),
         all_gather=None,
         reduce_scatter=None,
     )
