@@ -123,14 +123,11 @@ def name_layer_axis(stack: Any) -> Any:
     return stack
 
 
-def stacked_leaves(tree: Any, layers: Any = None) -> list[bool]:
-    """Per leaf of ``tree``: a stack of layers, its first dimension the layer axis.
-
-    ``layers`` (``Parallel.layers``): None reads the model's own metadata, a leaf whose
-    sharding names (an NNX Variable's ``out_sharding`` or ``sharding_names``, a Linen
-    ``nn.Partitioned``'s ``names``) start with :data:`LAYER_AXIS`; a sequence of names
-    takes the leaves under a key of one of those names (``("blocks",)``); a callable
-    takes ``(path, leaf)`` (``path`` as ``jax.tree_util.keystr`` writes it) and says."""
+def _named_leaves(tree: Any) -> list[tuple[Any, Any, tuple[Any, ...]]]:
+    """``(path, node, names)`` per boxed node of ``tree`` (an NNX Variable, a Linen
+    ``nn.Partitioned``) or leaf: the sharding names its metadata gives (an NNX
+    Variable's ``out_sharding`` or ``sharding_names``, a ``Partitioned``'s ``names``;
+    ``()``: none)."""
     from flax import linen as nn
     from flax import nnx
 
@@ -139,12 +136,74 @@ def stacked_leaves(tree: Any, layers: Any = None) -> list[bool]:
 
     out = []
     for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=boxed)[0]:
-        names = ()
+        names: tuple[Any, ...] = ()
         if isinstance(node, nnx.Variable):
             meta = node.get_metadata()
-            names = meta.get("out_sharding") or meta.get("sharding_names") or ()
+            names = tuple(meta.get("out_sharding") or meta.get("sharding_names") or ())
         elif isinstance(node, nn.Partitioned):
-            names = node.names
+            names = tuple(node.names)
+        out.append((path, node, names))
+    return out
+
+
+def refuse_axes_the_mesh_lacks(tree: Any, mesh: Mesh) -> None:
+    """Refuses a leaf of ``tree`` whose sharding metadata names a mesh axis ``mesh``
+    lacks (a tensor-parallel ``"model"`` on a data mesh): jaxdp's step places every leaf
+    over its data axes by its own rule, so the leaf would be replicated where the model
+    says it is split, a per-device memory the model's author did not plan. Names a
+    leaf's rules map first (an NNX Variable's ``sharding_rules``, a Linen
+    ``nn.LogicallyPartitioned``'s rules or the ambient ``nn.logical_axis_rules``, as
+    ``nn.logical_to_mesh_axes`` maps them: a logical name no rule maps is None) are
+    read as mapped; :data:`LAYER_AXIS` (a stack's layer axis) is taken.
+
+    Raises:
+      ValueError: naming the leaf, its names, the axis and the mesh's axes."""
+    from flax import linen as nn
+    from flax import nnx
+
+    axes = set(mesh.axis_names) | {LAYER_AXIS}
+    for path, node, names in _named_leaves(tree):
+        if not names:
+            continue
+        rules: Any = False  # False: the names are mesh axes
+        if isinstance(node, nnx.Variable) and node.get_metadata().get("sharding_rules"):
+            rules = node.get_metadata()["sharding_rules"]
+        elif isinstance(node, nn.LogicallyPartitioned):
+            rules = node.rules
+        mapped = names if rules is False else tuple(nn.logical_to_mesh_axes(names, rules))
+        for entry in mapped:
+            for axis in entry if isinstance(entry, tuple) else (entry,):
+                if isinstance(axis, str) and axis not in axes:
+                    said = f"{names}" if rules is False else f"{names}, by its rules {mapped}"
+                    raise ValueError(
+                        _AXIS_THE_MESH_LACKS.format(
+                            name=jax.tree_util.keystr(path),
+                            said=said,
+                            axis=axis,
+                            mesh=tuple(mesh.axis_names),
+                        )
+                    )
+
+
+_AXIS_THE_MESH_LACKS = (
+    "params{name}'s sharding metadata ({said}) names the mesh axis {axis!r}, which the "
+    "mesh lacks (its axes: {mesh}): jaxdp places every parameter over the mesh's data "
+    "axes by its own rule, so this leaf would be replicated on every device, not split "
+    "as the model says. Tensor parallelism over a model axis is not supported yet; drop "
+    "the annotation (sharding names of None) to train the model replicated"
+)
+
+
+def stacked_leaves(tree: Any, layers: Any = None) -> list[bool]:
+    """Per leaf of ``tree``: a stack of layers, its first dimension the layer axis.
+
+    ``layers`` (``Parallel.layers``): None reads the model's own metadata, a leaf whose
+    sharding names (an NNX Variable's ``out_sharding`` or ``sharding_names``, a Linen
+    ``nn.Partitioned``'s ``names``) start with :data:`LAYER_AXIS`; a sequence of names
+    takes the leaves under a key of one of those names (``("blocks",)``); a callable
+    takes ``(path, leaf)`` (``path`` as ``jax.tree_util.keystr`` writes it) and says."""
+    out = []
+    for path, node, names in _named_leaves(tree):
         keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
         for leaf in jax.tree.leaves(node):
             if layers is None:
@@ -293,7 +352,9 @@ class ShardPlan:
     shard axis, the last, and every replica group holds the same copy; ``num_devices``
     is then a shard group's size.
     ``packed``: the gradients' reduce-scatter packs every leaf into one per dtype
-    (XLA:CPU's spelling), else one per leaf (:func:`packed_reduce_scatter`).
+    (XLA:CPU's spelling), else one per leaf (:func:`packed_reduce_scatter`). A leaf
+    whose sharding metadata names an axis ``mesh`` lacks is refused
+    (:func:`refuse_axes_the_mesh_lacks`).
     """
 
     def __init__(
@@ -305,6 +366,7 @@ class ShardPlan:
         packed: bool = True,
         layers: Any = None,
     ):
+        refuse_axes_the_mesh_lacks(trainable, mesh)
         leaves, self.treedef = jax.tree.flatten(trainable)
         self.stacked = stacked_leaves(trainable, layers)
         self.packed = packed
