@@ -123,11 +123,18 @@ def name_layer_axis(stack: Any) -> Any:
     return stack
 
 
+def _declared_names(meta: dict[str, Any]) -> tuple[Any, ...]:
+    """The sharding names an NNX Variable's metadata declares: its ``out_sharding`` (a
+    tuple of names, a ``PartitionSpec`` or a ``NamedSharding``, whose spec is read) or
+    ``sharding_names``; ``()``: none."""
+    names = meta.get("out_sharding") or meta.get("sharding_names") or ()
+    return tuple(getattr(names, "spec", names))
+
+
 def _named_leaves(tree: Any) -> list[tuple[Any, Any, tuple[Any, ...]]]:
     """``(path, node, names)`` per boxed node of ``tree`` (an NNX Variable, a Linen
-    ``nn.Partitioned``) or leaf: the sharding names its metadata gives (an NNX
-    Variable's ``out_sharding`` or ``sharding_names``, a ``Partitioned``'s ``names``;
-    ``()``: none)."""
+    ``nn.Partitioned``) or leaf: the sharding names its metadata gives
+    (:func:`_declared_names`, a ``Partitioned``'s ``names``; ``()``: none)."""
     from flax import linen as nn
     from flax import nnx
 
@@ -138,43 +145,55 @@ def _named_leaves(tree: Any) -> list[tuple[Any, Any, tuple[Any, ...]]]:
     for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=boxed)[0]:
         names: tuple[Any, ...] = ()
         if isinstance(node, nnx.Variable):
-            meta = node.get_metadata()
-            names = tuple(meta.get("out_sharding") or meta.get("sharding_names") or ())
+            names = _declared_names(node.get_metadata())
         elif isinstance(node, nn.Partitioned):
             names = tuple(node.names)
         out.append((path, node, names))
     return out
 
 
-def refuse_axes_the_mesh_lacks(tree: Any, mesh: Mesh) -> None:
-    """Refuses a leaf of ``tree`` whose sharding metadata names a mesh axis ``mesh``
-    lacks (a tensor-parallel ``"model"`` on a data mesh): jaxdp's step places every leaf
-    over its data axes by its own rule, so the leaf would be replicated where the model
-    says it is split, a per-device memory the model's author did not plan. Names a
-    leaf's rules map first (an NNX Variable's ``sharding_rules``, a Linen
-    ``nn.LogicallyPartitioned``'s rules or the ambient ``nn.logical_axis_rules``, as
-    ``nn.logical_to_mesh_axes`` maps them: a logical name no rule maps is None) are
-    read as mapped; :data:`LAYER_AXIS` (a stack's layer axis) is taken.
-
-    Raises:
-      ValueError: naming the leaf, its names, the axis and the mesh's axes."""
+def _mesh_axes_of(node: Any, names: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The mesh axes ``names`` stand for, as the model's framework maps them when it
+    places the leaf: an NNX Variable's through its ``sharding_rules`` and the
+    ``nnx.logical_axis_rules`` in force (``nnx.spmd.get_var_pspec``: a name no rule maps
+    is kept as a mesh axis name), a ``NamedSharding``'s spec as it is, a Linen
+    ``nn.LogicallyPartitioned``'s through its rules or the ``nn.logical_axis_rules`` in
+    force (``nn.logical_to_mesh_axes``: a name no rule maps is None). None: the names
+    are mesh axes as they are."""
     from flax import linen as nn
     from flax import nnx
 
+    if isinstance(node, nnx.Variable):
+        meta = node.get_metadata()
+        if hasattr(meta.get("out_sharding"), "spec") or not meta.get("out_sharding"):
+            return None
+        mapped = tuple(nnx.spmd.get_var_pspec(node))
+        return None if mapped == names else mapped
+    if isinstance(node, nn.LogicallyPartitioned):
+        return tuple(nn.logical_to_mesh_axes(names, node.rules))
+    return None
+
+
+def refuse_axes_the_mesh_lacks(tree: Any, mesh: Mesh) -> None:
+    """Refuses a leaf of ``tree`` whose sharding metadata names a mesh axis ``mesh``
+    lacks (a tensor-parallel ``"model"`` on a data mesh): jaxdp's step places every leaf
+    over its data axes by its own rule, so the leaf would not be split over that axis as
+    the model says, a per-device memory the model's author did not plan. Logical names
+    are read as the model's framework maps them (:func:`_mesh_axes_of`, under the rules
+    in force when the step is given the model); :data:`LAYER_AXIS` (a stack's layer
+    axis) is taken.
+
+    Raises:
+      ValueError: naming the leaf, its names, the axis and the mesh's axes."""
     axes = set(mesh.axis_names) | {LAYER_AXIS}
     for path, node, names in _named_leaves(tree):
         if not names:
             continue
-        rules: Any = False  # False: the names are mesh axes
-        if isinstance(node, nnx.Variable) and node.get_metadata().get("sharding_rules"):
-            rules = node.get_metadata()["sharding_rules"]
-        elif isinstance(node, nn.LogicallyPartitioned):
-            rules = node.rules
-        mapped = names if rules is False else tuple(nn.logical_to_mesh_axes(names, rules))
-        for entry in mapped:
+        mapped = _mesh_axes_of(node, names)
+        for entry in names if mapped is None else mapped:
             for axis in entry if isinstance(entry, tuple) else (entry,):
                 if isinstance(axis, str) and axis not in axes:
-                    said = f"{names}" if rules is False else f"{names}, by its rules {mapped}"
+                    said = f"{names}" if mapped is None else f"{names}, by its rules {mapped}"
                     raise ValueError(
                         _AXIS_THE_MESH_LACKS.format(
                             name=jax.tree_util.keystr(path),
@@ -187,10 +206,11 @@ def refuse_axes_the_mesh_lacks(tree: Any, mesh: Mesh) -> None:
 
 _AXIS_THE_MESH_LACKS = (
     "params{name}'s sharding metadata ({said}) names the mesh axis {axis!r}, which the "
-    "mesh lacks (its axes: {mesh}): jaxdp places every parameter over the mesh's data "
-    "axes by its own rule, so this leaf would be replicated on every device, not split "
-    "as the model says. Tensor parallelism over a model axis is not supported yet; drop "
-    "the annotation (sharding names of None) to train the model replicated"
+    "mesh lacks (its axes: {mesh}): jaxdp places every parameter by its own rule over "
+    "the mesh's data axes only, so this leaf would not be split over {axis!r} as the "
+    "model says. Tensor parallelism over a model axis is not supported yet; to train the "
+    "model without it, drop the annotation or map the name to None in the model's "
+    "logical axis rules"
 )
 
 

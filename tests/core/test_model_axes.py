@@ -1,7 +1,8 @@
 """A model's own sharding names on a mesh axis the mesh lacks (a tensor-parallel "model"
 on a data mesh) are refused when the step is given the model, naming the leaf, the axis
 and the mesh's axes: jaxdp's step places every parameter over its data axes by its own
-rule, so the leaf would have been replicated on every device without a word (issue 49).
+rule over its data axes, so the leaf would not have been split over that axis, without a
+word (issue 49).
 Names of the mesh's own axes, of a stack's layer axis, and logical names that the
 model's rules map to no axis are taken, and train as the model without them."""
 
@@ -78,7 +79,7 @@ def test_an_nnx_kernel_split_over_a_model_axis_is_refused_on_a_data_mesh():
     said = str(refused.value)
     assert "params['fc1']['kernel']'s sharding metadata ((None, 'model'))" in said, said
     assert "names the mesh axis 'model', which the mesh lacks (its axes: ('data',))" in said
-    assert "replicated on every device" in said
+    assert "by its own rule over the mesh's data axes only" in said
 
 
 @pytest.mark.parametrize("names", [(None, None), ("data", None)])
@@ -107,3 +108,32 @@ def test_logical_names_are_read_through_the_rules_in_force():
         annotated = trained(make_step(loss), params)
     plain, plain_loss = linen(None)
     assert_trees_close(annotated, trained(make_step(plain_loss), plain))
+
+
+def test_nnx_logical_names_are_read_as_nnx_reads_them():
+    """An NNX Variable's names map through the ``nnx.logical_axis_rules`` in force (and
+    its own ``sharding_rules``) as ``nnx.get_partition_spec`` maps them: to ``model``
+    refused, to no axis taken; a name no rule maps stays a mesh axis name, as NNX
+    places it, and is refused when the mesh lacks it."""
+    step = make_step(nnx_loss)
+    model = NnxMLP(("embed", "mlp"))
+    rules = [("embed", None), ("mlp", "model")]
+    with nnx.logical_axis_rules(rules), pytest.raises(ValueError) as refused:
+        step.init(model)
+    assert "(('embed', 'mlp'), by its rules (None, 'model'))" in str(refused.value)
+    with pytest.raises(ValueError, match="names the mesh axis 'embed'"):
+        step.init(model)
+    with nnx.logical_axis_rules([("embed", None), ("mlp", None)]):
+        annotated = trained(step, model)
+    assert_trees_close(annotated, trained(make_step(nnx_loss), NnxMLP(None)))
+
+
+def test_a_named_sharding_is_read_by_its_spec():
+    """``out_sharding`` may be a ``NamedSharding`` (a mesh of its own): its spec's axes
+    are the names, refused on a mesh that lacks them."""
+    devices = np.array(jax.devices()[:1]).reshape(1, 1)
+    theirs = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(devices, ("data", "model")), jax.sharding.PartitionSpec(None, "model")
+    )
+    with pytest.raises(ValueError, match=r"\(\(None, 'model'\)\) names the mesh axis 'model'"):
+        make_step(nnx_loss).init(NnxMLP(theirs))
