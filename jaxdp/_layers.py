@@ -87,8 +87,10 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
     step's peak holds one layer at a time; each layer's gradient is reduce-scattered
     inside the loop (docs/semantics.md, "ZeRO stage 3"), and under HSDP its block
     all-reduced across the replica groups in the backward of the layer below (the
-    lowest layer's after the loop). At stages 0 to 2 on GPUs each
-    layer's gradient leaves the backward as that layer's ends (:class:`Stack`).
+    lowest layer's after the loop; the top layer runs outside the loop there, and XLA
+    keeps its gathered weights for its backward, which follows at once). At stages 0 to
+    2 on GPUs each layer's gradient leaves the backward as that layer's ends
+    (:class:`Stack`).
 
     Raises:
       ValueError: ``layers`` has no array leaf, a scalar leaf, or leaves of different
@@ -109,7 +111,7 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
         leaves = [x if s is None else s.value for x, s in zip(leaves, stacks, strict=True)]
         dims, how = [None if s is None else s.dim for s in stacks], declared.route.gather
         sizes = [None if s is None else s.size for s in stacks]
-        across = declared.route.across
+        across = next((s.route.across for s in stacks if s is not None and s.route.across), None)
     _check_layers(treedef.unflatten(leaves))
 
     def body(carry, xs):
@@ -184,7 +186,7 @@ def _scan_relayed(body, route: Route, leaves, stacks, carry):
         return (body(carry, values)[0], mail), None
 
     # The mailbox: a layer's blocks on their way to the all-reduce (zeros in the forward)
-    # and the all-reduced blocks of the layer above on their way to its sinks' row. It
+    # and the all-reduced blocks from two layers above on their way to their sinks' row. It
     # starts at the lowest layer's row, which gets what arrives there last: that layer's.
     mail = (tuple(jnp.zeros_like(leaves[i][0]) for i in which), tuple(x[0] for x in sinks))
     lowest = tuple(None if x is None else x[0] for x in sums)
@@ -208,7 +210,8 @@ def _relayed(at: str, route: Route, dims: tuple[Any, ...], values, mail, sums, w
     all-reduced blocks that arrive (from two layers above) are the gradient of ``write``,
     that layer's row of the sinks. ``at``: ``"layer"``; ``"top"``, which only hands its
     blocks down; ``"bottom"``, no layer, the mailbox's start: what arrives, the lowest
-    layer's, is all-reduced into the mailbox's own row (None: ``write``, one layer only)."""
+    layer's, is all-reduced into the mailbox's own row; ``write`` is None only there, at
+    the bottom of a one-layer stack."""
     return values, mail
 
 
@@ -383,10 +386,12 @@ def _scan_routed(fn, graphdef, treedef, leaves, stacks, carry):
     Unrolled: XLA:GPU (jaxlib 0.12) ran no collective inside a loop's body under that
     body's matrix products, in any spelling tried (reduced in the layer's own backward,
     one layer later through a mailbox the loop carries, with its collective pipeliner
-    on, or with more collectives in flight): GPT-2 small's stack on 8 H100s hid 1-7% of
-    its bytes. The unrolled backward is one region, where each layer's reduction runs
-    under the layers' before it, as a Python loop's does. At stages 0 to 2 the loop
-    saves compile time only (nothing is gathered, no remat), which this costs."""
+    on, or with more collectives in flight): at stages 0 to 2 GPT-2 small's stack on 8
+    H100s hid 1-7% of its bytes (HSDP's cross-replica all-reduce at stage 3, behind a
+    reduce-scatter and a gather in each layer, does hide so: :func:`_scan_relayed`).
+    The unrolled backward is one region, where each layer's reduction runs under the
+    layers' before it, as a Python loop's does. At stages 0 to 2 the loop saves compile
+    time only (nothing is gathered, no remat), which this costs."""
     route = next(s.route for s in stacks if s is not None)
     which = [i for i, s in enumerate(stacks) if s is not None]
     values = [
@@ -491,7 +496,8 @@ def gathered_loss(
         if not stacked and any(d is not None for d in dims):
             warn(_NOT_DECLARED.format(n=how.num_devices))
         # HSDP: the split leaves come as Stack (jaxdp._pipeline.Routing), to be all-reduced
-        # over the replica groups right after their reduce-scatter (a stack's layer by layer).
+        # over the replica groups (a stack's in the backward of the layer below its own,
+        # scan_layers' loop; the others whole, as they are done).
         handed = [x if isinstance(x, Stack) else None for x in leaves]
         leaves = [x if h is None else h.value for x, h in zip(leaves, handed, strict=True)]
         up_front = [None if i in stacked else d for i, d in enumerate(dims)]
