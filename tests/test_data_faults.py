@@ -8,12 +8,14 @@ import subprocess
 import sys
 import textwrap
 
-import datasets
 import numpy as np
 import pytest
 
 import jaxdp
 import jaxdp.data
+
+# datasets is imported where it is used: every xdist worker collects this file, and the
+# import costs about 2.7 CPU s.
 
 SIZES = jaxdp.batch_sizes(num_devices=2, accum_steps=1, micro_batch_size=2)
 
@@ -42,6 +44,8 @@ def test_a_source_whose_order_cannot_fit_in_memory_is_refused_naming_its_length_
 
 
 def test_a_hugging_face_text_column_is_refused_at_construction_naming_it_and_the_fix():
+    import datasets
+
     data = {"x": np.ones((8, 3), np.float32).tolist(), "y": list(range(8)), "text": ["ab"] * 8}
     with pytest.raises(
         ValueError, match=r"column 'text' holds text .*remove_columns\(\['text'\]\)"
@@ -57,6 +61,8 @@ def test_a_hugging_face_text_column_is_refused_at_construction_naming_it_and_the
 
 
 def test_a_ragged_column_is_refused_at_the_first_batch_naming_the_column_and_records():
+    import datasets
+
     ragged = datasets.Dataset.from_dict({"x": [[1.0] * (1 + i % 2) for i in range(8)]})
     with (
         pytest.raises(

@@ -5,7 +5,6 @@ and a loader made from the step takes its path and split from it."""
 import subprocess
 import sys
 
-import datasets
 import grain
 import numpy as np
 import optax
@@ -13,6 +12,9 @@ import pytest
 
 import jaxdp
 import jaxdp.data
+
+# datasets is imported where it is used: every xdist worker collects this file, and the
+# import costs about 2.7 CPU s.
 
 SIZES = jaxdp.batch_sizes(num_devices=2, accum_steps=2, micro_batch_size=3)  # 12 rows a step
 N = 40
@@ -47,6 +49,8 @@ def assert_same_batches(got, want):
 def test_a_hugging_face_dataset_in_any_format_gives_the_numpy_batch(form):
     """The default (python) format used to reach the loss as a list of 6 columns, x
     transposed to (6, rows): every format now reads as ``with_format("numpy")``."""
+    import datasets
+
     source = arrays()
     dataset = datasets.Dataset.from_dict(source).with_format(form)
     got = read_all(dataset)
@@ -55,6 +59,8 @@ def test_a_hugging_face_dataset_in_any_format_gives_the_numpy_batch(form):
 
 
 def test_a_hugging_face_formats_columns_are_kept_and_a_transform_sees_numpy_records():
+    import datasets
+
     source = arrays()
     only_x = datasets.Dataset.from_dict(source).with_format("torch", columns=["x"])
     assert_same_batches(read_all(only_x), read_all({"x": source["x"]}))
@@ -106,6 +112,8 @@ def test_a_batched_read_of_another_length_is_refused_naming_the_counts():
 
 
 def test_a_hugging_face_dataset_is_read_with_one_batched_index_per_call():
+    import datasets
+
     class Counted(datasets.Dataset):  # with_format copies it: the copy counts too
         reads = []
 
@@ -146,6 +154,8 @@ def test_jaxdp_imports_datasets_only_when_given_one():
 
 
 def test_a_resume_on_a_changed_hugging_face_dataset_is_refused():
+    import datasets
+
     saved = jaxdp.data.Loader(datasets.Dataset.from_dict(arrays()), SIZES, mesh=jaxdp.data_mesh(2))
     state = saved.state()
     assert state["fingerprint"]["covers"] == "every row"

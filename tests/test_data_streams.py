@@ -10,7 +10,6 @@ some process's shard has too few records left (that tail is dropped, on every pr
 
 import warnings
 
-import datasets
 import grain
 import jax
 import jax.numpy as jnp
@@ -18,11 +17,13 @@ import numpy as np
 import optax
 import pytest
 import torch
-from datasets.distributed import split_dataset_by_node
 
 import jaxdp
 import jaxdp.data
 from jaxdp.checkpoint import CheckpointError, Checkpoints
+
+# datasets is imported where it is used: every xdist worker collects this file, and the
+# import costs about 2.7 CPU s.
 
 N = 31  # two shards of 16 and 15 rows: the agreement between processes ends the epoch
 # 4 devices (2 processes x 2), a step of 8 rows: 4 of each process's shard.
@@ -60,17 +61,23 @@ def grain_rows(process):
 
 
 def hf_whole():
+    import datasets
+
     return datasets.Dataset.from_dict(columns()).to_iterable_dataset(num_shards=2)
 
 
 def hf_stream():
     """This process's node of a 2-shard stream (a shard, a file, per node)."""
+    from datasets.distributed import split_dataset_by_node
+
     return split_dataset_by_node(
         hf_whole(), rank=jax.process_index(), world_size=jax.process_count()
     )
 
 
 def hf_rows(process):
+    from datasets.distributed import split_dataset_by_node
+
     return [int(r["i"]) for r in split_dataset_by_node(hf_whole(), rank=process, world_size=2)]
 
 
