@@ -38,6 +38,13 @@ first ``K - 1`` micro-batches run under ``set_requires_gradient_sync(False)``
 the clip (``clip_grad_norm_`` on the sharded gradients) and the optimizer work
 on the shards. The data, its order and the update are DDP's.
 
+``tp=T > 1`` adds tensor parallelism (``torch_ref.tensor_parallel``): the model's
+Megatron plan applied with ``parallelize_module`` over the ``"tp"`` dimension of a
+``("dp", "tp")`` mesh of ``(num_devices // T, T)``, then DDP or FSDP2 over ``"dp"``
+as above. The ``T`` ranks of a data rank read the same micro-batches (its sampler
+has ``num_replicas=num_devices // T``): the data, its order and the update are
+those of DDP on ``num_devices // T`` ranks.
+
 The last, incomplete window of an epoch (``r = micro-batches % K > 0``) follows
 ``last_window``: ``"drop"`` (default) skips its ``r`` micro-batches without a
 forward, so every update averages exactly ``W K`` micro-batches (the same
@@ -85,6 +92,7 @@ from .models import (
     torch_dtype,
 )
 from .optim import OptimConfig, build_optimizer, local_bytes, optimizer_state_bytes
+from .tensor_parallel import tensor_parallel
 from .user import (
     LOSSES,
     build_user_model,
@@ -101,7 +109,8 @@ Job = tuple["TrainConfig", Data, State]
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run. ``global_batch_size = num_devices * accum_steps * micro_batch_size``."""
+    """One training run. ``global_batch_size = data_ranks * accum_steps * micro_batch_size``
+    (``data_ranks``: ``num_devices // tp``)."""
 
     # One of torch_ref.MODELS, or a user's model: a "MODULE:ATTR" spec, a class or
     # factory returning an nn.Module, or an nn.Module (torch_ref.user).
@@ -140,6 +149,9 @@ class TrainConfig:
     # is HSDP, num_devices // shards replicas of a sharded model on a 2-D mesh.
     fsdp: bool = False
     shards: int | None = None
+    # Tensor parallelism (torch_ref.tensor_parallel): the model's Megatron plan over `tp`
+    # ranks of a (dp, tp) mesh, under DDP or FSDP2 over the num_devices // tp data ranks.
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if is_user_model(self.model):
@@ -188,6 +200,7 @@ class TrainConfig:
                     f"shards={self.shards} must be a divisor of num_devices={self.num_devices} "
                     f"(num_devices // shards replicas of shards ranks each)"
                 )
+        self._check_tp()
         if self.fsdp:
             ddp_only = {
                 "zero": self.zero,
@@ -201,6 +214,41 @@ class TrainConfig:
                     f"{given} configures DDP; fsdp=True trains with FSDP2 instead (it shards "
                     "the optimizer state itself): leave it at its default"
                 )
+
+    def _check_tp(self) -> None:
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise ValueError(f"tp={self.tp!r} must be a whole number, at least 1")
+        if self.num_devices % self.tp:
+            raise ValueError(
+                f"tp={self.tp} must be a divisor of num_devices={self.num_devices} "
+                "(num_devices // tp data ranks of tp ranks each)"
+            )
+        if self.tp == 1:
+            return
+        if self.model != "stack":
+            raise ValueError(
+                f"tp={self.tp} needs a model with a Megatron plan: 'stack' "
+                f"(torch_ref.tensor_parallel.megatron_plan), got model={self.model!r}"
+            )
+        alone = {
+            "zero": self.zero,
+            "comm_hook": self.comm_hook,
+            "sync_batchnorm": self.sync_batchnorm,
+            "find_unused_parameters": self.find_unused_parameters,
+            "shards": self.shards,
+            "loss_reduction": None if self.loss_reduction == "mean" else self.loss_reduction,
+        }
+        if any(v not in (None, False) for v in alone.values()):
+            given = ", ".join(f"{k}={v!r}" for k, v in alone.items() if v not in (None, False))
+            raise ValueError(
+                f"tp={self.tp} with {given} is not built: tensor parallelism composes with "
+                "plain DDP or FSDP2 over the data ranks"
+            )
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks that read different micro-batches: ``num_devices // tp``."""
+        return self.num_devices // self.tp
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -235,7 +283,7 @@ def micro_batches_per_epoch(config: TrainConfig, num_samples: int) -> int:
     """Whole micro-batches each rank's loader yields per epoch (a partial one is dropped)."""
     share = DistributedSampler(
         range(num_samples),
-        num_replicas=config.num_devices,
+        num_replicas=config.data_ranks,
         rank=0,
         shuffle=False,
         drop_last=config.drop_last,
@@ -255,11 +303,11 @@ def check_job(config: TrainConfig, data: Data, initial_state: State) -> None:
     x, y = data
     if len(x) != len(y):
         raise ValueError(f"data: x has {len(x)} rows but y has {len(y)}")
-    if len(x) < config.num_devices:
-        raise ValueError(f"data has {len(x)} rows, fewer than num_devices={config.num_devices}")
+    if len(x) < config.data_ranks:
+        raise ValueError(f"data has {len(x)} rows, fewer than {config.data_ranks} data ranks")
     if steps_per_epoch(config, len(x)) == 0:
         raise ValueError(
-            f"data of {len(x)} rows gives each of num_devices={config.num_devices} ranks "
+            f"data of {len(x)} rows gives each of {config.data_ranks} data ranks "
             f"{micro_batches_per_epoch(config, len(x))} micro-batches of "
             f"micro_batch_size={config.micro_batch_size}, fewer than accum_steps="
             f"{config.accum_steps} with last_window='drop': no optimizer step"
@@ -364,7 +412,14 @@ def _run(
     module.to(device)
     model = module
     state_dict = numpy_state_dict
-    if grouped and config.fsdp:
+    named = None  # the parameters as the optimizer takes them: module.named_parameters()
+    clip = None  # the window's gradient clip: torch's clip_grad_norm_
+    collective = config.fsdp or config.tp > 1  # the recorded state is gathered
+    if grouped and config.tp > 1:
+        split = tensor_parallel(module, config)
+        model, named, clip = split.model, split.named, split.clip_
+        state_dict = lambda _module: split.state()  # noqa: E731
+    elif grouped and config.fsdp:
         model = _fully_shard(module, config)  # module itself, sharded in place
         state_dict = _full_state_dict
     elif grouped:
@@ -381,31 +436,36 @@ def _run(
         )
         if config.comm_hook is not None:
             register_comm_hook(model, config.comm_hook, config.device)
-    optimizer = build_optimizer(module.named_parameters(), config.optimizer, zero=config.zero)
+    if named is None:
+        named = list(module.named_parameters())
+    optimizer = build_optimizer(named, config.optimizer, zero=config.zero)
     scheduler = None
     if config.lr_scheduler is not None:
         scheduler = scheduler_factory(config.lr_scheduler)(optimizer)
-    sampler, loader = _loader(config, data, dtype, rank=rank, world_size=world_size)
+    # The tp ranks of a data rank read its shard (the mesh's tp dimension is innermost).
+    sampler, loader = _loader(
+        config, data, dtype, rank=rank // config.tp, world_size=world_size // config.tp
+    )
     result = Result(states=[], losses=[], final={})
     for window in _windows(config, sampler, loader):
-        loss = train_window(config, model, optimizer, window, device)
+        loss = train_window(config, model, optimizer, window, device, clip=clip)
         if scheduler is not None:
             scheduler.step()  # after optimizer.step(), as torch's docs order them
         if grouped:  # for logging only: the mean over ranks, one all_reduce after the step
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)
             loss /= world_size
         result.losses.append(loss.item())
-        state = state_dict(module) if rank == 0 or config.fsdp else None  # fsdp: collective
+        state = state_dict(module) if rank == 0 or collective else None
         if rank == 0:
             result.states.append(state)
         if len(result.losses) == config.max_steps:
             break
-    final = state_dict(module) if rank == 0 or config.fsdp else None
+    final = state_dict(module) if rank == 0 or collective else None
     if rank == 0:
         result.final = final
     held = (
         optimizer_state_bytes(optimizer.optim if config.zero else optimizer),
-        sum(local_bytes(p) for p in module.parameters()),
+        sum(local_bytes(p) for _, p in named),
     )
     counts = [held] * world_size
     if grouped:  # every rank's own counts
@@ -491,16 +551,20 @@ def train_window(
     optimizer: torch.optim.Optimizer,
     window: list[Batch],
     device: torch.device,
+    *,
+    clip: Any = None,
 ) -> torch.Tensor:
     """One optimizer step on a window of ``k`` micro-batches, as DDP with gradient
     accumulation is written: ``loss / k`` and ``backward`` per micro-batch (under DDP
     inside ``no_sync`` for all but the last, so one all-reduce per step; under FSDP2
     with ``set_requires_gradient_sync`` true only for the last), the gradient clip if
-    configured, ``optimizer.step()``, ``zero_grad``. Returns ``sum_j loss_j / k``
-    (this rank's; a tensor, not synchronized). ``loss_reduction="weighted"``: the
-    backward of ``loss_sum_j * W / count`` (``count`` over the window and every rank,
-    counted first), and returns ``W * sum_j loss_sum_j / count``, whose mean over the
-    ranks is the window's token-weighted loss."""
+    configured (``clip(max_grad_norm)`` where given, else ``clip_grad_norm_`` on
+    ``model.parameters()``), ``optimizer.step()``, ``zero_grad``. Returns
+    ``sum_j loss_j / k`` (this rank's; a tensor, not synchronized).
+    ``loss_reduction="weighted"``: the backward of ``loss_sum_j * W / count``
+    (``count`` over the window and every rank, counted first), and returns
+    ``W * sum_j loss_sum_j / count``, whose mean over the ranks is the window's
+    token-weighted loss."""
     k = len(window)
     total = torch.zeros((), dtype=torch_dtype(config.dtype), device=device)
     weighted = config.loss_reduction == "weighted"
@@ -521,7 +585,9 @@ def train_window(
                 loss = _micro_loss(config, model, x.to(device), y.to(device)) / k
             loss.backward()
         total += loss.detach()
-    if config.optimizer.max_grad_norm is not None:
+    if config.optimizer.max_grad_norm is not None and clip is not None:
+        clip(config.optimizer.max_grad_norm)
+    elif config.optimizer.max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
