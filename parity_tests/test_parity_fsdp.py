@@ -117,15 +117,10 @@ def test_stack_trains_as_torch_fsdp2(runs, num_devices, accum_steps, path, stage
     # The torch run trains what this config describes (model, data, order, optimizer; at
     # stage 3 FSDP2 by the config itself), and jaxdp the stage it names.
     assert torch_config(config, **({} if stage == 3 else {"fsdp": True})) == torch_run
-    with warnings.catch_warnings():
-        # At stage 3 the blocks reach scan_layers split, to be gathered a layer at a time.
-        warnings.filterwarnings("error", message=r"Parallel\(zero_stage=3\)")
-        ours = run_jaxdp(config, data, initial)
+    ours = jaxdp_run(config, data, initial)
     # Stage 0 is DDP's arithmetic: against torch's DDP twin too.
     for key in [fsdp, ("ddp", num_devices, accum_steps)][: 2 if stage == 0 else 1]:
-        theirs = Trajectory(runs[key].states, list(runs[key].losses))
-        report = compare(config, ours, theirs, rtol=PARITY_RTOL)
-        assert report.passed, f"{key}\n" + format_parity(report)
+        assert_trains_as(config, ours, runs[key], key)
 
 
 @pytest.mark.parametrize(
@@ -141,12 +136,21 @@ def test_stack_trains_as_torch_hsdp(runs, num_devices, accum_steps, path):
     hsdp = ("hsdp", num_devices, accum_steps)
     torch_run, data, initial = torch_jobs()[hsdp]
     assert torch_config(config) == torch_run
+    assert_trains_as(config, jaxdp_run(config, data, initial), runs[hsdp], hsdp)
+
+
+def jaxdp_run(config: ParityConfig, data, initial) -> Trajectory:
+    """jaxdp's trajectory for the cell; at stage 3 the blocks must reach scan_layers split,
+    to be gathered a layer at a time (no warning that they are not)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=r"Parallel\(zero_stage=3\)")
-        ours = run_jaxdp(config, data, initial)
-    theirs = Trajectory(runs[hsdp].states, list(runs[hsdp].losses))
-    report = compare(config, ours, theirs, rtol=PARITY_RTOL)
-    assert report.passed, f"{hsdp}\n" + format_parity(report)
+        return run_jaxdp(config, data, initial)
+
+
+def assert_trains_as(config: ParityConfig, ours: Trajectory, run: tr.Result, key) -> None:
+    """jaxdp's trajectory within PARITY_RTOL of torch's ``run`` at every step."""
+    report = compare(config, ours, Trajectory(run.states, list(run.losses)), rtol=PARITY_RTOL)
+    assert report.passed, f"{key}\n" + format_parity(report)
 
 
 def test_the_grid_is_every_torch_run_on_both_paths():

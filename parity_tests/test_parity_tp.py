@@ -11,14 +11,12 @@ test_torch_ref_tp.py's (shared, made once in the run's batch)."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
-from test_parity_fsdp import PARITY_RTOL, parity_config
+from test_parity_fsdp import assert_trains_as, jaxdp_run, parity_config
 from test_torch_ref_tp import TP, K
 from test_torch_ref_tp import torch_jobs as torch_jobs  # the batch's runs, shared
 
-from jaxdp.parity import Trajectory, compare, format_parity, run_jaxdp, torch_config
+from jaxdp.parity import torch_config
 
 # (jaxdp's stage, its path, torch's strategy), at K = 3 on the 2 data ranks: stage 0 is
 # DDP's arithmetic, against TP x DDP; stage 3 is FSDP2's, against TP x FSDP2.
@@ -37,9 +35,4 @@ def test_stack_trains_as_torch_tensor_parallel(runs, stage, path, strategy):
     torch_run, data, initial = torch_jobs()[key]
     # The torch run is this config's run on tp ranks of each data rank.
     assert torch_config(config, num_devices=2 * TP, tp=TP) == torch_run
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=r"Parallel\(zero_stage=3\)")
-        ours = run_jaxdp(config, data, initial)
-    theirs = Trajectory(runs[key].states, list(runs[key].losses))
-    report = compare(config, ours, theirs, rtol=PARITY_RTOL)
-    assert report.passed, f"{key}\n" + format_parity(report)
+    assert_trains_as(config, jaxdp_run(config, data, initial), runs[key], key)

@@ -78,9 +78,8 @@ def relative_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> f
     return max(float(np.max(np.abs(a[k] - b[k])) / np.max(np.abs(b[k]))) for k in b)
 
 
-@pytest.mark.parametrize("key", SHARDED, ids=lambda key: "{}-n{}-k{}".format(*key))
-def test_fsdp2_trajectory_equals_ddp(runs, key):
-    sharded, ddp = runs[key], runs[("ddp", *key[1:])]
+def assert_trajectory_equals_ddp(sharded: tr.Result, ddp: tr.Result) -> None:
+    """Every step's weights and loss within PIN_RTOL of DDP's, in a run that trained."""
     assert len(sharded.states) == len(ddp.states) == len(sharded.losses) == STEPS
     for step, (a, b) in enumerate(zip(sharded.states, ddp.states, strict=True)):
         assert relative_difference(a, b) <= PIN_RTOL, f"step {step + 1}"
@@ -89,6 +88,11 @@ def test_fsdp2_trajectory_equals_ddp(runs, key):
     moved = {k: np.max(np.abs(ddp.final[k] - v)) for k, v in initial_state().items()}
     assert min(moved.values()) > 1e-4, moved
     assert relative_difference(sharded.final, sharded.states[-1]) == 0
+
+
+@pytest.mark.parametrize("key", SHARDED, ids=lambda key: "{}-n{}-k{}".format(*key))
+def test_fsdp2_trajectory_equals_ddp(runs, key):
+    assert_trajectory_equals_ddp(runs[key], runs[("ddp", *key[1:])])
 
 
 def shard_rows(rows: int, shards: int, index: int) -> int:

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 from test_torch_ref_fsdp import (
-    MICRO_BATCH_SIZE,
     MODEL,
     NUM_SAMPLES,
-    OPTIMIZER,
-    PIN_RTOL,
-    STEPS,
+    assert_trajectory_equals_ddp,
     initial_state,
-    relative_difference,
 )
+from test_torch_ref_fsdp import config as ddp_config
 
 import torch_ref as tr
 
@@ -38,16 +34,9 @@ RUNS = [*SPLIT, ("ddp", DATA_RANKS, K)]
 
 
 def config(strategy: str, num_devices: int, accum_steps: int) -> tr.TrainConfig:
+    """test_torch_ref_fsdp.py's DDP run of the cell, with tensor parallelism."""
     options = {"ddp": {}, "tp_ddp": {"tp": TP}, "tp_fsdp": {"tp": TP, "fsdp": True}}
-    return tr.TrainConfig(
-        MODEL,
-        OPTIMIZER,
-        micro_batch_size=MICRO_BATCH_SIZE,
-        num_devices=num_devices,
-        accum_steps=accum_steps,
-        max_steps=STEPS,
-        **options[strategy],
-    )
+    return dataclasses.replace(ddp_config("ddp", num_devices, accum_steps), **options[strategy])
 
 
 def torch_jobs() -> dict[tuple, tuple]:
@@ -63,15 +52,8 @@ def runs(torch_batch) -> dict[tuple, tr.Result]:
 
 @pytest.mark.parametrize("key", SPLIT, ids=lambda key: key[0])
 def test_tensor_parallel_trajectory_equals_ddp_on_the_data_ranks(runs, key):
-    split, ddp = runs[key], runs[("ddp", DATA_RANKS, K)]
-    assert len(split.states) == len(ddp.states) == len(split.losses) == STEPS
-    for step, (a, b) in enumerate(zip(split.states, ddp.states, strict=True)):
-        assert relative_difference(a, b) <= PIN_RTOL, f"step {step + 1}"
-    np.testing.assert_allclose(split.losses, ddp.losses, rtol=PIN_RTOL, atol=0)
-    # A run that trained: every tensor moved (the clip acts: OPTIMIZER's comment).
-    moved = {k: np.max(np.abs(ddp.final[k] - v)) for k, v in initial_state().items()}
-    assert min(moved.values()) > 1e-4, moved
-    assert relative_difference(split.final, split.states[-1]) == 0
+    # The clip acts in these runs (OPTIMIZER's comment).
+    assert_trajectory_equals_ddp(runs[key], runs[("ddp", DATA_RANKS, K)])
 
 
 def test_each_tp_rank_holds_half_of_every_split_weight(runs):
