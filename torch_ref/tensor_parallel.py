@@ -20,6 +20,7 @@ Two things the composition needs that plain DDP and FSDP2 do not, both here:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,19 +31,21 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 State = dict[str, np.ndarray]
 
 
-def megatron_plan(model: str, module: torch.nn.Module) -> dict[str, Any]:
-    """The Megatron plan of a reference model: ``stack``'s blocks, each ``fc`` split by
-    its output features (``ColwiseParallel``) and each ``proj`` by its input features
-    (``RowwiseParallel``: one all-reduce over ``tp`` per block); the rest replicated."""
+def _stack_plan(module: torch.nn.Module) -> dict[str, Any]:
+    """``stack``'s Megatron plan: each block's ``fc`` split by its output features
+    (``ColwiseParallel``) and its ``proj`` by its input features (``RowwiseParallel``:
+    one all-reduce over ``tp`` per block); the rest replicated."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    if model != "stack":
-        raise ValueError(f"model={model!r} has no tensor-parallel plan; tp > 1 needs 'stack'")
     plan: dict[str, Any] = {}
     for i in range(len(module.blocks)):
         plan[f"blocks.{i}.fc"] = ColwiseParallel()
         plan[f"blocks.{i}.proj"] = RowwiseParallel()
     return plan
+
+
+MEGATRON_PLANS = {"stack": _stack_plan}
+"""The reference models with a tensor-parallel plan: name -> ``plan(module)``."""
 
 
 @dataclass
@@ -94,31 +97,27 @@ class TensorParallel:
         return total
 
 
-def tensor_parallel(module: torch.nn.Module, config: Any) -> TensorParallel:
+def tensor_parallel(
+    module: torch.nn.Module, config: Any, shard: Callable[..., torch.nn.Module] | None
+) -> TensorParallel:
     """``module`` (on its device, with its initial weights) split by its Megatron plan
     over ``config.tp`` ranks and wrapped for data parallelism over the rest: DDP, or
-    FSDP2 under ``config.fsdp``."""
+    ``shard(module, mesh)`` (torch_ref.train's FSDP2 on the data ranks' mesh)."""
     # Imported here: the DDP runs never need them, and DTensor takes seconds to import.
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     shape = (config.num_devices // config.tp, config.tp)
     mesh = init_device_mesh(config.device, shape, mesh_dim_names=("dp", "tp"))
-    parallelize_module(module, mesh["tp"], megatron_plan(config.model, module))
+    parallelize_module(module, mesh["tp"], MEGATRON_PLANS[config.model](module))
     placed = {
         name: (p.device_mesh, p.placements, p.shape, p.stride())
         for name, p in module.named_parameters()
         if isinstance(p, DTensor)
     }
-    if config.fsdp:
-        for child in module.modules():
-            if isinstance(child, torch.nn.ModuleList):
-                for block in child:
-                    fully_shard(block, mesh=mesh["dp"])
-        model: torch.nn.Module = fully_shard(module, mesh=mesh["dp"])
-        placed = {}
+    if shard is not None:  # FSDP2's leaves stay DTensors
+        model, placed = shard(module, mesh["dp"]), {}
     else:
         model = DDP(module, device_mesh=mesh["dp"])
     return TensorParallel(model, list(module.named_parameters()), placed)

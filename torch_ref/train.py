@@ -92,7 +92,7 @@ from .models import (
     torch_dtype,
 )
 from .optim import OptimConfig, build_optimizer, local_bytes, optimizer_state_bytes
-from .tensor_parallel import tensor_parallel
+from .tensor_parallel import MEGATRON_PLANS, tensor_parallel
 from .user import (
     LOSSES,
     build_user_model,
@@ -225,10 +225,11 @@ class TrainConfig:
             )
         if self.tp == 1:
             return
-        if self.model != "stack":
+        if not isinstance(self.model, str) or self.model not in MEGATRON_PLANS:
             raise ValueError(
-                f"tp={self.tp} needs a model with a Megatron plan: 'stack' "
-                f"(torch_ref.tensor_parallel.megatron_plan), got model={self.model!r}"
+                f"tp={self.tp} needs a model with a Megatron plan: "
+                f"{', '.join(map(repr, MEGATRON_PLANS))} (torch_ref.tensor_parallel."
+                f"MEGATRON_PLANS), got model={self.model!r}"
             )
         alone = {
             "zero": self.zero,
@@ -416,7 +417,8 @@ def _run(
     clip = None  # the window's gradient clip: torch's clip_grad_norm_
     collective = config.fsdp or config.tp > 1  # the recorded state is gathered
     if grouped and config.tp > 1:
-        split = tensor_parallel(module, config)
+        shard = (lambda m, mesh: _fully_shard(m, config, mesh)) if config.fsdp else None
+        split = tensor_parallel(module, config, shard)
         model, named, clip = split.model, split.named, split.clip_
         state_dict = lambda _module: split.state()  # noqa: E731
     elif grouped and config.fsdp:
@@ -475,16 +477,18 @@ def _run(
     return result
 
 
-def _fully_shard(module: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
+def _fully_shard(module: torch.nn.Module, config: TrainConfig, mesh: Any = None) -> torch.nn.Module:
     """FSDP2 as its docs apply it: ``fully_shard`` on every block of each
     ``nn.ModuleList`` (one all-gather and one reduce-scatter per block), then on the
-    root (the remaining parameters, one group). Returns ``module``, sharded in place."""
+    root (the remaining parameters, one group), over ``mesh`` (None: ``config``'s FSDP
+    or HSDP mesh). Returns ``module``, sharded in place."""
     # Imported here: the DDP runs never need them, and DTensor takes seconds to import.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    names = ("replicate", "shard") if len(config.mesh_shape) == 2 else None
-    mesh = init_device_mesh(config.device, config.mesh_shape, mesh_dim_names=names)
+    if mesh is None:
+        names = ("replicate", "shard") if len(config.mesh_shape) == 2 else None
+        mesh = init_device_mesh(config.device, config.mesh_shape, mesh_dim_names=names)
     for child in module.modules():
         if isinstance(child, torch.nn.ModuleList):
             for block in child:
