@@ -95,12 +95,20 @@ def _has_elemental_emitters() -> bool:
     return (major, minor) < (0, 11)  # an unknown XLA flag aborts the process
 
 
-if _has_elemental_emitters() and "xla_cpu_use_fusion_emitters" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false"
-    ).strip()
+def _add_xla_flag(flag: str) -> None:
+    """``flag`` appended to XLA_FLAGS unless the environment names it already."""
+    if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
+if _has_elemental_emitters():
+    _add_xla_flag("--xla_cpu_use_fusion_emitters=false")
+# One LLVM module per CPU program, not XLA's default split into parts compiled on a thread
+# pool: on two cores busy with three workers, the split's threads cost CPU, not time.
+# Measured on jaxlib 0.10 (tests/core/test_equivalence.py and test_zero.py in one
+# process, three pairs of runs): 53 to 56 CPU s against 60 to 72; the same on jaxlib 0.12
+# (its MLIR emitters), where it is harmless. The same code, only where it is compiled.
+_add_xla_flag("--xla_cpu_parallel_codegen_split_count=1")
 
 # tests/gpu's XLA:GPU compiles: kernels' tile configurations left at their defaults
 # (``--xla_gpu_autotune_level=0``: without a GPU they come from a cost model, not a

@@ -2,6 +2,8 @@
 thread, and the torch_ref DDP runs of every selected test file, made once per run and
 batched (one start of real gloo processes per world size)."""
 
+import pickle
+
 import jax
 import pytest
 import torch
@@ -75,18 +77,23 @@ def torch_batch(request):
     another's reads that one's runs), and ``"torch_runs"`` for the
     cells of cells.py. A start runs its jobs in order, each as ``train_ddp_many`` would
     alone: a job's result does not depend on the others (test_torch_ref.py's torchrun
-    test checks two of them bitwise against a launch of their own)."""
+    test checks two of them bitwise against a launch of their own), so equal jobs run once
+    and each asker reads the one result."""
     import torch_ref
 
+    # {layout: {the job's pickle: (job, [(owner, key), ...])}}: a job two owners (or two
+    # keys) ask for, equal in config, data and initial state, runs once.
     by_layout = {}
     for owner, jobs in _batch_owners(request.session.items).items():
         for key, job in jobs().items():
-            by_layout.setdefault((job[0].num_devices, job[0].device), []).append((owner, key, job))
+            same = by_layout.setdefault((job[0].num_devices, job[0].device), {})
+            same.setdefault(pickle.dumps(job), (job, []))[1].append((owner, key))
     results = {}
-    for runs in by_layout.values():
-        done = torch_ref.train_ddp_many([job for _, _, job in runs])
-        for (owner, key, _), result in zip(runs, done, strict=True):
-            results.setdefault(owner, {})[key] = result
+    for same in by_layout.values():
+        done = torch_ref.train_ddp_many([job for job, _ in same.values()])
+        for (_, askers), result in zip(same.values(), done, strict=True):
+            for owner, key in askers:
+                results.setdefault(owner, {})[key] = result
     return results
 
 
