@@ -36,10 +36,18 @@ def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
 def mesh_map(o: StepOptions, fn: Callable[..., Any], in_specs: Any, out_specs: Any):
     """``fn`` on every device of the mesh: ``shard_map``, or the legacy ``pmap`` made to
     give each device the same blocks (a leaf split by its leading axis arrives as this
-    device's rows, replicated ones whole)."""
+    device's rows, replicated ones whole). Manual over the data axes only: the model axes
+    (``Parallel.model_axes``) are XLA's, which partitions ``fn`` over them as the
+    arguments' shardings say (the model's own tensor parallelism)."""
     if o.parallel.strategy == "shard_map":
+        axes = o.batch_axes if isinstance(o.batch_axes, tuple) else (o.batch_axes,)
         return jax.shard_map(
-            fn, mesh=o.device_mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True
+            fn,
+            mesh=o.device_mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=frozenset(axes),
+            check_vma=True,
         )
     n = o.num_devices
 

@@ -154,6 +154,16 @@ class Parallel:
     gathered whole per micro-batch (said in one warning). The step never guesses a
     stack from ``loss_fn``.
 
+    ``model_axes``: the mesh's axes the model's own shardings use (tensor parallelism:
+    a kernel annotated ``(None, "model")`` by ``nnx.with_partitioning``, column-split over
+    ``"model"``), left to XLA's partitioner; the mesh's one other axis is the data axis,
+    over which the step splits the batch and reduces the gradients, manually, once per
+    optimizer step. ``()`` (default): a one-axis data mesh. Every leaf rests split over
+    the model axes as its metadata says (the parameters, their gradients, the window's
+    sums and the optimizer state's leaves of the parameter's tree), and at ZeRO stages 1
+    and 2 over the data axis along a dimension its model split leaves free. Stage 3, HSDP
+    and the legacy pmap strategy do not take a model axis yet.
+
     ``gather_dtype``: the dtype the parameters travel and compute in (torch FSDP2's
     ``MixedPrecisionPolicy(param_dtype=...)``): ``"bfloat16"`` gathers float32 master
     weights in bfloat16, and the forward and backward compute on those rounded
@@ -172,8 +182,26 @@ class Parallel:
     gather_dtype: Any = None
     layers: Any = None
     replica_all_reduce: ReplicaAllReduce = "per_layer"
+    model_axes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        axes = (self.model_axes,) if isinstance(self.model_axes, str) else self.model_axes
+        try:
+            axes = tuple(axes)
+        except TypeError:
+            axes = None
+        if axes is None or not all(isinstance(a, str) for a in axes) or len(set(axes)) < len(axes):
+            raise ValueError(
+                f"model_axes={self.model_axes!r} must be a sequence of distinct mesh axis "
+                "names (the model's own, tensor-parallel axes), or () for none"
+            )
+        object.__setattr__(self, "model_axes", axes)
+        if axes and (self.zero_stage == 3 or self.strategy == "pmap"):
+            raise ValueError(
+                f"model_axes={axes} is not supported with "
+                + ("zero_stage=3" if self.zero_stage == 3 else "strategy='pmap'")
+                + " yet: a model axis composes with stages 0 to 2 on strategy='shard_map'"
+            )
         layers = self.layers
         if isinstance(layers, str):
             object.__setattr__(self, "layers", (layers,))
@@ -346,9 +374,39 @@ class StepOptions:
                 raise TypeError(
                     f"{name}={getattr(self, name)!r} must be a jaxdp.{kind.__name__}(...)"
                 )
-        if len(self.mesh.axis_names) != 1:
-            raise ValueError(f"mesh must have one (data) axis, got axes {self.mesh.axis_names}")
+        self._check_axes()
         self._check_hsdp()
+
+    def _check_axes(self) -> None:
+        """The mesh has the model axes named and one data axis besides them."""
+        names, model = tuple(self.mesh.axis_names), self.parallel.model_axes
+        lacking = [a for a in model if a not in names]
+        if lacking:
+            raise ValueError(
+                f"parallel.model_axes={model} names axes the mesh lacks: {lacking} (the "
+                f"mesh's axes: {names})"
+            )
+        types = dict(zip(names, getattr(self.mesh, "axis_types", ()) or (), strict=False))
+        explicit = [a for a in model if str(types.get(a, "Auto")).endswith("Explicit")]
+        if explicit:
+            raise ValueError(
+                f"parallel.model_axes={model}: the mesh's axes {explicit} are "
+                "AxisType.Explicit, and jaxdp leaves its model axes to XLA's partitioner, "
+                "which takes Auto axes (jax.make_mesh makes Explicit ones by default): make "
+                "the mesh with axis_types=(jax.sharding.AxisType.Auto,) * len(axes)"
+            )
+        data = [a for a in names if a not in model]
+        if len(data) != 1:
+            raise ValueError(
+                f"mesh has axes {names}, and jaxdp's step takes one data axis besides the "
+                f"model's own axes (Parallel(model_axes=...), now {model}): "
+                + (
+                    "every axis is a model axis"
+                    if not data
+                    else f"name the model's axes among {tuple(data)} in "
+                    "Parallel(model_axes=...), keeping one data axis"
+                )
+            )
 
     def _check_hsdp(self) -> None:
         n, shards, axis = self.num_devices, self.parallel.shards, self.axis_name
@@ -401,12 +459,21 @@ class StepOptions:
 
     @property
     def num_devices(self) -> int:
-        return self.mesh.devices.size
+        """The devices the batch is split over: the data axis's size (every device of
+        a one-axis mesh)."""
+        return self.mesh.shape[self.axis_name]
 
     @property
     def axis_name(self) -> str:
-        """The data mesh's axis; the shard axis of the device mesh."""
-        return self.mesh.axis_names[0]
+        """The data mesh's axis (the mesh's one axis not in ``Parallel.model_axes``); the
+        shard axis of the device mesh."""
+        model = self.parallel.model_axes
+        return next(a for a in self.mesh.axis_names if a not in model)
+
+    @property
+    def model_axes(self) -> tuple[str, ...]:
+        """The mesh's axes left to XLA (``Parallel.model_axes``): the model's own."""
+        return self.parallel.model_axes
 
     @property
     def shards(self) -> int:
@@ -442,9 +509,9 @@ class StepOptions:
 
     @property
     def batch_axes(self) -> str | tuple[str, ...]:
-        """The device mesh's axes the batch is split over (all of them), for specs and
+        """The device mesh's axes the batch is split over (all but the model axes), for specs and
         for the collectives over every device."""
-        names = self.device_mesh.axis_names
+        names = [a for a in self.device_mesh.axis_names if a not in self.model_axes]
         return names[0] if len(names) == 1 else tuple(names)
 
     @functools.cached_property
@@ -479,6 +546,8 @@ class StepOptions:
             self.layout,
             packed=self.cpu_spelling,
             layers=self.parallel.layers,
+            model_axes=self.model_axes,
+            optimizer=self.applied_optimizer,
         )
 
     def compiler_options(self, routed: bool = False) -> dict[str, int]:

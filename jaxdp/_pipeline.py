@@ -50,7 +50,7 @@ from ._mesh_map import is_spec, mesh_map, to_varying
 from ._model_kinds import linen_batch_norms
 from ._model_state import configure, device0, from_wire, split_state
 from ._options import StepOptions
-from ._shards import ShardPlan, compress, decompress, spec
+from ._shards import ShardPlan, compress, decompress, merged, model_specs, spec
 from ._train_state import LogicalShapes, Report, SkipCounts, TrainState, Window
 
 Forward = Callable[..., tuple[Any, jax.Array, jax.Array, Any, Any]]
@@ -113,7 +113,7 @@ class Routing(NamedTuple):
         leaves, out = self.plan.treedef.flatten_up_to(trainable), []
         reduced = self.route.axes if isinstance(self.route.axes, tuple) else (self.route.axes,)
         # A block differs per device of the axes it is not summed over (the shard axis).
-        varying = tuple(a for a in self.plan.mesh.axis_names if a not in reduced)
+        varying = tuple(a for a in self.plan.data_axes if a not in reduced)
         if self.route.kind == "scatter":
             varying = reduced
         for x, d, r in zip(leaves, self.plan.dims, self.routed, strict=True):
@@ -174,7 +174,7 @@ def _routing(o: StepOptions, plan: ShardPlan, trainable: Any) -> Routing | None:
     if layout.params_split:
         route = Route("psum", plan.replica_axis, plan.mesh.shape[plan.replica_axis], o.comm)
     elif not layout.state_split:
-        route = Route("psum", plan.mesh.axis_names, plan.mesh.devices.size, o.comm, packed=True)
+        route = Route("psum", plan.data_axes, plan.data_size, o.comm, packed=True)
     else:
         route = Route("scatter", plan.axis_name, plan.num_devices, o.comm, packed=True)
     paths = jax.tree_util.tree_flatten_with_path(trainable)[0]
@@ -242,9 +242,14 @@ def _check_rest(o: StepOptions, parts: _Parts) -> None:
     check_params_layout(parts.trainable, parts.plan.rest, parts.plan.shapes, step=step)
 
 
-def _param_specs(o: StepOptions, parts: _Parts, params: Any) -> Any:
-    """How the parameters lie: replicated, but the split trainable leaves at stage 3."""
-    return jax.tree.structure(params).unflatten([spec(d, o.axis_name) for d in parts.dims])
+def _param_specs(o: StepOptions, parts: _Parts, params: Any, *, rest: bool = False) -> Any:
+    """How the parameters lie over the data axis (inside the mesh map): replicated, but
+    the split trainable leaves at stage 3. ``rest``: as they rest outside it, with each
+    leaf's split over the model axes (a frozen leaf's too)."""
+    data = [spec(d, o.axis_name) for d in parts.dims]
+    if rest and o.model_axes:
+        data = [merged(s, m) for s, m in zip(data, model_specs(params, o.model_axes), strict=True)]
+    return jax.tree.structure(params).unflatten(data)
 
 
 # ---- the two paths ---------------------------------------------------------------------
@@ -549,7 +554,7 @@ def reduce(
     ``done``: per leaf, reduced already (in :func:`jaxdp.scan_layers`' backward, layer
     by layer: :class:`Routing`), left as it is.
     """
-    axes, n, dtype = plan.mesh.axis_names, plan.mesh.devices.size, window.loss_sum.dtype
+    axes, n, dtype = plan.data_axes, plan.data_size, window.loss_sum.dtype
     grads = window.grads if scattered else plan.reduce_scatter(window.grads, wire, done)
     grouped = plan.replica_axis is not None and plan.split
     done = done or (False,) * len(plan.dims)
@@ -832,10 +837,10 @@ def state_specs(o: StepOptions, state: TrainState) -> TrainState:
     parts = _parts(o, state)
     window = state.window
     if window is not None:
-        window = _window_specs(o, parts, window)
+        window = _window_specs(o, parts, window, rest=True)
     return TrainState(
         step=P(),
-        params=_param_specs(o, parts, state.params),
+        params=_param_specs(o, parts, state.params, rest=True),
         opt_state=parts.plan.state_specs(state.opt_state),
         window=window,
         graphdef=state.graphdef,
@@ -906,12 +911,23 @@ def aux_like(o: StepOptions, state: TrainState, batch: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shapes)
 
 
-def _window_specs(o: StepOptions, parts: _Parts, window: Any) -> Window:
+def _window_specs(o: StepOptions, parts: _Parts, window: Any, *, rest: bool = False) -> Window:
     """Per-device leaves split by their leading axis; at stages 2 and 3 the split
-    gradient leaves by their plan."""
-    rows = P(o.batch_axes)
-    if o.layout.window_split:
-        grads = parts.plan.window_specs(rows)
+    gradient leaves by their plan. ``rest``: the gradient sums as they rest outside the
+    mesh map, each also split over the model axes as its parameter is."""
+    rows, plan = P(o.batch_axes), parts.plan
+    if rest and o.model_axes:
+        split = o.layout.window_split
+        grads = plan.treedef.unflatten(
+            [
+                merged(spec(d, o.axis_name), m)
+                if split and d is not None
+                else merged(rows, (None, *m))
+                for d, m in zip(plan.dims, plan.model, strict=True)
+            ]
+        )
+    elif o.layout.window_split:
+        grads = plan.window_specs(rows)
     else:
         grads = jax.tree.map(lambda _: rows, window.grads)
     return Window(

@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -46,7 +47,12 @@ from ._stages import SplitRule, StageLayout
 
 
 def split_dim(
-    shape: tuple[int, ...], num_devices: int, rule: SplitRule = "first", *, pad: bool = False
+    shape: tuple[int, ...],
+    num_devices: int,
+    rule: SplitRule = "first",
+    *,
+    pad: bool = False,
+    taken: tuple[Any, ...] = (),
 ) -> int | None:
     """The dimension a leaf of ``shape`` is split along by a stage's ``rule``
     (``StageLayout.split_rule``): the first that divides by ``num_devices`` (``"first"``,
@@ -56,12 +62,16 @@ def split_dim(
     ``pad`` (``StageLayout.pads``, stage 3): where none of the rule's dimensions divides,
     the largest of them (ties: the later one), which :func:`padded_shape` pads to a
     multiple of ``num_devices``; a scalar, or a leaf of no element, stays whole. A leaf
-    with a dimension that divides gets that one, as without ``pad``."""
+    with a dimension that divides gets that one, as without ``pad``.
+
+    ``taken``: the leaf's model-axis entries per dimension (:func:`model_specs`); a
+    dimension split over a model axis is never split over the data axis too."""
     if num_devices == 1:
         return None
     dims = range(len(shape))
     if rule == "last_but_first" and len(shape) > 1:
         dims = range(len(shape) - 1, 0, -1)
+    dims = [k for k in dims if k >= len(taken) or taken[k] is None]
     found = next((k for k in dims if shape[k] >= num_devices and shape[k] % num_devices == 0), None)
     if found is not None or not pad or not dims or math.prod(shape) == 0:
         return found
@@ -177,8 +187,9 @@ def _mesh_axes_of(node: Any, names: tuple[Any, ...]) -> tuple[Any, ...] | None:
 def refuse_axes_the_mesh_lacks(tree: Any, mesh: Mesh) -> None:
     """Refuses a leaf of ``tree`` whose sharding metadata names a mesh axis ``mesh``
     lacks (a tensor-parallel ``"model"`` on a data mesh): jaxdp's step places every leaf
-    over its data axes by its own rule, so the leaf would not be split over that axis as
-    the model says, a per-device memory the model's author did not plan. Logical names
+    over its data axes by its own rule and over the model axes (``Parallel.model_axes``)
+    as its metadata says, so the leaf would not be split over that axis as the model
+    says, a per-device memory the model's author did not plan. Logical names
     are read as the model's framework maps them (:func:`_mesh_axes_of`, under the rules
     in force when the step is given the model); :data:`LAYER_AXIS` (a stack's layer
     axis) is taken.
@@ -208,10 +219,48 @@ _AXIS_THE_MESH_LACKS = (
     "params{name}'s sharding metadata ({said}) names the mesh axis {axis!r}, which the "
     "mesh lacks (its axes: {mesh}): jaxdp places every parameter by its own rule over "
     "the mesh's data axes only, so this leaf would not be split over {axis!r} as the "
-    "model says. Tensor parallelism over a model axis is not supported yet; to train the "
-    "model without it, drop the annotation or map the name to None in the model's "
-    "logical axis rules"
+    "model says. For tensor parallelism give the step a mesh with that axis and name it "
+    "in Parallel(model_axes=...); to train the model without it, drop the annotation or "
+    "map the name to None in the model's logical axis rules"
 )
+
+
+def model_specs(tree: Any, model_axes: tuple[str, ...]) -> list[tuple[Any, ...]]:
+    """Per leaf of ``tree`` (as ``jax.tree.leaves`` lists them): its split over the model
+    axes, one entry per dimension (a model axis, a tuple of them, or None), as its
+    sharding metadata names them (mapped by the model's framework: :func:`_mesh_axes_of`);
+    names of other axes (the data axis, a stack's :data:`LAYER_AXIS`) are None here, as
+    the step places the leaf over its data axis by its own rule."""
+    out = []
+    for _, node, names in _named_leaves(tree):
+        mapped = _mesh_axes_of(node, names) if names else None
+        entries = tuple(names if mapped is None else mapped)
+        for leaf in jax.tree.leaves(node):
+            kept = []
+            for entry in entries[: jnp.ndim(leaf)]:
+                axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)))
+                axes = tuple(a for a in axes if a in model_axes)
+                kept.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+            kept += [None] * (jnp.ndim(leaf) - len(kept))
+            out.append(tuple(kept))
+    return out
+
+
+def merged(data: P, model: tuple[Any, ...]) -> P:
+    """The spec of a leaf split over the data axis as ``data`` says and over the model axes
+    as ``model`` (:func:`model_specs`) says: where it rests, outside the mesh map (inside
+    it, the data part alone: the model axes are XLA's)."""
+    if not any(e is not None for e in model):
+        return data
+    entries = list(data) + [None] * (len(model) - len(data))
+    for k, e in enumerate(model):
+        if e is not None:
+            if entries[k] is not None:
+                raise AssertionError(f"dimension {k} split over both {entries[k]} and {e}")
+            entries[k] = e
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def stacked_leaves(tree: Any, layers: Any = None) -> list[bool]:
@@ -385,19 +434,28 @@ class ShardPlan:
         *,
         packed: bool = True,
         layers: Any = None,
+        model_axes: tuple[str, ...] = (),
+        optimizer: Any = None,
     ):
         refuse_axes_the_mesh_lacks(trainable, mesh)
         leaves, self.treedef = jax.tree.flatten(trainable)
         self.stacked = stacked_leaves(trainable, layers)
         self.packed = packed
-        self.mesh, self.axis_name = mesh, mesh.axis_names[-1]
+        self.model_axes, self.optimizer = model_axes, optimizer
+        # The data axes: the mesh's but the model's (HSDP's replica and shard axes).
+        self.data_axes = tuple(a for a in mesh.axis_names if a not in model_axes)
+        self.data_size = math.prod(mesh.shape[a] for a in self.data_axes)
+        self.mesh, self.axis_name = mesh, self.data_axes[-1]
         self.num_devices, self.layout = mesh.shape[self.axis_name], layout
         # HSDP: the replica axis, over which the blocks are all-reduced once per step.
-        self.replica_axis = mesh.axis_names[0] if len(mesh.axis_names) == 2 else None
+        self.replica_axis = self.data_axes[0] if len(self.data_axes) == 2 else None
         self.shapes = [tuple(x.shape) for x in leaves]
+        # Per leaf: its split over the model axes (all None without any).
+        self.model = model_specs(trainable, model_axes)
         rule, n, pad = layout.split_rule, self.num_devices, layout.pads
         self.dims = [
-            split_dim(s, n, rule, pad=pad) if layout.state_split else None for s in self.shapes
+            split_dim(s, n, rule, pad=pad, taken=m) if layout.state_split else None
+            for s, m in zip(self.shapes, self.model, strict=True)
         ]
         self.split = any(d is not None for d in self.dims)
         # Per leaf: the logical size along its split dimension where it rests padded.
@@ -409,11 +467,18 @@ class ShardPlan:
         self.padded = any(x is not None for x in self.sizes)
 
     def specs(self, whole: P | None = None) -> Any:
-        """The trainable tree's specs (a gradient's, a parameter block's); ``whole`` for
-        the leaves kept whole."""
+        """The trainable tree's specs over the data axis (a gradient's, a parameter
+        block's, inside the mesh map); ``whole`` for the leaves kept whole."""
         whole = P() if whole is None else whole
         return self.treedef.unflatten(
             [whole if d is None else spec(d, self.axis_name) for d in self.dims]
+        )
+
+    def rest_specs(self) -> Any:
+        """:meth:`specs` with each leaf's split over the model axes: how the leaves lie
+        outside the mesh map."""
+        return self.treedef.unflatten(
+            [merged(spec(d, self.axis_name), m) for d, m in zip(self.dims, self.model, strict=True)]
         )
 
     def window_specs(self, rows: P) -> Any:
@@ -430,14 +495,55 @@ class ShardPlan:
         )
 
     def state_specs(self, opt_state: Any) -> Any:
-        """The optimizer state's specs: split by its leaves' own shapes when the plan
-        splits anything (stages 1 to 3), else replicated."""
-        if not self.split:
-            return jax.tree.map(lambda _: P(), opt_state)
-        layout = self.layout
-        return split_specs(
-            opt_state, self.num_devices, self.axis_name, layout.split_rule, pad=layout.pads
-        )
+        """The optimizer state's specs, as it rests: split over the data axis by its
+        leaves' own shapes when the plan splits anything (stages 1 to 3), else
+        replicated; and over the model axes as the parameter whose tree a leaf mirrors
+        (:meth:`state_model`), along another dimension than the data split."""
+        leaves, treedef = jax.tree.flatten(opt_state)
+        model = self.state_model(opt_state)
+        rule, n, pad = self.layout.split_rule, self.num_devices, self.layout.pads
+        out = []
+        for x, m in zip(leaves, model, strict=True):
+            dim = split_dim(x.shape, n, rule, pad=pad, taken=m) if self.split else None
+            out.append(merged(spec(dim, self.axis_name), m))
+        return treedef.unflatten(out)
+
+    def state_model(self, opt_state: Any) -> list[tuple[Any, ...]]:
+        """Per leaf of the optimizer state: its split over the model axes. A leaf in a
+        copy of the parameters' tree (Adam's moments, a momentum) takes its parameter's
+        (``optax.tree_map_params``); where the optimizer's state cannot be read so (its
+        ``init`` reads values), a leaf of a parameter's shape takes that parameter's if
+        every parameter of the shape has the same; every other leaf none."""
+        leaves = jax.tree.leaves(opt_state)
+        if not any(e is not None for m in self.model for e in m):
+            return [()] * len(leaves)
+        none = P()
+        splits = self.treedef.unflatten([P(*m) for m in self.model])
+        try:
+            found = jax.tree.leaves(
+                optax.tree_map_params(
+                    self.optimizer,
+                    lambda _, m: m,
+                    opt_state,
+                    splits,
+                    transform_non_params=lambda x: jax.tree.map(lambda _: none, x),
+                )
+            )
+        except Exception:  # an optimizer whose init reads its parameters' values
+            found = None
+        if found is None or len(found) != len(leaves):
+            by_shape: dict[tuple[int, ...], set[tuple[Any, ...]]] = {}
+            for shape, m in zip(self.shapes, self.model, strict=True):
+                by_shape.setdefault(shape, set()).add(m)
+            found = [
+                P(*next(iter(by_shape[x.shape])))
+                if len(by_shape.get(tuple(x.shape), ())) == 1
+                else none
+                for x in leaves
+            ]
+        return [
+            tuple(f) + (None,) * (len(x.shape) - len(f)) for f, x in zip(found, leaves, strict=True)
+        ]
 
     # ---- the padding (stage 3), on the logical arrays outside the map -------------------
 
@@ -542,7 +648,7 @@ class ShardPlan:
         block of a split leaf, a slice, no communication."""
         if not self.split:
             return tree
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs())
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.rest_specs())
         return jax.lax.with_sharding_constraint(tree, shardings)
 
     def constrain(self, opt_state: Any) -> Any:
@@ -571,6 +677,7 @@ class ShardPlan:
             mesh=self.mesh,
             in_specs=(specs,),
             out_specs=[P() for _ in specs],
+            axis_names=frozenset(self.data_axes),
             check_vma=False,
         )(leaves)
         return self.treedef.unflatten(gathered)

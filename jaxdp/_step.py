@@ -156,6 +156,14 @@ class TrainStep:
 
         state = self._state(graphdef, params, model_state, counter)
         fresh, _, specs = self._fresh_layout(state, mask, batch)
+        if o.model_axes:  # each leaf split over the model axes as its metadata says
+            params = jax.device_put(
+                params,
+                jax.tree.map(
+                    lambda s: NamedSharding(o.device_mesh, s), specs.params, is_leaf=is_spec
+                ),
+            )
+            state = state._replace(params=params)
         shardings = jax.tree.map(
             lambda s: NamedSharding(o.device_mesh, s), (specs.opt_state, specs.window)
         )

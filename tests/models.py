@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 import jaxdp
 
@@ -34,6 +35,41 @@ def mlp_apply(params: dict, x):
 def mse_loss(params, batch):
     x, y = batch
     return jnp.mean((mlp_apply(params, x) - y) ** 2)
+
+
+class MegatronMLP(nnx.Module):
+    """``mlp_params``' MLP as an NNX module whose kernels carry Megatron's tensor-parallel
+    shardings over a ``"model"`` axis (``kernel_metadata``'s ``out_sharding``, as
+    ``nnx.with_partitioning`` writes it): ``fc1`` column-split (its kernel's and bias's
+    outputs), ``fc2`` row-split (its kernel's inputs; its bias whole), so that ``fc2``'s
+    products are partial sums over the axis, which XLA all-reduces. Made without a mesh
+    (``eager_sharding=False``): the step places each leaf as its metadata says."""
+
+    def __init__(self, sizes=(8, 16, 3), seed: int = 0):
+        start = mlp_params(seed, sizes)
+
+        def linear(i, kernel, bias):
+            w, b = start[f"w{i}"], start[f"b{i}"]
+            layer = nnx.Linear(
+                *w.shape,
+                rngs=nnx.Rngs(0),
+                param_dtype=w.dtype,
+                kernel_metadata={"out_sharding": kernel, "eager_sharding": False},
+                bias_metadata={"out_sharding": bias, "eager_sharding": False},
+            )
+            layer.kernel[...], layer.bias[...] = jnp.asarray(w), jnp.asarray(b)
+            return layer
+
+        self.fc1 = linear(0, (None, "model"), ("model",))
+        self.fc2 = linear(1, ("model", None), (None,))
+
+    def __call__(self, x):
+        return self.fc2(jnp.tanh(self.fc1(x)))
+
+
+def megatron_loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
 
 
 def regression_data(rows: int, seed: int = 1, sizes=(8, 16, 3), dtype=np.float64):

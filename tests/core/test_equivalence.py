@@ -40,7 +40,9 @@ import pytest
 from flax import nnx
 from models import (
     OPTIMIZERS,
+    MegatronMLP,
     big_batch_reference,
+    megatron_loss,
     mlp_apply,
     mlp_params,
     mse_loss,
@@ -168,6 +170,8 @@ MODELS = {
     # Leaves that no device count divides, which stage 3 and HSDP pad.
     "odd_mlp": Model(odd_params, mse_loss, odd_data, scanned=False),
     "odd_stack": Model(odd_stack, stack_loss, stack_rows, scanned=True),
+    # The MLP with Megatron's tensor-parallel shardings over a "model" axis (issue 49).
+    "megatron": Model(MegatronMLP, megatron_loss, regression_data, scanned=False),
 }
 
 
@@ -302,7 +306,32 @@ def cells():
     return out
 
 
-GRID = cells()
+# Tensor parallelism (issue 49): the model's own split over a "model" axis of 2 beside
+# the data axis of N, a (data N, model 2) mesh, the data axis manual and the model axis
+# XLA's. Each stage that takes it (0 to 2) on both paths, N of 4 and 2 and K of 1 and 4
+# each met by every stage and path, and every (N, K) met; the clip reads the norm of
+# leaves split over both axes.
+TP_WORKLOAD = ("megatron", "adamw_clip")
+TP_CELLS = [  # (placement, path, num_devices, accum_steps)
+    ("stage_0", "fused", 4, 4),
+    ("stage_0", "multisteps", 2, 1),
+    ("stage_1", "fused", 2, 1),
+    ("stage_1", "multisteps", 4, 4),
+    ("stage_2", "fused", 4, 1),
+    ("stage_2", "multisteps", 2, 4),
+]
+
+
+def tp_cells():
+    """TP_CELLS with their columns, the spelling alternating so that every stage and
+    every path meets both."""
+    return [
+        (p, path, n, k, *TP_WORKLOAD, "shard_map", SPELLINGS[(i + i // 2) % 2], None, 2)
+        for i, (p, path, n, k) in enumerate(TP_CELLS)
+    ]
+
+
+GRID = [(*c, 1) for c in cells()] + tp_cells()
 COLUMNS = (
     "placement",
     "path",
@@ -313,6 +342,7 @@ COLUMNS = (
     "strategy",
     "spelling",
     "shards",
+    "model_axis",  # the model axis's size; 1: the one-axis data mesh
 )
 
 
@@ -379,11 +409,17 @@ def stage_of(placement):
     return 3 if placement == "hsdp" else int(placement[-1])
 
 
-def make(placement, path, num_devices, accum_steps, model, optimizer, strategy, shards):
+def make(
+    placement, path, num_devices, accum_steps, model, optimizer, strategy, shards, model_axis=1
+):
+    mesh = jaxdp.data_mesh(num_devices)
+    if model_axis > 1:
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        mesh = jax.make_mesh((num_devices, model_axis), ("data", "model"), axis_types=auto)
     return jaxdp.make_train_step(
         MODELS[model].loss_fn,
         ALL_OPTIMIZERS[optimizer][0](),
-        mesh=jaxdp.data_mesh(num_devices),
+        mesh=mesh,
         accum_steps=accum_steps,
         path=path,
         loss_reduction="weighted" if MODELS[model].weighted else "mean",
@@ -392,6 +428,7 @@ def make(placement, path, num_devices, accum_steps, model, optimizer, strategy, 
             zero_stage=stage_of(placement),
             shards=shards,
             layers=MODELS[model].layers,
+            model_axes=("model",) if model_axis > 1 else (),
         ),
     )
 
@@ -400,10 +437,29 @@ def make(placement, path, num_devices, accum_steps, model, optimizer, strategy, 
 @pytest.mark.xdist_group("equivalence_grid")
 @pytest.mark.parametrize(COLUMNS, GRID, ids=["-".join(map(str, cell)) for cell in GRID])
 def test_every_layout_trains_as_one_device_on_the_big_batch(
-    placement, path, num_devices, accum_steps, model, optimizer, strategy, spelling, shards
+    placement,
+    path,
+    num_devices,
+    accum_steps,
+    model,
+    optimizer,
+    strategy,
+    spelling,
+    shards,
+    model_axis,
 ):
     with made_in(spelling):
-        step = make(placement, path, num_devices, accum_steps, model, optimizer, strategy, shards)
+        step = make(
+            placement,
+            path,
+            num_devices,
+            accum_steps,
+            model,
+            optimizer,
+            strategy,
+            shards,
+            model_axis,
+        )
     assert step.options.cpu_spelling is (spelling == "cpu")
     with warnings.catch_warnings():
         # Stage 3 without a declared stack gathers every layer at once, and says so
@@ -440,7 +496,8 @@ def moved(params, start):
 
 def test_the_grid_meets_every_kind_of_cell():
     """What the grid covers, so that a later edit cannot drop it unseen."""
-    table = [dict(zip(COLUMNS, c, strict=True)) for c in GRID]
+    every = [dict(zip(COLUMNS, c, strict=True)) for c in GRID]
+    table = [c for c in every if c["model_axis"] == 1]  # the product's
 
     def where(**kw):
         return [c for c in table if all(c[k] == v for k, v in kw.items())]
@@ -461,11 +518,27 @@ def test_the_grid_meets_every_kind_of_cell():
         (c["placement"], c["path"], c["num_devices"], c["accum_steps"]) for c in table
     ) == (sorted(product))
     # Every value of every column, and every workload named.
-    assert values("model", table) == set(MODELS)
+    assert values("model", table) == set(MODELS) - {TP_WORKLOAD[0]}
     assert values("optimizer", table) == set(ALL_OPTIMIZERS)
     assert {(c["model"], c["optimizer"]) for c in table} == {
         w for ws in WORKLOADS.values() for w in ws
     }
+    # Tensor parallelism: stages 0 to 2 on both paths each, over data axes of 4 and 2, K
+    # of 1 and 4 and both spellings (each met by every stage and every path), every (N, K).
+    tp = [c for c in every if c["model_axis"] > 1]
+    assert {(c["placement"], c["path"]) for c in tp} == {
+        (p, path) for p in ("stage_0", "stage_1", "stage_2") for path in PATHS
+    }
+    for column in ("placement", "path"):
+        for v in values(column, tp):
+            mine = [c for c in tp if c[column] == v]
+            assert values("num_devices", mine) == {2, 4}, v
+            assert values("accum_steps", mine) == set(ACCUM_STEPS), v
+            assert values("spelling", mine) == set(SPELLINGS), v
+    assert {(c["num_devices"], c["accum_steps"]) for c in tp} == {
+        (n, k) for n in (2, 4) for k in ACCUM_STEPS
+    }
+    assert {(c["model"], c["optimizer"]) for c in tp} == {TP_WORKLOAD}
     for p in PLACEMENTS:
         mine = where(placement=p)
         # Scanned and unrolled models at every placement, each on both paths.

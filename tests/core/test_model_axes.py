@@ -1,10 +1,17 @@
-"""A model's own sharding names on a mesh axis the mesh lacks (a tensor-parallel "model"
-on a data mesh) are refused when the step is given the model, naming the leaf, the axis
-and the mesh's axes: jaxdp's step places every parameter over its data axes by its own
-rule over its data axes, so the leaf would not have been split over that axis, without a
-word (issue 49).
-Names of the mesh's own axes, of a stack's layer axis, and logical names that the
-model's rules map to no axis are taken, and train as the model without them."""
+"""A model's own sharding names (issue 49).
+
+On a mesh that lacks the axis they name (a tensor-parallel "model" on a data mesh) they
+are refused when the step is given the model, naming the leaf, the axis and the mesh's
+axes: the leaf would not have been split over that axis, without a word. Names of the
+mesh's own data axis, of a stack's layer axis, and logical names that the model's rules
+map to no axis are taken, and train as the model without them.
+
+On a mesh with the model's axis beside the data axis (``Parallel(model_axes=...)``) every
+leaf rests split as its metadata says: the parameters, Adam's moments, the window's sums,
+a restored checkpoint; the gradients travel over the data axis once per step. That it
+trains as one device on the big batch is the equivalence grid's (test_equivalence.py)."""
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +20,10 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
+from models import MegatronMLP, megatron_loss, regression_data
 
 import jaxdp
-from jaxdp.testing import assert_trees_close
+from jaxdp.testing import TOLERANCES, assert_trees_close, collectives
 
 
 class NnxMLP(nnx.Module):
@@ -80,6 +88,7 @@ def test_an_nnx_kernel_split_over_a_model_axis_is_refused_on_a_data_mesh():
     assert "params['fc1']['kernel']'s sharding metadata ((None, 'model'))" in said, said
     assert "names the mesh axis 'model', which the mesh lacks (its axes: ('data',))" in said
     assert "by its own rule over the mesh's data axes only" in said
+    assert "name it in Parallel(model_axes=...)" in said
 
 
 @pytest.mark.parametrize("names", [(None, None), ("data", None)])
@@ -137,3 +146,142 @@ def test_a_named_sharding_is_read_by_its_spec():
     )
     with pytest.raises(ValueError, match=r"\(\(None, 'model'\)\) names the mesh axis 'model'"):
         make_step(nnx_loss).init(NnxMLP(theirs))
+
+
+# ---- the model's own axis on the mesh (tensor parallelism) -----------------------------
+
+P = jax.sharding.PartitionSpec
+
+
+def tp_mesh(data=4, model=2, axes=("data", "model")):
+    """A (data, model) mesh whose axes XLA's partitioner takes (Auto)."""
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh((data, model)[: len(axes)], axes, axis_types=auto[: len(axes)])
+
+
+def tp_step(stage=1, path="multisteps", data=4, model=2, accum_steps=2, **parallel):
+    return jaxdp.make_train_step(
+        megatron_loss,
+        optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
+        mesh=tp_mesh(data, model),
+        accum_steps=accum_steps,
+        path=path,
+        parallel=jaxdp.Parallel(zero_stage=stage, model_axes=("model",), **parallel),
+    )
+
+
+def specs(tree):
+    return [x.sharding.spec for x in jax.tree.leaves(tree)]
+
+
+def test_the_models_splits_are_what_the_state_holds_at_rest():
+    """On a (data 4, model 2) mesh at stage 1: each parameter rests split over "model" as
+    its metadata says (fc1 column-split, fc2 row-split, fc2's bias whole), Adam's moments
+    as their parameters, each also split over "data" along a dimension the model split
+    leaves free where 4 divides one (fc1's kernel: its rows), the multisteps window's sums
+    as their parameters behind their per-device rows; abstract_state says the same, and
+    a step keeps it."""
+    step = tp_step()
+    # jax.tree.leaves order: fc1 bias, fc1 kernel, fc2 bias, fc2 kernel.
+    params = [P("model"), P(None, "model"), P(), P("model")]
+    moments = [P("model"), P("data", "model"), P(), P("model")]
+    window = [P("data", "model"), P("data", None, "model"), P("data"), P("data", "model")]
+    state = step.init(MegatronMLP())
+    abstract = step.abstract_state(MegatronMLP())
+    x, y = regression_data(16)
+    for s in (state, abstract, step(state, (x[:8], y[:8]))[0]):
+        assert specs(s.params) == params
+        adam = s.opt_state[1][0]
+        assert specs(adam.mu) == moments and specs(adam.nu) == moments
+        assert specs(s.window.grads) == window
+
+
+def test_one_gradient_reduction_over_data_per_step_and_megatrons_over_model():
+    """The fused step at K = 4 on (data 4, model 2): the gradients' all-reduce over the
+    data groups (4 devices) after the micro-batch loop, none in it, each device sending
+    its own model shard; in the loop, the all-reduces over the model groups (2 devices)
+    that fc2's row split needs, XLA's."""
+    step = tp_step(stage=0, path="fused", accum_steps=4)
+    state = step.init(MegatronMLP())
+    compiled = step.compile(state, regression_data(32))
+    found = collectives(compiled)
+    data = [c for c in found if c.devices == 4]
+    model = [c for c in found if c.devices == 2]
+    assert data and not [c for c in data if c.in_loop], [c.context for c in data]
+    assert {c.kind for c in data} == {"all-reduce"}
+    # Each device sends its model shard of the gradients (and the loss and weight sums):
+    # fc1's kernel and bias and fc2's kernel halved over the model axis, fc2's bias whole.
+    mine = sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * 8 for x in jax.tree.leaves(state.params)
+    )
+    assert mine == (8 * 16 // 2 + 16 // 2 + 16 * 3 // 2 + 3) * 8
+    assert mine <= sum(c.bytes for c in data) <= mine + 64
+    assert [c for c in model if c.in_loop and c.kind == "all-reduce"]
+    # Nothing over all 8 devices: the data and model groups stay apart.
+    assert not [c for c in found if c.devices == 8], [c for c in found if c.devices == 8]
+
+
+def test_a_tensor_parallel_state_resumes_at_another_model_size_and_stage(tmp_path):
+    """Saved on (data 4, model 2) at stage 1 after a step, restored on (data 2, model 4)
+    at stage 2: the leaves are whole arrays on disk, laid out as the restoring step keeps
+    them, and its next step ends where one device's big batches do."""
+    batches = [regression_data(32, seed=s) for s in (1, 2)]
+    saved = tp_step(stage=1, path="fused", accum_steps=2)
+    state, _ = saved(saved.init(MegatronMLP()), batches[0])
+    checkpoints = jaxdp.checkpoint.Checkpoints(tmp_path / "ckpt")
+    sizes = jaxdp.batch_sizes(num_devices=4, accum_steps=2, global_batch_size=32)
+    checkpoints.save(state, position=jaxdp.SamplerPosition(0, 1, 0), sizes=sizes, samples=32)
+    other = tp_step(stage=2, path="fused", data=2, model=4, accum_steps=2)
+    sizes = jaxdp.batch_sizes(num_devices=2, accum_steps=2, global_batch_size=32)
+    restored = checkpoints.restore(other.init(MegatronMLP()), sizes=sizes).state
+    assert specs(restored.params) == [P("model"), P(None, "model"), P(), P("model")]
+    assert specs(restored.opt_state[1][0].mu)[1] == P("data", "model")
+    state, _ = other(restored, batches[1])
+    graphdef, expected = nnx.split(MegatronMLP(), nnx.Param)
+    optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
+    opt_state = optimizer.init(expected)
+    for batch in batches:
+        grads = jax.grad(lambda p, b: megatron_loss(nnx.merge(graphdef, p), b))(expected, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, expected)
+        expected = optax.apply_updates(expected, updates)
+    f64 = TOLERANCES["float64"]
+    assert_trees_close(jax.tree.leaves(state.params), jax.tree.leaves(expected), rtol=f64.rtol)
+
+
+@pytest.mark.parametrize(
+    ("mesh_axes", "parallel", "said"),
+    [
+        (("data", "model"), {}, "mesh has axes ('data', 'model'), and jaxdp's step takes one"),
+        (
+            ("data", "model"),
+            {"model_axes": ("tensor",)},
+            "parallel.model_axes=('tensor',) names axes the mesh lacks: ['tensor']",
+        ),
+        (
+            ("data", "model"),
+            {"model_axes": ("data", "model")},
+            "every axis is a model axis",
+        ),
+        (
+            ("data", "model"),
+            {"model_axes": "model", "zero_stage": 3},
+            "model_axes=('model',) is not supported with zero_stage=3 yet",
+        ),
+        (
+            ("data", "model"),
+            {"model_axes": "model", "strategy": "pmap"},
+            "model_axes=('model',) is not supported with strategy='pmap' yet",
+        ),
+        (("data",), {"model_axes": [1]}, "model_axes=[1] must be a sequence of distinct"),
+        ((), {"model_axes": "model"}, "the mesh's axes ['model'] are AxisType.Explicit"),
+    ],
+)
+def test_the_model_axes_are_checked_before_any_work(mesh_axes, parallel, said):
+    with pytest.raises(ValueError) as refused:
+        jaxdp.make_train_step(
+            megatron_loss,
+            optax.sgd(0.1),
+            mesh=tp_mesh(axes=mesh_axes) if mesh_axes else jax.make_mesh((4, 2), ("data", "model")),
+            parallel=jaxdp.Parallel(**parallel),
+        )
+    assert said in str(refused.value), str(refused.value)
