@@ -113,6 +113,16 @@ assert meter.flops == 2 * 2 * 12 * 5 * 4, meter.flops
 assert logged["learning_rate"] == float(lr_metrics["learning_rate"]) > 0  # inject_hyperparams'
 assert logged["mfu"] == logged["flops_per_s"] / (1e9 * 2)
 """,
+        # Tensor parallelism: each device holds its model shard, and its data block of
+        # Adam's moment.
+        -1: """
+P = jax.sharding.PartitionSpec
+kernel, mu = tp_state.params["fc1"]["kernel"], tp_state.opt_state[0].mu["fc1"]["kernel"]
+assert (kernel.sharding.spec, mu.sharding.spec) == (P(None, "model"), P("data", "model"))
+assert {s.data.shape for s in kernel.addressable_shards} == {(4, 4)}
+assert {s.data.shape for s in mu.addressable_shards} == {(2, 4)}
+assert int(tp_state.step) == 1  # the update applied
+""",
     },
     "model-state.md": {
         0: "assert int(step.model(state).layers[1].num_batches_tracked[...]) == 2",
