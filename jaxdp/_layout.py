@@ -8,6 +8,7 @@ what DDP rank ``r`` feeds through its ``accum_steps`` micro-batches.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import jax
@@ -203,25 +204,43 @@ class ProcessShare(NamedTuple):
 
 
 def process_share(
-    mesh: Mesh, sizes: BatchSizes, *, process_index: int | None = None
+    mesh: Mesh,
+    sizes: BatchSizes,
+    *,
+    process_index: int | None = None,
+    model_axes: tuple[str, ...] = (),
 ) -> ProcessShare:
     """What process ``process_index`` (default: this one) reads of each global batch.
 
     Device ``r`` of the mesh is data-parallel rank ``r`` (its own
     :class:`DistributedSampler` rank, as one DDP rank per GPU); a process reads
     the rows of its devices' ranks and nothing else. One process: everything.
+    ``model_axes`` (``Parallel.model_axes``): the mesh's other axes, whose devices of a
+    data rank read the same rows; a rank is then the mesh's position along its data
+    axis, and its devices must belong to one process.
 
     Raises:
-      ValueError: ``sizes.num_devices`` is not the mesh's size, or the
-        process's devices are not one contiguous block of the mesh, or the
-        processes hold different numbers of its devices.
+      ValueError: ``sizes.num_devices`` is not the size of the mesh's data axis, or
+        the process's ranks are not one contiguous block of the mesh, or the
+        processes hold different numbers of them.
     """
-    devices = list(mesh.devices.flat)
-    if sizes.num_devices != len(devices):
+    data = [a for a in mesh.axis_names if a not in model_axes]
+    grid = np.moveaxis(mesh.devices, [mesh.axis_names.index(a) for a in data], range(len(data)))
+    ranks_devices = grid.reshape(math.prod(grid.shape[: len(data)]), -1)
+    if sizes.num_devices != len(ranks_devices):
+        unit = "devices" if not model_axes else f"data ranks (devices along {tuple(data)})"
         raise ValueError(
-            f"sizes.num_devices={sizes.num_devices} must be the mesh's {len(devices)} devices"
+            f"sizes.num_devices={sizes.num_devices} must be the mesh's {len(ranks_devices)} {unit}"
         )
-    owners = [d.process_index for d in devices]
+    owners = []
+    for rank, devices in enumerate(ranks_devices):
+        processes = sorted({d.process_index for d in devices})
+        if len(processes) > 1:
+            raise ValueError(
+                f"data rank {rank}'s devices {[d.id for d in devices]} belong to processes "
+                f"{processes}: a rank's model-axis devices must belong to one process"
+            )
+        owners.append(processes[0])
     if process_index is None:
         process_index = jax.process_index()
     ranks = [r for r, owner in enumerate(owners) if owner == process_index]

@@ -10,7 +10,9 @@ from ._reference import CNN as CNN
 from ._reference import CNNBN as CNNBN
 from ._reference import LAYER_NORM_EPS as LAYER_NORM_EPS
 from ._reference import MLP as MLP
+from ._reference import MODEL_AXIS as MODEL_AXIS
 from ._reference import MODELS as MODELS
+from ._reference import TENSOR_PARALLEL as TENSOR_PARALLEL
 from ._reference import TRAINABLE as TRAINABLE
 from ._reference import BatchNorm as BatchNorm
 from ._reference import EmbedBranch as EmbedBranch
@@ -27,7 +29,9 @@ __all__ = [
     "CNNBN",
     "LAYER_NORM_EPS",
     "MLP",
+    "MODEL_AXIS",
     "MODELS",
+    "TENSOR_PARALLEL",
     "TRAINABLE",
     "BatchNorm",
     "EmbedBranch",

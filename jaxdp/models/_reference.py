@@ -303,15 +303,44 @@ class Transformer(nnx.Module):
         return self.head(self.ln_f(self.block(h)))
 
 
+def _split(names: tuple[Any, ...] | None) -> dict[str, Any]:
+    """A Variable's sharding metadata: ``names`` over the mesh (None: none), read by the
+    step, not applied when the Variable is made (no mesh needed)."""
+    return {} if names is None else {"out_sharding": names, "eager_sharding": False}
+
+
+MODEL_AXIS = "model"
+"""The mesh axis the reference models' tensor-parallel plans (``tp=True``) name."""
+
+
 class ResidualBlock(nnx.Module):
     """Pre-LayerNorm residual MLP block: ``h + proj(gelu(fc(norm(h))))``, width ``d -> 2d -> d``
-    (tanh-approximated GELU, as torch's ``F.gelu(approximate="tanh")``)."""
+    (tanh-approximated GELU, as torch's ``F.gelu(approximate="tanh")``).
 
-    def __init__(self, d_model: int, *, rngs: nnx.Rngs, param_dtype: Any):
+    ``tp``: Megatron's plan over :data:`MODEL_AXIS` in the Variables' metadata, torch's
+    ``ColwiseParallel`` on ``fc`` (its kernel's and bias's outputs split) and
+    ``RowwiseParallel`` on ``proj`` (its kernel's inputs; its bias whole), as
+    ``torch_ref``'s ``MEGATRON_PLANS["stack"]``."""
+
+    def __init__(self, d_model: int, *, rngs: nnx.Rngs, param_dtype: Any, tp: bool = False):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
+        col, row = ((None, MODEL_AXIS), (MODEL_AXIS,)), ((MODEL_AXIS, None), (None,))
+        (fc_kernel, fc_bias), (proj_kernel, proj_bias) = (col, row) if tp else ((None,) * 2,) * 2
         self.norm = _layer_norm(d_model, **kw)
-        self.fc = nnx.Linear(d_model, 2 * d_model, **kw)
-        self.proj = nnx.Linear(2 * d_model, d_model, **kw)
+        self.fc = nnx.Linear(
+            d_model,
+            2 * d_model,
+            kernel_metadata=_split(fc_kernel),
+            bias_metadata=_split(fc_bias),
+            **kw,
+        )
+        self.proj = nnx.Linear(
+            2 * d_model,
+            d_model,
+            kernel_metadata=_split(proj_kernel),
+            bias_metadata=_split(proj_bias),
+            **kw,
+        )
 
     def __call__(self, h: jax.Array) -> jax.Array:
         return h + self.proj(jax.nn.gelu(self.fc(self.norm(h)), approximate=True))
@@ -326,7 +355,8 @@ class Stack(nnx.Module):
     ``nn.ModuleList`` ``blocks.0`` ... ``blocks.2`` stacked (``torch_to_params`` converts
     it). The forward loops over it with :func:`jaxdp.scan_layers`, so at ZeRO stage 3 the
     blocks are gathered one at a time. ``head`` has 5 rows, which 2 or 4 devices do not
-    divide.
+    divide. ``tp``: each block's Megatron plan over :data:`MODEL_AXIS`
+    (:class:`ResidualBlock`), for ``Parallel(model_axes=("model",))``.
     """
 
     def __init__(
@@ -338,6 +368,7 @@ class Stack(nnx.Module):
         *,
         rngs: nnx.Rngs,
         param_dtype: Any = jnp.float32,
+        tp: bool = False,
     ):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         self.embed = nnx.Linear(d_in, d_model, **kw)
@@ -345,7 +376,7 @@ class Stack(nnx.Module):
         @nnx.split_rngs(splits=n_blocks)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def blocks(rngs: nnx.Rngs) -> ResidualBlock:
-            return ResidualBlock(d_model, rngs=rngs, param_dtype=param_dtype)
+            return ResidualBlock(d_model, rngs=rngs, param_dtype=param_dtype, tp=tp)
 
         self.blocks = name_layer_axis(blocks(rngs))  # a stack of layers (metadata)
         self.norm = _layer_norm(d_model, **kw)
@@ -383,11 +414,26 @@ TRAINABLE: dict[str, Callable[[tuple[str, ...], Any], bool]] = {
 torch_ref sets ``requires_grad=False``): a predicate on the parameter's path; absent, all train."""
 
 
-def build_model(name: str, *, seed: int = 0, param_dtype: Any = jnp.float32) -> nnx.Module:
-    """The reference model ``name`` (one of ``MODELS``) with its default sizes."""
+TENSOR_PARALLEL = ("stack",)
+"""The reference models with a tensor-parallel plan (``build_model(..., tp=True)``)."""
+
+
+def build_model(
+    name: str, *, seed: int = 0, param_dtype: Any = jnp.float32, tp: bool = False
+) -> nnx.Module:
+    """The reference model ``name`` (one of ``MODELS``) with its default sizes; ``tp``:
+    with its tensor-parallel plan over :data:`MODEL_AXIS` in its metadata (the models of
+    :data:`TENSOR_PARALLEL`)."""
     cls, _ = _lookup(name)
+    if tp and name not in TENSOR_PARALLEL:
+        raise ValueError(
+            f"tp=True: model {name!r} has no tensor-parallel plan; the models with one: "
+            f"{TENSOR_PARALLEL}"
+        )
     if cls is LinearModel:
         return LinearModel(param_dtype=param_dtype)
+    if tp:
+        return cls(rngs=nnx.Rngs(seed), param_dtype=param_dtype, tp=True)
     return cls(rngs=nnx.Rngs(seed), param_dtype=param_dtype)
 
 

@@ -30,7 +30,7 @@ from .._model_state import batch_norm_modules
 from .._options import AccumulationPath, Parallel, Skips, Strategy
 from .._sampler import Permutation
 from .._step import make_train_step
-from ..models import MODELS, TRAINABLE, build_model, model_loss
+from ..models import MODEL_AXIS, MODELS, TENSOR_PARALLEL, TRAINABLE, build_model, model_loss
 from ..testing._tolerances import tolerances
 from ._convert import params_to_torch, torch_to_params
 from ._locate_text import Divergence
@@ -86,6 +86,25 @@ class ParityConfig:
     # The torch side: torch_ref's loop, or a team's own script as its torch_ref.Recorder
     # recorded it (compare_recorded; nothing of torch runs but the divergence locator).
     torch_side: Literal["torch_ref", "recorded"] = "torch_ref"
+    # Tensor parallelism over a model axis of tp devices beside the num_devices data
+    # ranks: jaxdp on a (data, model) mesh with the model's Megatron plan in its metadata
+    # (Parallel(model_axes=("model",))), torch_ref's TP x DDP or TP x FSDP2 on tp ranks
+    # per data rank. 1: none.
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise ValueError(f"tp={self.tp!r} must be a positive integer (1: no model axis)")
+        if self.tp > 1 and self.model not in TENSOR_PARALLEL:
+            raise ValueError(
+                f"tp={self.tp} needs a model with a tensor-parallel plan {TENSOR_PARALLEL}, "
+                f"got model={self.model!r}"
+            )
+        if self.tp > 1 and self.zero_stage == 3:
+            raise ValueError(
+                f"tp={self.tp} with zero_stage=3: jaxdp's stage 3 takes no model axis yet; "
+                "use zero_stage 0 to 2 (torch's FSDP2 side computes stage 2's update)"
+            )
 
 
 @dataclasses.dataclass
@@ -146,6 +165,10 @@ def torch_config(config: ParityConfig, **overrides: Any) -> Any:
         fields["zero"] = True
     elif config.zero_stage == 3:
         fields.update(fsdp=True, shards=config.shards)
+    if config.tp > 1:  # tp ranks per data rank; FSDP2 over the data ranks at stage 2
+        fields.update(num_devices=config.num_devices * config.tp, tp=config.tp)
+        if config.zero_stage:
+            fields.update(zero=False, fsdp=True)
     return torch_ref.TrainConfig(**{**fields, **overrides})
 
 
@@ -205,8 +228,14 @@ def _run_jaxdp(
     permutation: Permutation,
     options: dict[str, Any],
 ) -> Trajectory:
-    model = build_model(config.model, param_dtype=jnp.dtype(config.dtype))
+    model = build_model(config.model, param_dtype=jnp.dtype(config.dtype), tp=config.tp > 1)
     mesh = data_mesh(config.num_devices)
+    if config.tp > 1:  # the data ranks' devices, each with tp of the model axis
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        devices = np.array(jax.devices()[: config.num_devices * config.tp])
+        mesh = jax.sharding.Mesh(
+            devices.reshape(config.num_devices, config.tp), ("data", MODEL_AXIS), axis_types=auto
+        )
     batch_stats = None
     if batch_norm_modules(model):
         batch_stats = "sync" if config.sync_batchnorm else "local"
@@ -226,6 +255,7 @@ def _run_jaxdp(
             zero_stage=config.zero_stage,
             shards=config.shards,
             remat=config.remat,
+            model_axes=(MODEL_AXIS,) if config.tp > 1 else (),
         ),
     )
     # torch_ref's models are nn.Linear and nn.Conv layers: [out, in, *k].
@@ -264,17 +294,23 @@ def with_groups(
     zero_stage: int = 0,
     shards: int | None = None,
     remat: str = "dots",
+    model_axes: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """:func:`jaxdp.make_train_step`'s keywords: ``options`` with the option groups the
     comparison implies where they give none, ``Parallel(strategy=strategy,
-    zero_stage=zero_stage, shards=shards, remat=remat)`` (remat at stage 3 only, a
+    zero_stage=zero_stage, shards=shards, remat=remat, model_axes=model_axes)`` (remat at
+    stage 3 only, a
     ``jax.checkpoint_policies`` name resolved) and (if ``unused`` is set)
     ``Skips(unused=unused)``. A group given is taken whole."""
     out = dict(options)
     if out.get("parallel") is None:
         stage_3 = {"remat": remat_policy(remat)} if zero_stage == 3 else {}
         out["parallel"] = Parallel(
-            strategy=strategy, zero_stage=zero_stage, shards=shards, **stage_3
+            strategy=strategy,
+            zero_stage=zero_stage,
+            shards=shards,
+            model_axes=model_axes,
+            **stage_3,
         )
     if unused is not None and out.get("skips") is None:
         out["skips"] = Skips(unused=unused)
@@ -291,7 +327,7 @@ def train_steps(
 ) -> Trajectory:
     """``config.steps`` optimizer steps of ``step`` in torch's data order; ``snapshot``
     turns the trained model (``step.model(state)``) into the compared arrays."""
-    share = process_share(step.mesh, sizes_of(config))
+    share = process_share(step.mesh, sizes_of(config), model_axes=step.options.model_axes)
     states, losses = [], []
     for batch, weights in step_batches(config, data, permutation, share.rows):
         if config.path == "fused":
