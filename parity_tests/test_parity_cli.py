@@ -153,6 +153,29 @@ def test_zero_stage_and_shards_choose_both_sides(
     assert f"jaxdp fused/shard_map {header};" in capsys.readouterr().out.splitlines()[0]
 
 
+def test_tp_sets_the_model_axis_on_both_sides(monkeypatch):
+    """``--tp 2``: jaxdp's ParityConfig(tp=2) (a (data, model) mesh, the model's plan),
+    torch_ref's tp ranks per data rank, and tp x num-devices devices emulated; the
+    trajectories' equality is test_parity_tp.py's."""
+    from jaxdp.parity._runner import torch_config
+
+    seen, devices = [], []
+
+    def recorded(config):
+        seen.append(config)
+        empty = Trajectory([{"w": np.zeros(1)}], [0.0])
+        return compare(config, empty, empty, rtol=1e-10)
+
+    monkeypatch.setattr("jaxdp.parity.run_parity", recorded)
+    monkeypatch.setattr("jaxdp._mesh.emulate_cpu_devices", devices.append)
+    argv = ["parity", "--model", "stack", "--num-devices", "2", "--steps", "1", "--tp", "2"]
+    assert main([*argv, "--zero-stage", "2"]) == 0
+    (config,) = seen
+    ours = torch_config(config)
+    assert (config.tp, ours.tp, ours.num_devices, ours.fsdp, ours.zero) == (2, 2, 4, True, False)
+    assert devices == [4]
+
+
 def test_zero_stage_flags_are_checked_before_either_side_trains(monkeypatch, capsys):
     """Each a usage error before anything trains: one line, exit status 2 (issue 44 item 6:
     pmap at stage 3, shards=1 and cuda without a GPU crashed with a traceback, exit 1, after
@@ -169,6 +192,8 @@ def test_zero_stage_flags_are_checked_before_either_side_trains(monkeypatch, cap
         (["--zero-stage", "3", "--shards", "1"], "shards=1 must be None (one shard group"),
         (["--zero-stage", "3", "--remat", "some"], "remat='some' must be 'dots', 'full' or the"),
         (["--remat", "full"], "remat='full' needs zero_stage=3"),
+        (["--tp", "0"], "tp=0 must be a positive integer"),
+        (["--tp", "2", "--zero-stage", "3"], "tp=2 with zero_stage=3: jaxdp's stage 3 takes"),
         (["--torch-device", "cuda"], "torch_device='cuda' needs one GPU per rank: num_devices=4"),
         ([*port, "--torch-device", "cuda"], "torch_device='cuda' needs one GPU per rank"),
     ]:

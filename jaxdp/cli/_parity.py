@@ -22,7 +22,7 @@ from ..models import MODELS
 from ..parity import OPTIMIZERS, RTOL, ParityConfig
 
 # Flags that only a reference model (--model) or only a user's models take.
-REFERENCE_ONLY = ("num_samples", "sync_batchnorm", "zero_stage", "shards", "remat")
+REFERENCE_ONLY = ("num_samples", "sync_batchnorm", "zero_stage", "shards", "remat", "tp")
 PORT_ONLY = ("loss", "mapping", "jax_optimizer", "locate", "loss_reduction", "schedule")
 # What a recorded script's record gives (its layout, data and optimizer): refused with one.
 RECORDED = ("accum_steps", "micro_batch_size", "steps", "dtype", "seed", "last_window")
@@ -155,6 +155,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(Parallel(remat=...)): dots (the matrix products' outputs), full (nothing) or the "
         "name of a jax.checkpoint_policies policy (default: dots). torch's FSDP2 keeps "
         "every activation: the values are the same either way",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        metavar="M",
+        default=None,
+        help="--model stack: tensor parallelism, M devices of a model axis per data rank: "
+        "jaxdp on a (data, model) mesh with the model's Megatron plan "
+        "(Parallel(model_axes=('model',))), torch's parallelize_module on a (dp, tp) "
+        "DeviceMesh under DDP, or FSDP2 with --zero-stage 1 or 2 (num-devices x M "
+        "devices and ranks) (default: 1, none)",
     )
     p.add_argument(
         "--plot",
@@ -318,7 +329,8 @@ def _run_parity_command(args: argparse.Namespace) -> int:
     if args.torch_script or args.torch_record:
         record = _record(args)
         args.num_devices, args.dtype = record.num_devices, record.dtype
-    emulate_cpu_devices(max(args.num_devices, 1))  # CPU only; before the backend starts
+    # CPU only; before the backend starts. A model axis: tp devices per data rank.
+    emulate_cpu_devices(max(args.num_devices * (getattr(args, "tp", None) or 1), 1))
     jax.config.update("jax_enable_x64", args.dtype == "float64")
     if record is not None:
         report = _compare_record(args, record)
@@ -412,8 +424,8 @@ def _compare_reference(args: argparse.Namespace) -> Any:
     fields = {f.name for f in dataclasses.fields(ParityConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     given["optimizer"] = _optimizer(args.optimizer)
-    config = ParityConfig(**{"model": "mlp", **given})
     try:
+        config = ParityConfig(**{"model": "mlp", **given})
         check_config(config)  # before either side trains
     except ValueError as e:
         _error(str(e))
