@@ -61,9 +61,21 @@ def flops_per_token(cfg: GPTConfig) -> dict[str, int]:
 # ---- the model, in Flax NNX and in torch --------------------------------------------
 
 
-def nnx_model(cfg: GPTConfig, *, dtype: Any, seed: int = 0, attention: str | None = None) -> Any:
+def nnx_model(
+    cfg: GPTConfig,
+    *,
+    dtype: Any,
+    seed: int = 0,
+    attention: str | None = None,
+    tp: bool = False,
+) -> Any:
     """GPT-2 in NNX; ``attention`` is ``jax.nn.dot_product_attention``'s ``implementation``
-    (None: XLA's choice; ``"cudnn"``: cuDNN's flash attention, GPUs only)."""
+    (None: XLA's choice; ``"cudnn"``: cuDNN's flash attention, GPUs only). ``tp``:
+    Megatron's plan over a ``"model"`` axis in the Variables' metadata (for
+    ``Parallel(model_axes=("model",))``): ``qkv`` and ``fc`` column-split, ``proj`` and
+    ``fc_proj`` row-split, the embeddings and norms whole; ``qkv``'s outputs are then
+    ordered head by head (each head's q, k and v side by side), so that a split of them
+    keeps whole heads on a device."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -71,20 +83,36 @@ def nnx_model(cfg: GPTConfig, *, dtype: Any, seed: int = 0, attention: str | Non
     rngs = nnx.Rngs(seed)
     kw = {"dtype": dtype, "param_dtype": jnp.float32, "rngs": rngs}
 
+    def split(kernel: tuple, bias: tuple) -> dict[str, Any]:
+        if not tp:
+            return {}
+        meta = {"eager_sharding": False}
+        return {
+            "kernel_metadata": {"out_sharding": kernel, **meta},
+            "bias_metadata": {"out_sharding": bias, **meta},
+        }
+
+    col, row = split((None, "model"), ("model",)), split(("model", None), (None,))
+
     class Block(nnx.Module):
         def __init__(self) -> None:
             d = cfg.d_model
             self.ln1 = nnx.LayerNorm(d, epsilon=1e-5, **kw)
-            self.qkv = nnx.Linear(d, 3 * d, **kw)
-            self.proj = nnx.Linear(d, d, **kw)
+            self.qkv = nnx.Linear(d, 3 * d, **kw, **col)
+            self.proj = nnx.Linear(d, d, **kw, **row)
             self.ln2 = nnx.LayerNorm(d, epsilon=1e-5, **kw)
-            self.fc = nnx.Linear(d, 4 * d, **kw)
-            self.fc_proj = nnx.Linear(4 * d, d, **kw)
+            self.fc = nnx.Linear(d, 4 * d, **kw, **col)
+            self.fc_proj = nnx.Linear(4 * d, d, **kw, **row)
 
         def __call__(self, x: jax.Array) -> jax.Array:
             b, t, d = x.shape
-            q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
-            q, k, v = (y.reshape(b, t, cfg.n_head, d // cfg.n_head) for y in (q, k, v))
+            h = cfg.n_head
+            if tp:  # head-major: [b, t, heads, (q, k, v), head width]
+                qkv = self.qkv(self.ln1(x)).reshape(b, t, h, 3, d // h)
+                q, k, v = (qkv[:, :, :, i] for i in range(3))
+            else:
+                q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
+                q, k, v = (y.reshape(b, t, h, d // h) for y in (q, k, v))
             # implementation=None is XLA's attention (it writes the T x T scores); "cudnn" is
             # cuDNN's flash attention, as torch's scaled_dot_product_attention runs on a GPU.
             att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
