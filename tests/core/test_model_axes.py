@@ -285,3 +285,16 @@ def test_the_model_axes_are_checked_before_any_work(mesh_axes, parallel, said):
             parallel=jaxdp.Parallel(**parallel),
         )
     assert said in str(refused.value), str(refused.value)
+
+
+def test_the_reference_stack_carries_its_megatron_plan():
+    """``build_model("stack", tp=True)``: fc column-split and proj row-split over
+    MODEL_AXIS behind the stack's layer axis; a model without a plan is refused."""
+    from jaxdp.models import MODEL_AXIS, TENSOR_PARALLEL, build_model
+
+    assert TENSOR_PARALLEL == ("stack",) and MODEL_AXIS == "model"
+    blocks = build_model("stack", tp=True).blocks
+    assert blocks.fc.kernel.get_metadata()["out_sharding"] == ("layers", None, MODEL_AXIS)
+    assert blocks.proj.kernel.get_metadata()["out_sharding"] == ("layers", MODEL_AXIS, None)
+    with pytest.raises(ValueError, match="model 'mlp' has no tensor-parallel plan"):
+        build_model("mlp", tp=True)
