@@ -387,7 +387,7 @@ class StepOptions:
                 f"mesh's axes: {names})"
             )
         types = dict(zip(names, getattr(self.mesh, "axis_types", ()) or (), strict=False))
-        explicit = [a for a in model if str(types.get(a, "Auto")).endswith("Explicit")]
+        explicit = [a for a in model if types.get(a) == jax.sharding.AxisType.Explicit]
         if explicit:
             raise ValueError(
                 f"parallel.model_axes={model}: the mesh's axes {explicit} are "
