@@ -34,6 +34,7 @@ from flax import nnx
 from ._shards import (
     compress,
     decompress,
+    on_model_shards,
     packed_all_gather,
     packed_psum,
     packed_reduce_scatter,
@@ -49,7 +50,8 @@ class Gather:
     gather's (None: the parameters' own; ``Parallel.gather_dtype``), the remat policy of
     :func:`scan_layers`' loop (``Parallel.remat``), and whether the leaves outside the
     stacks travel packed into one collective per dtype (XLA:CPU) or one per leaf, for
-    XLA to combine and schedule each where it is used."""
+    XLA to combine and schedule each where it is used; the model axes
+    (``Parallel.model_axes``), over which each device gathers its own shards."""
 
     axis_name: str
     num_devices: int
@@ -57,6 +59,7 @@ class Gather:
     dtype: Any = None
     remat: Any = "dots"
     packed: bool = True
+    model_axes: tuple[str, ...] = ()  # the mesh's axes the model's own shardings use
 
     @property
     def policy(self) -> Callable[..., bool]:
@@ -106,17 +109,18 @@ def scan_layers(fn: Callable[[Any, Carry], Carry], layers: Any, carry: Carry) ->
     declared = next((x for x in stacks if x is not None), None)  # Parallel.layers
     if declared is not None and declared.route.kind != "gather":
         return _scan_routed(fn, graphdef, treedef, leaves, stacks, carry)
-    dims, sizes, how, across = [None] * len(leaves), None, None, None
+    dims, sizes, models, how, across = [None] * len(leaves), None, None, None, None
     if declared is not None:  # stage 3: the blocks handed over, gathered here
         leaves = [x if s is None else s.value for x, s in zip(leaves, stacks, strict=True)]
         dims, how = [None if s is None else s.dim for s in stacks], declared.route.gather
         sizes = [None if s is None else s.size for s in stacks]
+        models = [() if s is None else s.model for s in stacks]
         across = next((s.route.across for s in stacks if s is not None and s.route.across), None)
     _check_layers(treedef.unflatten(leaves))
 
     def body(carry, xs):
         if how is not None:
-            xs = gather(xs, dims, how, sizes)
+            xs = gather(xs, dims, how, sizes, models)
         layer = treedef.unflatten(xs)
         if graphdef is not None:
             layer = nnx.merge(graphdef, layer)
@@ -351,6 +355,7 @@ class Stack:
     route: Route
     name: str
     size: int | None = None  # stage 3: a padded leaf's logical size along dim (None: not)
+    model: tuple[Any, ...] = ()  # stage 3: a layer's split over the model axes (model_specs)
 
     shape = property(lambda self: self.value.shape)
     dtype = property(lambda self: self.value.dtype)
@@ -475,13 +480,16 @@ def gathered_loss(
     warn: Callable[[str], None],
     declared: list[bool],
     sizes: list[int | None] | None = None,
+    models: list[tuple[Any, ...]] | None = None,
 ) -> Callable[..., Any]:
     """``parts(params, *rest)`` (:func:`jaxdp._forward.loss_parts`) on the parameters
     as this device holds them at stage 3: ``dims`` per parameter leaf, the dimension
     it is split along (None: whole); ``declared`` per parameter leaf, a stack of layers
     (the plan's, from ``Parallel.layers`` or the model's metadata); ``sizes`` per
     parameter leaf, the logical size along its dimension of a leaf that rests padded
-    (None: not), so that ``loss_fn`` gets every leaf in the model's shape. The leaves outside
+    (None: not), so that ``loss_fn`` gets every leaf in the model's shape; ``models`` per
+    parameter leaf, its split over the model axes (:func:`jaxdp._shards.model_specs`;
+    None: none), kept through the gather. The leaves outside
     every stack are gathered up front in one collective per dtype; each stack goes to
     ``loss_fn`` as a :class:`Stack` of its blocks, for :func:`scan_layers` alone, which
     gathers it a layer at a time (also a stack kept whole: the loop's remat is the
@@ -489,6 +497,7 @@ def gathered_loss(
     # A stack split along its layer axis (a 1-D one) cannot be looped a layer at a time.
     stacked = {i for i, d in enumerate(dims) if declared[i] and (d is None or d >= 1)}
     sizes = sizes or [None] * len(dims)
+    models = models or [()] * len(dims)
     route = Route("gather", how.axis_name, how.num_devices, how.wire, gather=how)
 
     def parts_at_stage_3(params: Any, *rest: Any) -> Any:
@@ -515,16 +524,17 @@ def gathered_loss(
             blocks = jax.lax.optimization_barrier((blocks, batch))[0]
             for i, x in zip(which, blocks, strict=True):
                 leaves[i] = x
-        leaves = gather(leaves, up_front, how, sizes)
+        leaves = gather(leaves, up_front, how, sizes, models)
         paths = jax.tree_util.tree_flatten_with_path(params)[0]
         for i in stacked:
             name, h, dim = jax.tree_util.keystr(paths[i][0]), handed[i], dims[i]
             dim = None if dim is None else dim - 1  # a layer's: its stack's minus the layer axis
+            model = tuple(models[i][1:])
             if h is None:
-                leaves[i] = Stack(leaves[i], None, None, dim, route, name, sizes[i])
+                leaves[i] = Stack(leaves[i], None, None, dim, route, name, sizes[i], model)
             else:
                 across = dataclasses.replace(route, across=h.route)
-                leaves[i] = Stack(leaves[i], h.sums, h.sink, dim, across, name, sizes[i])
+                leaves[i] = Stack(leaves[i], h.sums, h.sink, dim, across, name, sizes[i], model)
         return parts(treedef.unflatten(leaves), *rest)
 
     return parts_at_stage_3
@@ -534,23 +544,32 @@ def gathered_loss(
 
 
 def gather(
-    leaves: list[Any], dims: list[int | None], how: Gather, sizes: list[int | None] | None = None
+    leaves: list[Any],
+    dims: list[int | None],
+    how: Gather,
+    sizes: list[int | None] | None = None,
+    models: list[tuple[Any, ...]] | None = None,
 ) -> list[Any]:
     """``leaves`` with each split one (``dims[i]`` not None: this device's block along
     that dimension) gathered whole: one all-gather per dtype (in ``how.dtype`` when
     set: the whole leaf in that dtype); its gradient is this device's block of the
     global sum in the block's dtype (one reduce-scatter per dtype). ``sizes[i]``: a
     padded leaf's logical size along ``dims[i]`` (None: not padded): the gathered leaf
-    is sliced to it, and its gradient padded with zeros back before the reduce-scatter."""
+    is sliced to it, and its gradient padded with zeros back before the reduce-scatter.
+    ``models[i]``: a leaf's split over the model axes (:func:`jaxdp._shards.model_specs`;
+    empty: none), which it keeps: each device gathers (and reduce-scatters) its own
+    shards over the data axis (:func:`jaxdp._shards.on_model_shards`)."""
     which = [i for i, d in enumerate(dims) if d is not None]
     if not which:
         return list(leaves)
     sizes = sizes or [None] * len(dims)
+    models = models or [()] * len(dims)
     blocks = tuple(leaves[i] for i in which)
     layout = (
         tuple(dims[i] for i in which),
         tuple(str(x.dtype) for x in blocks),
         tuple(sizes[i] for i in which),
+        tuple(tuple(models[i]) for i in which),
     )
     whole = _gathered(layout, how, blocks)
     out = list(leaves)
@@ -565,30 +584,37 @@ def _gathered(layout: tuple[Any, Any], how: Gather, blocks: tuple[Any, ...]) -> 
 
 
 def _gathered_forward(layout, how, blocks):
-    dims, sizes, blocks = layout[0], layout[2], _cast(blocks, how.dtype)
-    if how.packed:
-        wholes = packed_all_gather(blocks, dims, how.axis_name, how.num_devices, sizes)
-    else:  # one each: XLA combines them and schedules each where it is used
-        wholes = [
+    dims, sizes, models = layout[0], layout[2], layout[3]
+
+    def gathered(blocks):
+        blocks = _cast(tuple(blocks), how.dtype)
+        if how.packed:
+            return packed_all_gather(blocks, dims, how.axis_name, how.num_devices, sizes)
+        # One each: XLA combines them and schedules each where it is used.
+        return [
             packed_all_gather([x], [d], how.axis_name, how.num_devices, [s])[0]
             for x, d, s in zip(blocks, dims, sizes, strict=True)
         ]
-    return tuple(wholes), None
+
+    return tuple(on_model_shards(gathered, blocks, models, how.model_axes)), None
 
 
 def _gathered_backward(layout, how, _, cotangents):
     # The gradients go back in the blocks' dtypes (the gather dtype is the forward's); a
     # padded leaf's logical gradient is padded with zeros by the reduce-scatter.
-    dims, dtypes, _ = layout
-    blocks = packed_reduce_scatter(
-        _cast(cotangents, dtypes),
-        dims,
-        how.axis_name,
-        how.num_devices,
-        how.wire,
-        packed=how.packed,
-    )
-    return (tuple(blocks),)
+    dims, dtypes, _, models = layout
+
+    def scattered(cotangents):
+        return packed_reduce_scatter(
+            _cast(tuple(cotangents), dtypes),
+            dims,
+            how.axis_name,
+            how.num_devices,
+            how.wire,
+            packed=how.packed,
+        )
+
+    return (tuple(on_model_shards(scattered, cotangents, models, how.model_axes)),)
 
 
 def _cast(xs: tuple[Any, ...], dtype: Any) -> tuple[Any, ...]:

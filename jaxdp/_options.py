@@ -196,11 +196,15 @@ class Parallel:
                 "names (the model's own, tensor-parallel axes), or () for none"
             )
         object.__setattr__(self, "model_axes", axes)
-        if axes and (self.zero_stage == 3 or self.strategy == "pmap"):
+        if axes and self.strategy == "pmap":
             raise ValueError(
-                f"model_axes={axes} is not supported with "
-                + ("zero_stage=3" if self.zero_stage == 3 else "strategy='pmap'")
-                + " yet: a model axis composes with stages 0 to 2 on strategy='shard_map'"
+                f"model_axes={axes} needs strategy='shard_map': pmap maps every axis, and "
+                "a model axis is left to XLA's partitioner"
+            )
+        if axes and self.shards is not None:
+            raise ValueError(
+                f"model_axes={axes} with shards={self.shards} (HSDP) is not supported yet: "
+                "a model axis composes with zero_stage 0 to 3 on one data axis"
             )
         layers = self.layers
         if isinstance(layers, str):

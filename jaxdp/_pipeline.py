@@ -211,6 +211,12 @@ class _Parts(NamedTuple):
         padded (stage 3), else None."""
         return self._per_parameter(self.plan.sizes)
 
+    @property
+    def models(self) -> list[tuple[Any, ...]]:
+        """Per parameter leaf, its split over the model axes where the parameters rest
+        split (stage 3; :func:`jaxdp._shards.model_specs`), else none."""
+        return [m or () for m in self._per_parameter(self.plan.model)]
+
     def _per_parameter(self, per_trainable: list[Any]) -> list[Any]:
         if not self.plan.layout.params_split:
             return [None] * len(self.mask)
@@ -959,7 +965,13 @@ def _forward(o: StepOptions, parts: _Parts, params, model_state, step, graphdef)
     )
     if o.gathers_per_micro_batch:  # stage 3: gathered for the loss
         parts_of_loss = gathered_loss(
-            parts_of_loss, parts.dims, _gather_how(o), o.warn_once, parts.declared, parts.sizes
+            parts_of_loss,
+            parts.dims,
+            _gather_how(o),
+            o.warn_once,
+            parts.declared,
+            parts.sizes,
+            parts.models,
         )
     return micro_forward(
         parts_of_loss,
@@ -975,14 +987,23 @@ def _forward(o: StepOptions, parts: _Parts, params, model_state, step, graphdef)
 
 def _gather_how(o: StepOptions) -> Gather:
     p = o.parallel
-    return Gather(o.axis_name, o.shards, o.comm, p.gather_dtype, p.remat, packed=o.cpu_spelling)
+    return Gather(
+        o.axis_name,
+        o.shards,
+        o.comm,
+        p.gather_dtype,
+        p.remat,
+        packed=o.cpu_spelling,
+        model_axes=o.model_axes,
+    )
 
 
 def gather_window(parts: _Parts, params: Any, o: StepOptions) -> Any:
     """Stage 3, ``regather="window"``: every split parameter gathered whole (one
     all-gather per dtype) before the micro-batch loop and kept through it."""
     leaves, treedef = jax.tree.flatten(params)
-    return treedef.unflatten(gather(leaves, parts.dims, _gather_how(o), parts.sizes))
+    gathered = gather(leaves, parts.dims, _gather_how(o), parts.sizes, parts.models)
+    return treedef.unflatten(gathered)
 
 
 def _scatter(

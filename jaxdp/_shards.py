@@ -43,6 +43,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ._mesh import mark_varying
 from ._stages import SplitRule, StageLayout
 
 
@@ -65,13 +66,19 @@ def split_dim(
     with a dimension that divides gets that one, as without ``pad``.
 
     ``taken``: the leaf's model-axis entries per dimension (:func:`model_specs`); a
-    dimension split over a model axis is never split over the data axis too."""
+    dimension split over a model axis is never split over the data axis too. Where the
+    model axes take every dimension ``"last_but_first"`` would choose from (a
+    column-split kernel's output dimension), the first is that rule's last resort: a
+    stack split so is gathered whole, as a 1-D stack is (:func:`jaxdp._layers.gathered_loss`)."""
     if num_devices == 1:
         return None
-    dims = range(len(shape))
+
+    def free(dims: Any) -> list[int]:
+        return [k for k in dims if k >= len(taken) or taken[k] is None]
+
+    dims = free(range(len(shape)))
     if rule == "last_but_first" and len(shape) > 1:
-        dims = range(len(shape) - 1, 0, -1)
-    dims = [k for k in dims if k >= len(taken) or taken[k] is None]
+        dims = free(range(len(shape) - 1, 0, -1)) or free([0])
     found = next((k for k in dims if shape[k] >= num_devices and shape[k] % num_devices == 0), None)
     if found is not None or not pad or not dims or math.prod(shape) == 0:
         return found
@@ -79,11 +86,16 @@ def split_dim(
 
 
 def padded_shape(
-    shape: tuple[int, ...], num_devices: int, rule: SplitRule = "first", *, pad: bool = False
+    shape: tuple[int, ...],
+    num_devices: int,
+    rule: SplitRule = "first",
+    *,
+    pad: bool = False,
+    taken: tuple[Any, ...] = (),
 ) -> tuple[int, ...]:
     """``shape`` as a leaf of it rests: its :func:`split_dim` padded up to a multiple of
     ``num_devices`` (``pad``), else as it is."""
-    shape, dim = tuple(shape), split_dim(shape, num_devices, rule, pad=pad)
+    shape, dim = tuple(shape), split_dim(shape, num_devices, rule, pad=pad, taken=taken)
     if dim is None or shape[dim] % num_devices == 0:
         return shape
     return (*shape[:dim], -(-shape[dim] // num_devices) * num_devices, *shape[dim + 1 :])
@@ -387,6 +399,41 @@ def packed_reduce_scatter(
     return out
 
 
+def on_model_shards(fn: Any, xs: Any, models: Any, model_axes: tuple[str, ...]) -> list[Any]:
+    """``fn(xs)``, a list of arrays to a list in the same splits over the model axes, run
+    on each device's own shards of ``xs`` over them (``models``: per array its
+    :func:`model_specs` entries): inside the step's map, which leaves the model axes to
+    XLA, jaxdp's collectives over the data axes (stage 3's gathers and their
+    reduce-scatters) go on those shards so, and over the data axes only. Left to XLA, a
+    packed buffer of model-split leaves was gathered over the model axes first."""
+    if not any(e is not None for m in models for e in m):
+        return fn(list(xs))
+    specs = [P(*m) for m in models]
+    # check_vma=False: a leaf whole over the model axes comes out the same on each of
+    # their devices, which JAX cannot infer where it travelled packed with split ones.
+    # Only inside a custom_vjp's rules (jaxdp._layers.gather): nothing differentiates it.
+    # Each comes out marked varying over the data axes as its input was, as the rules'
+    # types must be.
+    mapped = jax.shard_map(
+        fn,
+        in_specs=(specs,),
+        out_specs=specs,
+        axis_names=frozenset(model_axes),
+        check_vma=False,
+    )
+    out = mapped(list(xs))
+    varying = [_varying_over(x) for x in xs]
+    return [mark_varying(y, v) if v else y for y, v in zip(out, varying, strict=True)]
+
+
+def _varying_over(x: Any) -> tuple[str, ...]:
+    """The manual axes ``x`` varies over inside a ``shard_map`` (jax 0.10 to 0.12 name
+    them ``manual_axis_type.varying``; earlier ones ``vma``)."""
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)
+    return tuple(sorted(kind.varying if kind is not None else getattr(aval, "vma", ())))
+
+
 def unpad_params(params: Any, logical: Any) -> Any:
     """``params`` (a state's) with each leaf the state holds padded sliced to its own
     shape (``TrainState.logical``, a :class:`jaxdp._train_state.LogicalShapes`; None: as
@@ -463,7 +510,10 @@ class ShardPlan:
             None if d is None or s[d] % n == 0 else s[d]
             for s, d in zip(self.shapes, self.dims, strict=True)
         ]
-        self.rest = [padded_shape(s, n, rule, pad=pad) for s in self.shapes]
+        self.rest = [
+            padded_shape(s, n, rule, pad=pad, taken=m)
+            for s, m in zip(self.shapes, self.model, strict=True)
+        ]
         self.padded = any(x is not None for x in self.sizes)
 
     def specs(self, whole: P | None = None) -> Any:
@@ -573,11 +623,14 @@ class ShardPlan:
         if not (self.split and self.layout.pads):
             return opt_state
         n, rule = self.num_devices, self.layout.split_rule
-
-        def padded(x: Any) -> Any:
-            return pad_to(x, padded_shape(x.shape, n, rule, pad=True))
-
-        return jax.tree.map(padded, opt_state)
+        leaves, treedef = jax.tree.flatten(opt_state)
+        model = self.state_model(opt_state)
+        return treedef.unflatten(
+            [
+                pad_to(x, padded_shape(x.shape, n, rule, pad=True, taken=m))
+                for x, m in zip(leaves, model, strict=True)
+            ]
+        )
 
     def unpad_state(self, opt_state: Any, like: Any) -> Any:
         """The optimizer state as it rests, each leaf sliced to ``like``'s (the logical
@@ -629,13 +682,15 @@ class ShardPlan:
         which = [i for i, d in enumerate(self.dims) if d is not None and not done[i]]
         if not which:
             return tree
-        blocks = packed_reduce_scatter(
-            [leaves[i] for i in which],
-            [self.dims[i] for i in which],
-            self.axis_name,
-            self.num_devices,
-            wire,
-            packed=self.packed,
+        dims = [self.dims[i] for i in which]
+
+        def scattered(wholes: list[Any]) -> list[Any]:
+            return packed_reduce_scatter(
+                wholes, dims, self.axis_name, self.num_devices, wire, packed=self.packed
+            )
+
+        blocks = on_model_shards(
+            scattered, [leaves[i] for i in which], [self.model[i] for i in which], self.model_axes
         )
         for i, block in zip(which, blocks, strict=True):
             leaves[i] = block
@@ -669,15 +724,18 @@ class ShardPlan:
         if not self.split:
             return tree
         leaves = self._split_leaves(tree)
-        specs = [spec(d, self.axis_name) for d in self.dims]
+        specs = [
+            merged(spec(d, self.axis_name), m) for d, m in zip(self.dims, self.model, strict=True)
+        ]
         # check_vma=False: the all-gather's result is the same on every device, which
         # jax 0.10 cannot express without a private function (all_gather_invariant).
+        # Manual over the model axes too: each device gathers its own model shards.
         gathered = jax.shard_map(
             self._gather_blocks,
             mesh=self.mesh,
             in_specs=(specs,),
-            out_specs=[P() for _ in specs],
-            axis_names=frozenset(self.data_axes),
+            out_specs=[merged(P(), m) for m in self.model],
+            axis_names=frozenset(self.data_axes + self.model_axes),
             check_vma=False,
         )(leaves)
         return self.treedef.unflatten(gathered)

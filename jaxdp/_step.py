@@ -156,7 +156,9 @@ class TrainStep:
 
         state = self._state(graphdef, params, model_state, counter)
         fresh, _, specs = self._fresh_layout(state, mask, batch)
-        if o.model_axes:  # each leaf split over the model axes as its metadata says
+        if o.model_axes and not o.layout.params_split:
+            # Each leaf split over the model axes as its metadata says (stage 3 places
+            # them so below, with its data split).
             params = jax.device_put(
                 params,
                 jax.tree.map(

@@ -308,7 +308,7 @@ def cells():
 
 # Tensor parallelism (issue 49): the model's own split over a "model" axis of 2 beside
 # the data axis of N, a (data N, model 2) mesh, the data axis manual and the model axis
-# XLA's. Each stage that takes it (0 to 2) on both paths, N of 4 and 2 and K of 1 and 4
+# XLA's. Each stage (0 to 3) on both paths, N of 4 and 2 and K of 1 and 4
 # each met by every stage and path, and every (N, K) met; the clip reads the norm of
 # leaves split over both axes.
 TP_WORKLOAD = ("megatron", "adamw_clip")
@@ -319,6 +319,8 @@ TP_CELLS = [  # (placement, path, num_devices, accum_steps)
     ("stage_1", "multisteps", 4, 4),
     ("stage_2", "fused", 4, 1),
     ("stage_2", "multisteps", 2, 4),
+    ("stage_3", "fused", 2, 4),
+    ("stage_3", "multisteps", 4, 1),
 ]
 
 
@@ -523,11 +525,11 @@ def test_the_grid_meets_every_kind_of_cell():
     assert {(c["model"], c["optimizer"]) for c in table} == {
         w for ws in WORKLOADS.values() for w in ws
     }
-    # Tensor parallelism: stages 0 to 2 on both paths each, over data axes of 4 and 2, K
+    # Tensor parallelism: stages 0 to 3 on both paths each, over data axes of 4 and 2, K
     # of 1 and 4 and both spellings (each met by every stage and every path), every (N, K).
     tp = [c for c in every if c["model_axis"] > 1]
     assert {(c["placement"], c["path"]) for c in tp} == {
-        (p, path) for p in ("stage_0", "stage_1", "stage_2") for path in PATHS
+        (p, path) for p in ("stage_0", "stage_1", "stage_2", "stage_3") for path in PATHS
     }
     for column in ("placement", "path"):
         for v in values(column, tp):
