@@ -1,11 +1,10 @@
 """jaxdp's tensor parallelism against torch's (issue 49, item 3): ``stack`` with its
 Megatron plan over a model axis, trained by jaxdp on a (data 2, model 2) mesh
 (``ParityConfig(tp=2)``: ``Parallel(model_axes=("model",))``), equals torch_ref's TP x
-DDP (stage 0) and TP x FSDP2 (stage 2, FSDP2's update) on a ``(dp 2, tp 2)`` mesh of 4
-gloo ranks, after every optimizer step, AdamW with decay and a clip that acts, float64.
-jaxdp's stage 3 takes no model axis yet: its data-parallel run on the 2 data ranks'
-batch equals TP x FSDP2 too (tensor parallelism changes where torch's products run, not
-the update). The torch runs are test_torch_ref_tp.py's (shared, made once in the run's
+DDP (stage 0) and TP x FSDP2 (stages 2 and 3, FSDP2's update; stage 3 FSDP x TP, its
+stack gathered a layer at a time on each device's model shards) on a ``(dp 2, tp 2)``
+mesh of 4 gloo ranks, after every optimizer step, AdamW with decay and a clip that acts,
+float64. The torch runs are test_torch_ref_tp.py's (shared, made once in the run's
 batch)."""
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from jaxdp.parity import torch_config
 CELLS = [
     (0, "fused", TP, "tp_ddp"),
     (2, "multisteps", TP, "tp_fsdp"),
-    (3, "multisteps", 1, "tp_fsdp"),
+    (3, "fused", TP, "tp_fsdp"),
 ]
 
 
@@ -40,8 +39,5 @@ def test_stack_trains_as_torch_tensor_parallel(runs, stage, path, tp, strategy):
     key = (strategy, 2 * TP, K)
     torch_run, data, initial = torch_jobs()[key]
     # The torch run is this config's run on tp ranks of each data rank.
-    if tp > 1:
-        assert torch_config(config) == torch_run
-    else:
-        assert torch_config(config, num_devices=2 * TP, tp=TP) == torch_run
+    assert torch_config(config) == torch_run
     assert_trains_as(config, jaxdp_run(config, data, initial), runs[key], key)

@@ -100,10 +100,10 @@ class ParityConfig:
                 f"tp={self.tp} needs a model with a tensor-parallel plan {TENSOR_PARALLEL}, "
                 f"got model={self.model!r}"
             )
-        if self.tp > 1 and self.zero_stage == 3:
+        if self.tp > 1 and self.shards is not None:
             raise ValueError(
-                f"tp={self.tp} with zero_stage=3: jaxdp's stage 3 takes no model axis yet; "
-                "use zero_stage 0 to 2 (torch's FSDP2 side computes stage 2's update)"
+                f"tp={self.tp} with shards={self.shards}: jaxdp's HSDP takes no model axis "
+                "yet; use zero_stage 0 to 3 on one data axis"
             )
 
 
@@ -165,7 +165,7 @@ def torch_config(config: ParityConfig, **overrides: Any) -> Any:
         fields["zero"] = True
     elif config.zero_stage == 3:
         fields.update(fsdp=True, shards=config.shards)
-    if config.tp > 1:  # tp ranks per data rank; FSDP2 over the data ranks at stage 2
+    if config.tp > 1:  # tp ranks per data rank; FSDP2 over the data ranks at stages 1 to 3
         fields.update(num_devices=config.num_devices * config.tp, tp=config.tp)
         if config.zero_stage:
             fields.update(zero=False, fsdp=True)
