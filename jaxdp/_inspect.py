@@ -24,6 +24,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 _BYTES = {
     "pred": 1,
     "s8": 1,
@@ -53,7 +55,11 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS = re.compile(r"replica_groups=(\{\{([\d,]*)\}|\[\d+,(\d+)\]<=)")
 # jax 0.12 prints a mesh and the axes a collective spans: mesh['data'=4] {'data'}.
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# With a device order of its own: mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}.
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\))?"
+    r"\s*\{([^}]*)\}"
+)
 _MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 _KINDS = {
     "all-reduce": "all-reduce",
@@ -270,6 +276,8 @@ class Collective(_Placed):
     ``devices`` is the size of its replica group; ``ring_bytes`` what each device
     sends under a ring algorithm (an all-reduce ``2 (n-1)/n`` of ``bytes``, the
     other two ``(n-1)/n``). ``context`` and ``executions`` as for :class:`AllReduce`.
+    ``groups``: its replica groups, each the devices' ids (sorted), as the program lists
+    them (empty where it names none).
     """
 
     kind: str
@@ -281,6 +289,7 @@ class Collective(_Placed):
     executions: tuple[int, int]
     asynchronous: bool = False
     products_under: tuple[str, ...] = ()
+    groups: frozenset[tuple[int, ...]] = frozenset()
 
     @property
     def ring_bytes(self) -> float:
@@ -306,6 +315,48 @@ def _group_size(rest: str) -> int:
     if found.group(3):
         return int(found.group(3))
     return len([d for d in found.group(2).split(",") if d])
+
+
+_LISTED = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
+_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_DEVICE_IDS = re.compile(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)")
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """XLA's iota device list ``[dims]T(perm)``: the ids in order, reshaped, transposed."""
+    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape(
+        [int(d) for d in dims.split(",")]
+    )
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def _groups(rest: str) -> frozenset[tuple[int, ...]]:
+    """The replica groups of an instruction's text, in each of XLA's spellings: listed
+    (``{{0,2},{1,3}}``), iota (``[2,2]<=[4]``, ``[2,2]<=[2,2]T(1,0)``) or jax 0.12's mesh
+    (``mesh['data'=2,'model'=2] {'data'}``, its devices in order or ``device_ids=``)."""
+    mesh = _MESH_GROUPS.search(rest)
+    if mesh:
+        axes = [(a, int(n)) for a, n in _MESH_AXIS.findall(mesh.group(1))]
+        spanned = set(re.findall(r"'([^']+)'", mesh.group(2)))
+        ids = np.arange(math.prod(n for _, n in axes))
+        given = _DEVICE_IDS.search(rest)
+        if given:
+            ids = _iota(given.group(1), given.group(2)).reshape(-1)
+        ids = ids.reshape([n for _, n in axes])
+        at = [k for k, (a, _) in enumerate(axes) if a in spanned]
+        size = math.prod(ids.shape[k] for k in at)
+        rows = np.moveaxis(ids, at, list(range(ids.ndim - len(at), ids.ndim))).reshape(-1, size)
+    elif listed := _LISTED.search(rest):
+        rows = [
+            [int(d) for d in g.split(",") if d]
+            for g in re.findall(r"\{([\d,]*)\}", listed.group(1))
+        ]
+    elif iota := _IOTA.search(rest):
+        rows = _iota(iota.group(3), iota.group(4)).reshape(int(iota.group(1)), int(iota.group(2)))
+    else:
+        return frozenset()
+    rows = rows.tolist() if isinstance(rows, np.ndarray) else rows
+    return frozenset(tuple(sorted(int(d) for d in r)) for r in rows)
 
 
 def collectives(compiled_or_hlo: Any) -> list[Collective]:
@@ -352,6 +403,7 @@ def collectives(compiled_or_hlo: Any) -> list[Collective]:
                 i.executions,
                 asynchronous=started in windows,
                 products_under=under,
+                groups=_groups(rests.get(i.name, "")),
             )
         )
     return found

@@ -170,13 +170,14 @@ def _scan_relayed(body, route: Route, leaves, stacks, carry):
     sums = tuple(stacks[i].sums for i in which)
     sinks = tuple(stacks[i].sink for i in which)
     n, dims = jnp.shape(leaves[which[0]])[0], (None,) * len(which)
+    models = tuple(stacks[i].model for i in which)
 
     def rows(tree, start, stop=None):
         return jax.tree.map(lambda x: x[start:stop], tree)
 
     def relayed(at, values, mail, sums, write):
         picked = None if values is None else tuple(values[i] for i in which)
-        picked, mail = _relayed(at, route, dims, picked, mail, sums, write)
+        picked, mail = _relayed(at, route, dims, models, picked, mail, sums, write)
         if values is not None:
             values = list(values)
             for i, x in zip(which, picked, strict=True):
@@ -205,8 +206,8 @@ def _scan_relayed(body, route: Route, leaves, stacks, carry):
     return body(carry, top)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _relayed(at: str, route: Route, dims: tuple[Any, ...], values, mail, sums, write):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _relayed(at: str, route: Route, dims: tuple[Any, ...], models, values, mail, sums, write):
     """``(values, mail)``: a layer's blocks and the mailbox (``(blocks, reduced)``) of
     :func:`_scan_relayed`'s loop. In the backward the blocks' gradients go into the
     mailbox, to the layer below; the blocks that arrive in it (the layer above's), plus
@@ -219,12 +220,12 @@ def _relayed(at: str, route: Route, dims: tuple[Any, ...], values, mail, sums, w
     return values, mail
 
 
-def _relayed_forward(at, route, dims, values, mail, sums, write):
+def _relayed_forward(at, route, dims, models, values, mail, sums, write):
     like = tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in mail[1])
     return (values, mail), (sums, like, write is not None)
 
 
-def _relayed_backward(at, route, dims, residuals, cotangents):
+def _relayed_backward(at, route, dims, models, residuals, cotangents):
     sums, like, writes = residuals
     grads, (arrived, reduced_above) = cotangents
     handed = None
@@ -235,7 +236,7 @@ def _relayed_backward(at, route, dims, residuals, cotangents):
     # One collective for the layer: combined with another, its bucket waited for that
     # one's (the embeddings', after the loop); XLA's combiner leaves it whole.
     packed = dataclasses.replace(route, packed=True)
-    reduced = _routed_backward(packed, dims, (sums, like), arrived)[2]
+    reduced = _routed_backward(packed, dims, models, (sums, like), arrived)[2]
     if handed is not None:
         # Tied to the blocks handed down: the layer below's all-reduce begins after this
         # one, so XLA cannot combine the two into one that waits for the lower layer's
@@ -333,6 +334,7 @@ class Route:
     gather: Any = None  # "gather" (stage 3): the blocks' Gather, gathered in the loop
     across: Route | None = None
     packed: bool = False
+    model_axes: tuple[str, ...] = ()  # Parallel.model_axes: each device sends its shards
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -407,9 +409,10 @@ def _scan_routed(fn, graphdef, treedef, leaves, stacks, carry):
     sums = tuple(stacks[i].sums for i in which)
     sinks = tuple(stacks[i].sink for i in which)
     dims = tuple(stacks[i].dim for i in which)
+    models = tuple(stacks[i].model for i in which)
 
     def body(carry, xs):
-        layer = treedef.unflatten(_route_layer(route, dims, which, *xs))
+        layer = treedef.unflatten(_route_layer(route, dims, models, which, *xs))
         if graphdef is not None:
             layer = nnx.merge(graphdef, layer)
         return fn(layer, carry), None
@@ -417,44 +420,51 @@ def _scan_routed(fn, graphdef, treedef, leaves, stacks, carry):
     return jax.lax.scan(body, carry, (values, sums, sinks), unroll=True)[0]
 
 
-def _route_layer(route: Route, dims, which: list[int], values, sums, rows) -> list[Any]:
+def _route_layer(route: Route, dims, models, which: list[int], values, sums, rows) -> list[Any]:
     """One layer's ``values`` with those at ``which`` through :func:`_routed` (their
     gradients reduced by ``route`` into ``rows``, the window's ``sums`` added first)."""
-    routed = _routed(route, dims, tuple(values[i] for i in which), sums, rows)
+    routed = _routed(route, dims, models, tuple(values[i] for i in which), sums, rows)
     values = list(values)
     for i, x in zip(which, routed, strict=True):
         values[i] = x
     return values
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _routed(route: Route, dims: tuple[Any, ...], values, sums, rows):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _routed(route: Route, dims: tuple[Any, ...], models: tuple[Any, ...], values, sums, rows):
     """A layer's ``values``; in its backward their gradients, plus the window's ``sums``
     of them (None: none), are reduced by ``route`` into ``rows``' (the sinks' row)."""
     return values
 
 
-def _routed_forward(route, dims, values, sums, rows):
+def _routed_forward(route, dims, models, values, sums, rows):
     return values, (sums, tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows))
 
 
-def _routed_backward(route, dims, residuals, cotangents):
+def _routed_backward(route, dims, models, residuals, cotangents):
     sums, like = residuals
     grads = [
         g.astype(k.dtype) + (0 if s is None else s.reshape(g.shape).astype(k.dtype))
         for g, s, k in zip(cotangents, sums, like, strict=True)
     ]
-    if route.kind == "psum" and not route.packed:
-        summed = jax.lax.psum([compress(g, route.wire, route.n) for g in grads], route.axes)
-        out = [
-            decompress(x, g.dtype, route.wire, route.n) for x, g in zip(summed, grads, strict=True)
-        ]
-    elif route.kind == "psum":
-        out = packed_psum(grads, route.axes, route.n, route.wire)
-    else:
-        out = packed_reduce_scatter(
+
+    def reduced(grads: list[Any]) -> list[Any]:
+        if route.kind == "psum" and not route.packed:
+            summed = jax.lax.psum([compress(g, route.wire, route.n) for g in grads], route.axes)
+            return [
+                decompress(x, g.dtype, route.wire, route.n)
+                for x, g in zip(summed, grads, strict=True)
+            ]
+        if route.kind == "psum":
+            return packed_psum(grads, route.axes, route.n, route.wire)
+        return packed_reduce_scatter(
             grads, list(dims), route.axes, route.n, route.wire, packed=route.packed
         )
+
+    # On each device's own model shards (a packed buffer of model-split leaves, left to
+    # XLA, was gathered over the model axes first).
+    summed = route.axes if route.kind == "psum" else ()
+    out = on_model_shards(reduced, grads, models, route.model_axes, summed)
     return None, None, tuple(x.reshape(k.shape) for x, k in zip(out, like, strict=True))
 
 
@@ -513,7 +523,8 @@ def gathered_loss(
         which = [i for i, d in enumerate(up_front) if d is not None]
         for i, h in enumerate(handed):
             if h is not None and i not in stacked:  # all-reduced whole, as it is done
-                leaves[i] = _routed(h.route, (None,), (leaves[i],), (h.sums,), (h.sink,))[0]
+                one = (h.route, (None,), (tuple(models[i]),))
+                leaves[i] = _routed(*one, (leaves[i],), (h.sums,), (h.sink,))[0]
         if which:
             # Tied to this micro-batch's inputs: the parameters do not change within a
             # window, so XLA hoisted the gather out of the micro-batch loop and kept the

@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 import numbers
 import warnings
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -200,11 +202,6 @@ class Parallel:
             raise ValueError(
                 f"model_axes={axes} needs strategy='shard_map': pmap maps every axis, and "
                 "a model axis is left to XLA's partitioner"
-            )
-        if axes and self.shards is not None:
-            raise ValueError(
-                f"model_axes={axes} with shards={self.shards} (HSDP) is not supported yet: "
-                "a model axis composes with zero_stage 0 to 3 on one data axis"
             )
         layers = self.layers
         if isinstance(layers, str):
@@ -435,7 +432,9 @@ class StepOptions:
             )
         if shards == n:  # one group of every device: plain stage 3, on the one-axis mesh
             return
-        for group in self.mesh.devices.reshape(-1, shards):  # device r * shards + s
+        for group in self.device_mesh.devices.reshape(
+            -1, shards * math.prod(self.mesh.shape[a] for a in self.model_axes)
+        ):  # device r * shards + s, and its model devices
             processes = sorted({d.process_index for d in group})
             if len(processes) > 1:
                 raise ValueError(
@@ -505,11 +504,21 @@ class StepOptions:
     @functools.cached_property
     def device_mesh(self) -> Mesh:
         """The mesh the step runs on: the data mesh, or under HSDP the ``(replicas,
-        shards)`` mesh of its devices in the same order (device ``r * shards + s``)."""
+        shards)`` mesh of its devices in the same order (device ``r * shards + s``), the
+        model axes after them (``(replicas, shards, model)``, each data rank's model
+        devices as the mesh has them)."""
         if self.shards == self.num_devices:
             return self.mesh
-        grid = self.mesh.devices.reshape(self.num_devices // self.shards, self.shards)
-        return Mesh(grid, (REPLICA_AXIS, self.axis_name))
+        names = tuple(self.mesh.axis_names)
+        devices = np.moveaxis(self.mesh.devices, names.index(self.axis_name), 0)
+        grid = devices.reshape(self.num_devices // self.shards, self.shards, *devices.shape[1:])
+        model = tuple(a for a in names if a != self.axis_name)
+        types = dict(zip(names, getattr(self.mesh, "axis_types", ()) or (), strict=False))
+        if not model:
+            return Mesh(grid, (REPLICA_AXIS, self.axis_name))
+        auto = jax.sharding.AxisType.Auto
+        axes = (REPLICA_AXIS, self.axis_name, *model)
+        return Mesh(grid, axes, axis_types=tuple(types.get(a, auto) for a in axes))
 
     @property
     def batch_axes(self) -> str | tuple[str, ...]:

@@ -134,7 +134,8 @@ class Routing(NamedTuple):
             if r:
                 dim = None if self.route.kind == "psum" else self.plan.dims[i] - 1
                 s = None if s is None else s.reshape(x.shape)
-                leaves[i] = Stack(x, s, next(it), dim, self.route, self.names[i])
+                model = tuple(self.plan.model[i][1:])  # a layer's: behind the layer axis
+                leaves[i] = Stack(x, s, next(it), dim, self.route, self.names[i], model=model)
         return self.plan.treedef.unflatten(leaves)
 
     def merge(self, grads: Any, sunk: list[jax.Array]) -> Any:
@@ -172,11 +173,21 @@ def _routing(o: StepOptions, plan: ShardPlan, trainable: Any) -> Routing | None:
     if not any(routed):
         return None
     if layout.params_split:
-        route = Route("psum", plan.replica_axis, plan.mesh.shape[plan.replica_axis], o.comm)
+        r = plan.mesh.shape[plan.replica_axis]
+        route = Route("psum", plan.replica_axis, r, o.comm, model_axes=o.model_axes)
     elif not layout.state_split:
-        route = Route("psum", plan.data_axes, plan.data_size, o.comm, packed=True)
+        route = Route(
+            "psum", plan.data_axes, plan.data_size, o.comm, packed=True, model_axes=o.model_axes
+        )
     else:
-        route = Route("scatter", plan.axis_name, plan.num_devices, o.comm, packed=True)
+        route = Route(
+            "scatter",
+            plan.axis_name,
+            plan.num_devices,
+            o.comm,
+            packed=True,
+            model_axes=o.model_axes,
+        )
     paths = jax.tree_util.tree_flatten_with_path(trainable)[0]
     names = tuple(jax.tree_util.keystr(p) for p, _ in paths)
     dtype = o.accumulator_dtype(trainable)
@@ -923,12 +934,14 @@ def _window_specs(o: StepOptions, parts: _Parts, window: Any, *, rest: bool = Fa
     mesh map, each also split over the model axes as its parameter is."""
     rows, plan = P(o.batch_axes), parts.plan
     if rest and o.model_axes:
-        split = o.layout.window_split
+        split, grouped = o.layout.window_split, plan.replica_axis is not None
         grads = plan.treedef.unflatten(
             [
-                merged(spec(d, o.axis_name), m)
-                if split and d is not None
-                else merged(rows, (None, *m))
+                merged(rows, (None, *m))
+                if not split or d is None
+                else merged(P(plan.replica_axis, *spec(d, o.axis_name)), (None, *m))
+                if grouped  # HSDP: each replica group's own sum, behind its leading axis
+                else merged(spec(d, o.axis_name), m)
                 for d, m in zip(plan.dims, plan.model, strict=True)
             ]
         )

@@ -399,21 +399,24 @@ def packed_reduce_scatter(
     return out
 
 
-def on_model_shards(fn: Any, xs: Any, models: Any, model_axes: tuple[str, ...]) -> list[Any]:
+def on_model_shards(
+    fn: Any, xs: Any, models: Any, model_axes: tuple[str, ...], summed: Any = ()
+) -> list[Any]:
     """``fn(xs)``, a list of arrays to a list in the same splits over the model axes, run
     on each device's own shards of ``xs`` over them (``models``: per array its
     :func:`model_specs` entries): inside the step's map, which leaves the model axes to
     XLA, jaxdp's collectives over the data axes (stage 3's gathers and their
     reduce-scatters) go on those shards so, and over the data axes only. Left to XLA, a
-    packed buffer of model-split leaves was gathered over the model axes first."""
+    packed buffer of model-split leaves was gathered over the model axes first.
+    ``summed``: the axes ``fn`` all-reduces over (its results the same along them)."""
     if not any(e is not None for m in models for e in m):
         return fn(list(xs))
     specs = [P(*m) for m in models]
     # check_vma=False: a leaf whole over the model axes comes out the same on each of
     # their devices, which JAX cannot infer where it travelled packed with split ones.
     # Only inside a custom_vjp's rules (jaxdp._layers.gather): nothing differentiates it.
-    # Each comes out marked varying over the data axes as its input was, as the rules'
-    # types must be.
+    # Each comes out marked varying over the data axes as its input was, but those it is
+    # summed over, as the rules' types must be.
     mapped = jax.shard_map(
         fn,
         in_specs=(specs,),
@@ -422,7 +425,8 @@ def on_model_shards(fn: Any, xs: Any, models: Any, model_axes: tuple[str, ...]) 
         check_vma=False,
     )
     out = mapped(list(xs))
-    varying = [_varying_over(x) for x in xs]
+    summed = (summed,) if isinstance(summed, str) else tuple(summed)
+    varying = [tuple(a for a in _varying_over(x) if a not in summed) for x in xs]
     return [mark_varying(y, v) if v else y for y, v in zip(out, varying, strict=True)]
 
 

@@ -102,8 +102,8 @@ class ParityConfig:
             )
         if self.tp > 1 and self.shards is not None:
             raise ValueError(
-                f"tp={self.tp} with shards={self.shards}: jaxdp's HSDP takes no model axis "
-                "yet; use zero_stage 0 to 3 on one data axis"
+                f"tp={self.tp} with shards={self.shards}: torch_ref has no HSDP x TP "
+                "reference yet (jaxdp's step takes it); use zero_stage 0 to 3 on one data axis"
             )
 
 

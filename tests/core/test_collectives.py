@@ -151,3 +151,25 @@ def test_sync_batch_statistics_cost_collectives_in_every_micro_batch():
     # 0.10.2 on CPU: how XLA groups the backward's reductions is its choice).
     vectors, rest = divmod(sum(r.bytes for r in in_loop) // 8, 8 + 16)
     assert rest == 0 and 4 <= vectors <= 6, jaxdp.testing.format_report(reduces)
+
+
+@pytest.mark.parametrize(
+    ("groups", "expected"),
+    [
+        ("{{0,2},{1,3}}", {(0, 2), (1, 3)}),
+        ("[2,2]<=[4]", {(0, 1), (2, 3)}),
+        ("[2,2]<=[2,2]T(1,0)", {(0, 2), (1, 3)}),
+        ("mesh['data'=2,'model'=2] {'data'}", {(0, 2), (1, 3)}),
+        ("mesh['a'=1,'b'=2,'c'=2], device_ids=([2,2]T(1,0)) {'c'}", {(0, 2), (1, 3)}),
+    ],
+)
+def test_a_collectives_groups_are_read_from_each_of_xlas_spellings(groups, expected):
+    """``Collective.groups``: the device ids of each replica group, listed, in XLA's iota
+    form (reshaped, transposed) or jax 0.12's mesh form (its axes, its device order)."""
+    hlo = (
+        "HloModule m\n\nENTRY %main (p: f32[4]) -> f32[4] {\n  %p = f32[4]{0} parameter(0)\n"
+        f"  ROOT %all-reduce.1 = f32[4]{{0}} all-reduce(%p), channel_id=1, replica_groups={groups},"
+        " use_global_device_ids=true, to_apply=%add\n}\n"
+    )
+    (found,) = jaxdp.testing.collectives(hlo)
+    assert found.groups == expected and found.devices == 2

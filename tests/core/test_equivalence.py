@@ -308,7 +308,8 @@ def cells():
 
 # Tensor parallelism (issue 49): the model's own split over a "model" axis of 2 beside
 # the data axis of N, a (data N, model 2) mesh, the data axis manual and the model axis
-# XLA's. Each stage (0 to 3) on both paths, N of 4 and 2 and K of 1 and 4
+# XLA's (HSDP: (replica 2, shard 2, model 2)). Each stage (0 to 3) and HSDP on both paths,
+# N of 4 and 2 (HSDP: 4) and K of 1 and 4
 # each met by every stage and path, and every (N, K) met; the clip reads the norm of
 # leaves split over both axes.
 TP_WORKLOAD = ("megatron", "adamw_clip")
@@ -321,14 +322,21 @@ TP_CELLS = [  # (placement, path, num_devices, accum_steps)
     ("stage_2", "multisteps", 2, 4),
     ("stage_3", "fused", 2, 4),
     ("stage_3", "multisteps", 4, 1),
+    ("hsdp", "fused", 4, 1),
+    ("hsdp", "multisteps", 4, 4),
 ]
+
+
+def hsdp(placement):
+    """The TP cells' shard groups: 2 data devices each under HSDP, else one group."""
+    return 2 if placement == "hsdp" else None
 
 
 def tp_cells():
     """TP_CELLS with their columns, the spelling alternating so that every stage and
     every path meets both."""
     return [
-        (p, path, n, k, *TP_WORKLOAD, "shard_map", SPELLINGS[(i + i // 2) % 2], None, 2)
+        (p, path, n, k, *TP_WORKLOAD, "shard_map", SPELLINGS[(i + i // 2) % 2], hsdp(p), 2)
         for i, (p, path, n, k) in enumerate(TP_CELLS)
     ]
 
@@ -525,16 +533,18 @@ def test_the_grid_meets_every_kind_of_cell():
     assert {(c["model"], c["optimizer"]) for c in table} == {
         w for ws in WORKLOADS.values() for w in ws
     }
-    # Tensor parallelism: stages 0 to 3 on both paths each, over data axes of 4 and 2, K
-    # of 1 and 4 and both spellings (each met by every stage and every path), every (N, K).
+    # Tensor parallelism: stages 0 to 3 and HSDP on both paths each, over data axes of 4
+    # and 2 (HSDP: 4 in shard groups of 2), K of 1 and 4 and both spellings (each met by
+    # every stage and every path), every (N, K).
     tp = [c for c in every if c["model_axis"] > 1]
     assert {(c["placement"], c["path"]) for c in tp} == {
-        (p, path) for p in ("stage_0", "stage_1", "stage_2", "stage_3") for path in PATHS
+        (p, path) for p in PLACEMENTS for path in PATHS
     }
+    assert values("shards", [c for c in tp if c["placement"] == "hsdp"]) == {2}
     for column in ("placement", "path"):
         for v in values(column, tp):
             mine = [c for c in tp if c[column] == v]
-            assert values("num_devices", mine) == {2, 4}, v
+            assert values("num_devices", mine) == ({4} if v == "hsdp" else {2, 4}), v
             assert values("accum_steps", mine) == set(ACCUM_STEPS), v
             assert values("spelling", mine) == set(SPELLINGS), v
     assert {(c["num_devices"], c["accum_steps"]) for c in tp} == {

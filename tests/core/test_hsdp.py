@@ -4,7 +4,6 @@ choices (``regather``, ``gather_dtype``): the collectives over the right device 
 trains as one device on the big batch is test_equivalence.py's grid."""
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -54,30 +53,11 @@ def hsdp(path):
 
 
 def collectives_with_groups(compiled):
-    """jaxdp.testing.collectives of ``compiled``, each with its device groups as the
-    HLO lists them (``replica_groups={{0,1},{2,3}}``, or by mesh axes in newer XLA:
-    ``replica_groups=mesh['replica'=2,'data'=2] {'data'}``); None in another form)."""
-    hlo = compiled.as_text()
-    out = []
-    for c in jaxdp.testing.collectives(hlo):
-        line = next(x for x in hlo.splitlines() if re.search(rf"%{re.escape(c.name)} = ", x))
-        listed = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
-        named = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
-        groups = None
-        if listed:
-            inner = re.findall(r"\{([\d,]+)\}", listed.group(1))
-            groups = {frozenset(map(int, g.split(","))) for g in inner}
-        elif named:  # newer XLA: replica_groups=mesh['replica'=2,'data'=2] {'data'}
-            axes = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", named.group(1))]
-            over = re.findall(r"'(\w+)'", named.group(2))
-            shape = [n for _, n in axes]
-            moved = [i for i, (a, _) in enumerate(axes) if a in over]
-            size = int(np.prod([shape[i] for i in moved]))
-            ids = np.arange(np.prod(shape)).reshape(shape)  # global ids, the mesh's order
-            rows = np.moveaxis(ids, moved, list(range(-len(moved), 0))).reshape(-1, size)
-            groups = {frozenset(map(int, r)) for r in rows}
-        out.append((c, groups))
-    return out
+    """jaxdp.testing.collectives of ``compiled``, each with its device groups
+    (``Collective.groups``, read from each of XLA's spellings) as sets."""
+    return [
+        (c, {frozenset(g) for g in c.groups}) for c in jaxdp.testing.collectives(compiled.as_text())
+    ]
 
 
 def loops(c):

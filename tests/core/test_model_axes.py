@@ -302,11 +302,6 @@ def test_a_tensor_parallel_state_resumes_at_another_model_size_and_stage(tmp_pat
         ),
         (
             ("data", "model"),
-            {"model_axes": "model", "zero_stage": 3, "shards": 2},
-            "model_axes=('model',) with shards=2 (HSDP) is not supported yet",
-        ),
-        (
-            ("data", "model"),
             {"model_axes": "model", "strategy": "pmap"},
             "model_axes=('model',) needs strategy='shard_map'",
         ),
@@ -330,9 +325,100 @@ def test_the_reference_stack_carries_its_megatron_plan():
     MODEL_AXIS behind the stack's layer axis; a model without a plan is refused."""
     from jaxdp.models import MODEL_AXIS, TENSOR_PARALLEL, build_model
 
-    assert TENSOR_PARALLEL == ("stack",) and MODEL_AXIS == "model"
+    assert "stack" in TENSOR_PARALLEL and MODEL_AXIS == "model"
     blocks = build_model("stack", tp=True).blocks
     assert blocks.fc.kernel.get_metadata()["out_sharding"] == ("layers", None, MODEL_AXIS)
     assert blocks.proj.kernel.get_metadata()["out_sharding"] == ("layers", MODEL_AXIS, None)
     with pytest.raises(ValueError, match="model 'mlp' has no tensor-parallel plan"):
         build_model("mlp", tp=True)
+
+
+def replica_groups(compiled, collective):
+    """``collective``'s groups as sets of device ids."""
+    return {frozenset(g) for g in collective.groups}
+
+
+@pytest.mark.parametrize("path", ["fused", "multisteps"])
+def test_hsdp_with_a_model_axis_gathers_within_shard_groups_and_reduces_across_once(path):
+    """HSDP x TP: (data 4, model 2) with shards=2 is the (replica 2, shard 2, model 2)
+    mesh. Stage 3's gathers and reduce-scatters run within the shard groups (in the
+    micro-batch loop at K = 4), ONE all-reduce of the blocks across the replica groups
+    after it, each device sending its own blocks of its model shards; over the model
+    groups only the all-reduces the model's layout needs."""
+    k = 4 if path == "fused" else 1
+    step = tp_step(stage=3, path=path, accum_steps=k, shards=2)
+    mesh = step.options.device_mesh
+    assert mesh.axis_names == ("replica", "data", "model") and mesh.devices.shape == (2, 2, 2)
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+
+    def along(axis):
+        return {frozenset(v.tolist()) for v in np.moveaxis(ids, axis, -1).reshape(-1, 2)}
+
+    with warnings.catch_warnings():  # no stack declared: it says so
+        warnings.filterwarnings("ignore", ".*peak memory is not reduced", UserWarning)
+        state = step.init(MegatronMLP())
+        compiled = step.compile(state, regression_data(32 if path == "fused" else 8))
+    assert specs(state.params)[1] == P("data", "model")
+    found = [(c, replica_groups(compiled, c)) for c in collectives(compiled) if c.devices == 2]
+    shard = [c for c, g in found if g == along(1)]
+    replica = [c for c, g in found if g == along(0)]
+    model = [c for c, g in found if g == along(2)]
+    assert len(shard) + len(replica) + len(model) == len(found)
+    # Beside them in the shard groups only the update's scalars (the clip's norm of the
+    # leaves split over the data axis, partitioned by XLA outside the map).
+    moving = [c for c in shard if c.kind != "all-reduce"]
+    assert {c.kind for c in moving} == {"all-gather", "reduce-scatter"}
+    assert all(c.in_loop for c in moving) is (path == "fused")
+    scalars = [c for c in shard if c.kind == "all-reduce"]
+    assert all(s.endswith("[]") for c in scalars for s in c.shapes), [c.shapes for c in scalars]
+    assert not [c for c in scalars if c.in_loop]
+    assert {c.kind for c in model} == {"all-reduce"}
+    assert [c.kind for c in replica] == ["all-reduce"] and not replica[0].in_loop
+    blocks = sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * 8
+        for x in jax.tree.leaves(state.params)
+        if "data" in x.sharding.spec
+    )
+    assert replica[0].bytes == blocks
+
+
+@pytest.mark.parametrize(("stage", "shards"), [(0, None), (2, None), (3, 2)])
+def test_a_routed_stack_with_a_model_axis_sends_each_devices_model_shards(stage, shards):
+    """The reference stack with its Megatron plan (``build_model("stack", tp=True)``), in
+    the spelling of GPUs (each layer's gradients leave scan_layers' backward as it ends:
+    psum at stage 0, reduce-scatter at stage 2; under HSDP, stage 3's gathers and the
+    all-reduce across the replica groups a layer later) on (data 4, model 2), fused at
+    K = 2: one step equals plain optax on the big batch, and over the model groups only
+    all-reduces run (each route's packed buffer goes on this device's own model shards;
+    left to XLA it was gathered over the model axis first, in every layer)."""
+    from jaxdp.models import build_model, model_loss
+
+    loss, rows = model_loss("stack"), np.random.default_rng(0)
+    batch = (rows.normal(size=(32, 6)), rows.integers(0, 5, size=(32,)))
+    optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
+    with jaxdp.testing.plain_spelling():
+        step = jaxdp.make_train_step(
+            loss,
+            optimizer,
+            mesh=tp_mesh(4, 2),
+            accum_steps=2,
+            parallel=jaxdp.Parallel(zero_stage=stage, shards=shards, model_axes=("model",)),
+        )
+    state = step.init(build_model("stack", param_dtype=jnp.float64, tp=True))
+    compiled = step.compile(state, batch)
+    ids = np.vectorize(lambda d: d.id)(step.options.device_mesh.devices)
+    model_groups = {frozenset(v.tolist()) for v in ids.reshape(-1, 2)}  # the last axis
+    over_model = [c for c in collectives(compiled) if replica_groups(compiled, c) == model_groups]
+    assert over_model and {c.kind for c in over_model} == {"all-reduce"}, [
+        (c.kind, c.bytes) for c in over_model
+    ]
+    state, _ = step(state, batch)
+    graphdef, expected = nnx.split(
+        build_model("stack", param_dtype=jnp.float64, tp=True), nnx.Param
+    )
+    grads = jax.grad(lambda p: loss(nnx.merge(graphdef, p), batch))(expected)
+    updates, _ = optimizer.update(grads, optimizer.init(expected), expected)
+    expected = optax.apply_updates(expected, updates)
+    got = nnx.state(step.model(state), nnx.Param)
+    f64 = TOLERANCES["float64"]
+    assert_trees_close(jax.tree.leaves(got), jax.tree.leaves(expected), rtol=f64.rtol)
