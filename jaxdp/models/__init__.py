@@ -20,7 +20,9 @@ from ._reference import LinearModel as LinearModel
 from ._reference import Stack as Stack
 from ._reference import Transformer as Transformer
 from ._reference import build_model as build_model
+from ._reference import check_tp as check_tp
 from ._reference import model_loss as model_loss
+from ._reference import with_megatron_plan as with_megatron_plan
 from ._scanned import ScannedTransformer as ScannedTransformer
 from ._scanned import stack_blocks as stack_blocks
 
@@ -40,6 +42,8 @@ __all__ = [
     "Stack",
     "Transformer",
     "build_model",
+    "check_tp",
     "model_loss",
     "stack_blocks",
+    "with_megatron_plan",
 ]

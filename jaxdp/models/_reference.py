@@ -279,7 +279,11 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """A one-block GPT: token + position embeddings, a block, final LayerNorm, linear head."""
+    """A one-block GPT: token + position embeddings, a block, final LayerNorm, linear head.
+
+    ``tp``: the block's Megatron plan over :data:`MODEL_AXIS` in its Variables' metadata
+    (:func:`with_megatron_plan`), for ``Parallel(model_axes=("model",))``; the parameters
+    are the same either way."""
 
     def __init__(
         self,
@@ -290,6 +294,7 @@ class Transformer(nnx.Module):
         *,
         rngs: nnx.Rngs,
         param_dtype: Any = jnp.float32,
+        tp: bool = False,
     ):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
         self.tok_emb = nnx.Embed(vocab_size, d_model, **kw)
@@ -297,6 +302,8 @@ class Transformer(nnx.Module):
         self.block = Block(d_model, n_heads, **kw)
         self.ln_f = _layer_norm(d_model, **kw)
         self.head = nnx.Linear(d_model, vocab_size, use_bias=False, **kw)
+        if tp:  # metadata only: the same parameters, drawn in the same order
+            with_megatron_plan(self)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         h = self.tok_emb(tokens) + self.pos_emb(jnp.arange(tokens.shape[1]))
@@ -311,6 +318,79 @@ def _split(names: tuple[Any, ...] | None) -> dict[str, Any]:
 
 MODEL_AXIS = "model"
 """The mesh axis the reference models' tensor-parallel plans (``tp=True``) name."""
+
+
+# Megatron's plan of a Block: per Linear, the names of its kernel's and bias's own
+# dimensions. Column-split layers split their output features and their biases with them;
+# row-split ones split their input features (partial sums, one all-reduce) and keep their
+# biases whole. The attention's heads are the outer factor of its output features
+# (CausalSelfAttention's reshape to [..., heads, d // heads]), so a column split of
+# query, key and value gives each device whole heads, and proj's row split their outputs.
+_COLUMN, _ROW = ((None, MODEL_AXIS), (MODEL_AXIS,)), ((MODEL_AXIS, None), (None,))
+_BLOCK_PLAN = {
+    ("attn", "query"): _COLUMN,
+    ("attn", "key"): _COLUMN,
+    ("attn", "value"): _COLUMN,
+    ("attn", "proj"): _ROW,
+    ("mlp", "fc"): _COLUMN,
+    ("mlp", "proj"): _ROW,
+}
+
+
+def with_megatron_plan(model: nnx.Module) -> nnx.Module:
+    """``model`` with Megatron's plan over :data:`MODEL_AXIS` written into the sharding
+    metadata (``out_sharding``) of every :class:`Block` in it, in place: attention's
+    ``query``, ``key`` and ``value`` and the MLP's ``fc`` column-split (kernels
+    ``(None, "model")``, biases ``("model",)``; each device holds whole heads), attention's
+    and the MLP's ``proj`` row-split (kernels ``("model", None)``, biases whole). A stack of
+    blocks (:class:`~jaxdp.models.ScannedTransformer`'s) keeps its leading layer axis's
+    name. Embeddings, LayerNorms and the head stay whole. Only metadata changes, read by
+    the step under ``Parallel(model_axes=("model",))``: the values are the model's own.
+    :func:`check_tp` says whether a model axis of a size takes it."""
+    for _, node in nnx.iter_graph(model):
+        if not isinstance(node, Block):
+            continue
+        for (part, name), names in _BLOCK_PLAN.items():
+            linear = getattr(getattr(node, part), name)
+            for variable, own in zip((linear.kernel, linear.bias), names, strict=True):
+                if variable is None:  # key has no bias
+                    continue
+                lead = variable.ndim - len(own)  # a stack's layer axis
+                held = variable.get_metadata().get("out_sharding") or (None,) * variable.ndim
+                variable.set_metadata(
+                    out_sharding=(*tuple(held)[:lead], *own), eager_sharding=False
+                )
+    return model
+
+
+def check_tp(model: nnx.Module, tp: int) -> None:
+    """Raises ValueError unless a model axis of ``tp`` devices takes ``model``'s
+    tensor-parallel plan: ``tp`` must divide every dimension the Variables' metadata split
+    over :data:`MODEL_AXIS` (naming the first that it does not) and the heads of every
+    :class:`CausalSelfAttention` whose ``query`` is split (each device computes whole
+    heads). A model without a plan takes any ``tp``: it is not split."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tp={tp!r} must be a positive integer (devices of the model axis)")
+    for path, node in nnx.iter_graph(model):
+        heads = isinstance(node, CausalSelfAttention) and _split_over_model(node.query.kernel)
+        if heads and node.n_heads % tp:
+            where = ".".join(map(str, path)) or "the model"
+            raise ValueError(
+                f"tp={tp} must divide the {node.n_heads} attention heads of {where} "
+                "(Megatron's plan gives each device whole heads)"
+            )
+        if isinstance(node, nnx.Variable) and _split_over_model(node):
+            names = node.get_metadata()["out_sharding"]
+            for size, name in zip(node.shape, names, strict=True):
+                if name == MODEL_AXIS and size % tp:
+                    raise ValueError(
+                        f"tp={tp} must divide {'.'.join(map(str, path))}'s dimension of "
+                        f"{size} that its metadata {tuple(names)} splits over {MODEL_AXIS!r}"
+                    )
+
+
+def _split_over_model(variable: nnx.Variable) -> bool:
+    return MODEL_AXIS in tuple(variable.get_metadata().get("out_sharding") or ())
 
 
 class ResidualBlock(nnx.Module):
@@ -414,7 +494,7 @@ TRAINABLE: dict[str, Callable[[tuple[str, ...], Any], bool]] = {
 torch_ref sets ``requires_grad=False``): a predicate on the parameter's path; absent, all train."""
 
 
-TENSOR_PARALLEL = ("stack",)
+TENSOR_PARALLEL = ("stack", "transformer")
 """The reference models with a tensor-parallel plan (``build_model(..., tp=True)``)."""
 
 

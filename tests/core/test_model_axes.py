@@ -422,3 +422,84 @@ def test_a_routed_stack_with_a_model_axis_sends_each_devices_model_shards(stage,
     got = nnx.state(step.model(state), nnx.Param)
     f64 = TOLERANCES["float64"]
     assert_trees_close(jax.tree.leaves(got), jax.tree.leaves(expected), rtol=f64.rtol)
+
+
+def test_the_reference_transformer_trains_under_its_megatron_plan_as_one_device():
+    """``build_model("transformer", tp=True)``: query, key, value and fc column-split over
+    MODEL_AXIS (their biases with them: whole heads per device), both projs row-split
+    (biases whole), embeddings, norms and head whole, the parameters tp=False draws. One
+    step on (data 2, model 2) at stage 1 keeps that split and ends where one device's step
+    on the big batch does (float64); a model axis that would split a head is refused."""
+    from jaxdp.models import MODEL_AXIS, TENSOR_PARALLEL, build_model, check_tp, model_loss
+
+    assert "transformer" in TENSOR_PARALLEL
+    model = build_model("transformer", param_dtype=jnp.float64, tp=True)
+    attn, mlp = model.block.attn, model.block.mlp
+    col, row = (None, MODEL_AXIS), (MODEL_AXIS, None)
+    for linear, kernel, bias in [
+        (attn.query, col, (MODEL_AXIS,)),
+        (attn.key, col, None),  # no bias
+        (attn.value, col, (MODEL_AXIS,)),
+        (attn.proj, row, (None,)),
+        (mlp.fc, col, (MODEL_AXIS,)),
+        (mlp.proj, row, (None,)),
+    ]:
+        assert linear.kernel.get_metadata()["out_sharding"] == kernel
+        assert bias is None or linear.bias.get_metadata()["out_sharding"] == bias
+    for whole in (model.tok_emb.embedding, model.head.kernel, model.block.ln1.scale):
+        assert "out_sharding" not in whole.get_metadata()
+    # jax.tree.leaves order: attn.key.kernel, attn.proj.bias, attn.proj.kernel, attn.query.bias,
+    # attn.query.kernel, attn.value.bias, attn.value.kernel, ln1, ln2 (bias, scale each),
+    # mlp.fc.bias, mlp.fc.kernel, mlp.proj.bias, mlp.proj.kernel; head, ln_f, embeddings.
+    split = [P(None, "model"), P(), P("model"), P("model"), P(None, "model")]
+    split += [P("model"), P(None, "model"), *[P()] * 4, P("model"), P(None, "model")]
+    split += [P(), P("model"), *[P()] * 5]
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 32, size=(8, 8)).astype(np.int32)
+    targets = rng.integers(0, 32, size=(8, 8)).astype(np.int32)
+    optimizer = optax.adamw(1e-2)
+    step = jaxdp.make_train_step(
+        model_loss("transformer"),
+        optimizer,
+        mesh=tp_mesh(2, 2),
+        accum_steps=2,
+        parallel=jaxdp.Parallel(zero_stage=1, model_axes=("model",)),
+    )
+    state, _ = step(step.init(model), (tokens, targets))
+    assert specs(state.params) == split
+
+    plain = build_model("transformer", param_dtype=jnp.float64)
+    graphdef, params = nnx.split(plain, nnx.Param)
+    loss = model_loss("transformer")
+    grads = jax.grad(lambda p: loss(nnx.merge(graphdef, p), (tokens, targets)))(params)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    expected = optax.apply_updates(params, updates)
+    assert_trees_close(jax.tree.leaves(state.params), jax.tree.leaves(expected))
+
+    check_tp(model, 2)
+    with pytest.raises(ValueError, match="tp=4 must divide the 2 attention heads of block.attn"):
+        check_tp(model, 4)
+
+
+def test_megatrons_plan_keeps_a_stacks_layer_axis():
+    """``with_megatron_plan`` on the scanned GPT (``jaxdp train --tp``'s): each stacked
+    block's Linears split as the Transformer's, behind the stack's layer axis; the norms
+    stay whole and no value changes."""
+    from jaxdp.models import ScannedTransformer, with_megatron_plan
+
+    model = ScannedTransformer(rngs=nnx.Rngs(0))
+    before = jax.tree.leaves(nnx.state(model))
+    assert with_megatron_plan(model) is model
+    blocks = model.blocks
+
+    def names(variable):
+        return variable.get_metadata()["out_sharding"]
+
+    assert names(blocks.attn.query.kernel) == ("layers", None, "model")
+    assert names(blocks.attn.query.bias) == ("layers", "model")
+    assert names(blocks.mlp.proj.kernel) == ("layers", "model", None)
+    assert names(blocks.mlp.proj.bias) == ("layers", None)
+    assert names(blocks.ln1.scale) == ("layers", None)
+    assert "out_sharding" not in model.tok_emb.embedding.get_metadata()
+    assert_trees_close(jax.tree.leaves(nnx.state(model)), before, rtol=0, atol=0)
