@@ -14,13 +14,15 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
 import jaxdp
 from jaxdp.cli import main
 from jaxdp.cli._metrics import MetricsLog, plot_training
-from jaxdp.cli._train import TrainConfig, make_step, train
+from jaxdp.cli._train import TrainConfig, build, make_step, train
+from jaxdp.testing import TOLERANCES
 
 
 # These two run the command in a worker of jaxdp's pytest plugin started with the devices
@@ -186,6 +188,33 @@ TRAIN = ["train", "--cpu-devices", "8"]
             "num_devices=99 exceeds the 8 cpu device(s) there are (--cpu-devices sets how many "
             "CPU devices to emulate)",
         ),
+        # Tensor parallelism: the GPT's plan only, whole heads, one data axis, the devices.
+        (
+            ["--model", "mlp", "--tp", "2"],
+            "tp=2 needs model='gpt' (--tp needs --model gpt, the model with a tensor-parallel "
+            "plan: Megatron's, over its attention heads and MLP); model='mlp' has none",
+        ),
+        (
+            ["--tp", "3"],
+            "tp=3 must divide the GPT's 4 attention heads (Megatron's plan gives each device "
+            "of the model axis whole heads)",
+        ),
+        (
+            ["--zero-stage", "3", "--shards", "2", "--tp", "2"],
+            "tp=2 with shards=2: jaxdp train's HSDP takes no model axis yet; leave out "
+            "--shards (--zero-stage 0 to 3 split over the data ranks)",
+        ),
+        (["--tp", "0"], "tp=0 must be a positive integer"),
+        (
+            ["--tp", "2", "--strategy", "pmap"],
+            "tp=2 needs strategy='shard_map' (the model axis is XLA's partitioner's), got "
+            "strategy='pmap'",
+        ),
+        (
+            ["--tp", "2", "--num-devices", "8"],
+            "num_devices=8 x tp=2 exceeds the 8 cpu device(s) there are (--cpu-devices sets "
+            "how many CPU devices to emulate)",
+        ),
         (
             ["--micro-batch-size", "1000"],
             "dataset_size=1438 gives each of num_devices=8 ranks 180 samples, fewer than one "
@@ -244,6 +273,56 @@ def test_shards_of_every_device_is_plain_stage_3():
     assert step.options.device_mesh.axis_names == ("data",)
     step, _ = make_step(TrainConfig(zero_stage=3, shards=2, num_devices=4))
     assert step.options.device_mesh.devices.shape == (2, 2)
+
+
+def test_tp_trains_the_gpt_split_over_a_model_axis_as_without_it(tmp_path, capsys):
+    """``--tp 2 --num-devices 2``: 2 data ranks of 2 devices on a (data, model) mesh, the
+    GPT's kernels resting split over "model" by Megatron's plan; in float64 its losses
+    and gradient norms are those of the same run on 2 devices without a model axis."""
+    assert TrainConfig(tp=2).model == "gpt"  # the default with --tp: the model with a plan
+    step, sizes = make_step(TrainConfig(tp=2, num_devices=2, hidden=8))
+    assert step.mesh.axis_names == ("data", "model") and step.mesh.devices.shape == (2, 2)
+    assert sizes.num_devices == 2 and step.options.model_axes == ("model",)
+    abstract = step.abstract_state(build(TrainConfig(tp=2, hidden=8)))
+    split = [
+        x.sharding.spec for x in jax.tree.leaves(abstract.params) if "model" in x.sharding.spec
+    ]
+    assert len(split) == 9, split  # query, key, value, attn.proj, fc, mlp.proj; 3 biases
+
+    flags = ["--model", "gpt", "--num-devices", "2", "--hidden", "8", "--steps", "2"]
+    flags += ["--accum-steps", "1", "--micro-batch-size", "4", "--precision", "float64"]
+    records = {}
+    for tp in (2, 1):
+        metrics = tmp_path / f"tp{tp}.jsonl"
+        flags_tp = ["--tp", str(tp), "--metrics-out", str(metrics), "--no-progress"]
+        assert main([*TRAIN, *flags, *flags_tp]) == 0
+        records[tp] = [json.loads(line) for line in metrics.read_text().splitlines()]
+        if tp == 2:
+            out = capsys.readouterr().out
+            assert "digits GPT (float64) on 4 cpu device(s)" in out, out
+            assert "tensor parallelism: 2 data rank(s) of tp=2 devices on a model axis" in out
+    assert [r["step"] for r in records[2]] == [1, 2]
+    for key in ("loss", "grad_norm"):
+        got, want = [r[key] for r in records[2]], [r[key] for r in records[1]]
+        np.testing.assert_allclose(got, want, rtol=TOLERANCES["float64"].rtol)
+
+
+def test_parity_refuses_tp_on_a_model_torch_ref_has_no_plan_for_before_training(
+    monkeypatch, capsys
+):
+    """jaxdp's transformer has a Megatron plan, torch_ref's not (yet): ``jaxdp parity
+    --model transformer --tp 2`` is torch_ref's one-line refusal before either side trains,
+    not a traceback after jaxdp's run."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr("jaxdp.parity.run_parity", lambda config: pytest.fail("it trained"))
+    monkeypatch.setattr("jaxdp._mesh.emulate_cpu_devices", lambda num_devices: None)
+    with pytest.raises(SystemExit) as exit_:
+        main(["parity", "--model", "transformer", "--num-devices", "2", "--tp", "2"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "jaxdp parity: error: tp=2 needs a model with a Megatron plan: 'stack' "
+        "(torch_ref.tensor_parallel.MEGATRON_PLANS), got model='transformer'\n"
+    )
 
 
 @pytest.mark.parametrize(

@@ -933,3 +933,66 @@ def test_stage_3_counts_the_leaves_it_pads_padded(capsys):
     assert main([*argv, "--zero-stage", "3", "--no-xla"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "those no device count divides padded: 19,856 parameters at rest" in out
+
+
+def test_tp_reads_each_devices_state_from_the_steps_layout(capsys):
+    """``--tp 2`` on the transformer (4,448 parameters) over 2 data ranks at stage 1: each
+    device holds its 1,280 parameters kept whole over "model" (embeddings, norms, head, the
+    row-split layers' biases) and half of its 3,168 split ones, 2,864 float32 = 11,456 bytes
+    of weights (17,792 without the model axis). Adam's two moments are split over the data
+    ranks too, along a dimension the model split leaves free: 640 of the whole leaves' and
+    816 of the split ones' (the split biases, 1-D, stay whole over data), plus its int32
+    count: 2 x 1,456 x 4 + 4 = 11,652 bytes."""
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=auto)
+    spec = xla.reference_model("transformer", tp=True)
+    ours = xla.laid_out_state(spec, "adamw", mesh, zero_stage=1, model_axes=("model",))
+    assert (ours.weights, ours.gradients, ours.optimizer, ours.accumulator) == (
+        11456,
+        11456,
+        11652,
+        11456,
+    )
+    # Without: every leaf's moments halved over the 2 devices (each has an even first dim).
+    whole = xla.reference_model("transformer")
+    plain = xla.laid_out_state(whole, "adamw", jaxdp.data_mesh(2), zero_stage=1)
+    assert plain.weights == 4448 * 4 and plain.optimizer == 2 * 2224 * 4 + 4
+    flags = ["--model", "transformer", "--tp", "2", "--num-devices", "2", "--zero-stage", "1"]
+    assert main(["plan", *flags]) == 0
+    out = capsys.readouterr().out
+    assert f"  {'weights':<32}{'11.46 KB':>12}{'17.79 KB':>12}\n" in out, out
+    assert f"  {'optimizer state (adamw)':<32}{'11.65 KB':>12}{'17.80 KB':>12}\n" in out, out
+
+
+@pytest.mark.parametrize(
+    "flags,said",
+    [
+        (
+            ["--params", "7e9", "--tp", "2"],
+            "--tp 2 needs --model with a tensor-parallel plan, one of ('stack', 'transformer') "
+            "(its per-device bytes are read from the model's own layout), got --params",
+        ),
+        (["--model", "mlp", "--tp", "2"], "one of ('stack', 'transformer') (its per-device"),
+        (
+            ["--model", "transformer", "--tp", "4", "--num-devices", "2"],
+            "tp=4 must divide the 2 attention heads of block.attn (Megatron's plan gives each "
+            "device whole heads)",
+        ),
+        (
+            ["--model", "stack", "--tp", "2", "--num-devices", "4", "--zero-stage", "3"]
+            + ["--shards", "2"],
+            "--tp 2 with --shards 2: the plan lays out HSDP without a model axis only",
+        ),
+        (
+            ["--model", "stack", "--tp", "2", "--policy", "mixed-bf16"],
+            "--policy fp32 or bf16, not mixed-bf16",
+        ),
+        (["--model", "stack", "--tp", "0"], "--tp 0 and --num-devices 1 must be positive"),
+    ],
+)
+def test_tp_refuses_what_it_cannot_lay_out_in_one_line(flags, said, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", *flags])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxdp plan: error: ") and said in err and err.count("\n") == 1, err

@@ -43,6 +43,10 @@ class TrainConfig:
     # HSDP at zero_stage 3: devices per shard group, the parameters split over each group
     # and the groups' gradients all-reduced once per step; None: one group of every device
     shards: int | None = None
+    # Tensor parallelism: devices of a model axis per data rank, over which the GPT is split
+    # by Megatron's plan (whole attention heads, MLP columns, their projections' rows); the
+    # mesh is num_devices data ranks x tp devices. 1: none
+    tp: int = 1
     comm_dtype: str | None = None  # "bfloat16": gradients sent in bfloat16; None: as accumulated
     precision: Precision = "float32"  # bfloat16: bfloat16 compute, float32 parameters
     hidden: int = 128  # width of the MLP's hidden layers, or the GPT's d_model
@@ -76,8 +80,9 @@ class TrainConfig:
                 f"learning_rate={lr!r} must be a finite number >= 0 (as torch.optim requires; "
                 "a negative one ascends the loss)"
             )
-        if self.model is None:  # a stage-3 run trains the model whose layers it can gather
-            object.__setattr__(self, "model", "gpt" if self.zero_stage == 3 else "mlp")
+        if self.model is None:  # stage 3 and --tp train the model whose layers they split
+            split = self.zero_stage == 3 or self.tp > 1
+            object.__setattr__(self, "model", "gpt" if split else "mlp")
         for name, allowed in (
             ("model", ("mlp", "cnn", "gpt")),
             ("optimizer", ("adamw", "sgd")),
@@ -88,6 +93,7 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
         self._check_shards()
+        self._check_tp()
         for name in ("resume", "checkpoint_every"):
             if getattr(self, name) and self.checkpoint_dir is None:
                 raise ValueError(f"{name}={getattr(self, name)!r} needs a checkpoint_dir")
@@ -133,6 +139,32 @@ class TrainConfig:
                 "form num_devices // shards replica groups of shards devices each)"
             )
 
+    def _check_tp(self) -> None:
+        tp = self.tp
+        if tp == 1:
+            return
+        if self.model != "gpt":
+            raise ValueError(
+                f"tp={tp} needs model='gpt' (--tp needs --model gpt, the model with a "
+                f"tensor-parallel plan: Megatron's, over its attention heads and MLP); "
+                f"model={self.model!r} has none"
+            )
+        if GPT_HEADS % tp:
+            raise ValueError(
+                f"tp={tp} must divide the GPT's {GPT_HEADS} attention heads (Megatron's plan "
+                "gives each device of the model axis whole heads)"
+            )
+        if self.shards is not None:
+            raise ValueError(
+                f"tp={tp} with shards={self.shards}: jaxdp train's HSDP takes no model axis "
+                "yet; leave out --shards (--zero-stage 0 to 3 split over the data ranks)"
+            )
+        if self.strategy != "shard_map":
+            raise ValueError(
+                f"tp={tp} needs strategy='shard_map' (the model axis is XLA's partitioner's), "
+                f"got strategy={self.strategy!r}"
+            )
+
     @property
     def last_epoch(self) -> int | None:
         if self.epochs is None and self.steps is None:
@@ -151,6 +183,7 @@ _POSITIVE = (
     "checkpoint_every",
     "keep",
     "hidden",
+    "tp",
 )
 
 

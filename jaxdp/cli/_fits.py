@@ -23,6 +23,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from .._mesh import DATA_AXIS
 from .._shards import resting_size
 from .._stages import stage_layout
 from ._config import TrainConfig
@@ -39,12 +40,15 @@ def check_fits(
     model = nnx.eval_shape(build)
     shapes = [x.shape for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
     params = sum(math.prod(s) for s in shapes)
-    # HSDP splits over a shard group only; every group holds the same copy.
-    n = config.shards or mesh.devices.size
+    # HSDP splits over a shard group only; every group holds the same copy. ZeRO splits
+    # over the data ranks; a model axis (--tp) at most divides what they hold by its size.
+    n = config.shards or mesh.shape[DATA_AXIS]
     layout = stage_layout(config.zero_stage)
     # Stage 3 holds a leaf no dimension of which the devices divide padded to a multiple.
     padded = resting_size(shapes, n, layout)
     need, parts = state_bytes(config, params, n, padded if layout.params_split else None)
+    if config.tp > 1:  # at least: the embeddings, norms and head stay whole
+        need, parts = math.ceil(need / config.tp), f"{parts}, over tp={config.tp} at most"
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     failure = None
     platform = local[0].platform if local else "cpu"

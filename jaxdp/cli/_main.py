@@ -167,6 +167,16 @@ def _batch_options(option: Callable[..., Any], d: TrainConfig) -> None:
         "several processes, the devices of each process (default: one group of every device)",
     )
     option(
+        "--tp",
+        metavar="M",
+        type=int,
+        help="tensor parallelism: M devices of a model axis per data rank, the GPT split over "
+        "them by Megatron's plan (whole attention heads and MLP columns, their projections' "
+        "rows; M divides its 4 heads), --num-devices data ranks of M devices each (default "
+        "--num-devices: every device, M to a rank); --model gpt (the default with --tp), "
+        "one process, no --shards (default: 1, none)",
+    )
+    option(
         "--comm-dtype",
         choices=["bfloat16"],
         help="send the gradient sums in bfloat16 (torch's bf16_compress_hook); accumulation "

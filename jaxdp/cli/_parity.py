@@ -419,7 +419,7 @@ def _optimizer(spec: str | None) -> Any:
 
 def _compare_reference(args: argparse.Namespace) -> Any:
     from ..parity import run_parity
-    from ..parity._runner import check_config
+    from ..parity._runner import check_config, torch_config
 
     fields = {f.name for f in dataclasses.fields(ParityConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
@@ -427,6 +427,9 @@ def _compare_reference(args: argparse.Namespace) -> Any:
     try:
         config = ParityConfig(**{"model": "mlp", **given})
         check_config(config)  # before either side trains
+        # torch_ref's own rules too (its models with a Megatron plan, for --tp): jaxdp's
+        # reference models with one are more than torch_ref's.
+        torch_config(config)
     except ValueError as e:
         _error(str(e))
     return run_parity(config)

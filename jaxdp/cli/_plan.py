@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
 import sys
+import textwrap
 from typing import Any
 
 from .._stages import stage_layout
@@ -20,9 +22,12 @@ from ..plan._memory import (
     parse_count,
     plan_memory,
 )
-from ..plan._report import XlaFigures, report
+from ..plan._report import XlaFigures, format_bytes, report
 
 _MAX_EMULATED = 8  # per-device figures do not depend on the device count
+# --tp lays the state out (abstractly: nothing allocated) on this many emulated CPU devices
+# at most, whose count its ZeRO splits depend on.
+_MAX_LAID_OUT = 64
 # Without --global-batch-size: jaxdp train's rows per device (accum_steps 2 x micro_batch_size 16).
 DEFAULT_SAMPLES_PER_DEVICE = 32
 
@@ -176,6 +181,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="gradient sums sent in bfloat16 (default: fp32)",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --model stack or transformer (the models with a tensor-parallel plan): "
+        "tensor parallelism, M devices of a model axis per data rank (--num-devices data "
+        "ranks x M devices), the model split by its Megatron plan; the per-device weights, "
+        "gradients, optimizer state and accumulator are read from jaxdp's step laid out on "
+        "that mesh, beside the same without the model axis (default: none)",
+    )
     p.add_argument("--no-xla", action="store_true", help="with --model: skip XLA's analysis")
     p.set_defaults(run=run)
 
@@ -244,6 +260,8 @@ def plan_report(args: argparse.Namespace) -> str:
         gather_dtype=args.gather_dtype,
         remat=args.remat,
     )
+    if args.tp is not None:
+        return _tp_report(args, options["policy"])
     if args.params is not None:
         if args.model_arg:
             raise ValueError("--model-arg needs --model")
@@ -288,7 +306,87 @@ def _report(plan: MemoryPlan, *, batch_note: str | None, **kwargs: Any) -> str:
     return report(plan, batch_note=batch_note, **kwargs)
 
 
-def _model_spec(args: argparse.Namespace, policy: str) -> Any:
+def _tp_report(args: argparse.Namespace, policy: str) -> str:
+    """``--tp M``: one device's training state on a ``(data, model)`` mesh of
+    ``--num-devices`` data ranks of ``M`` devices, read from the step's own layout, beside
+    the same model without its plan on the data ranks alone."""
+    from flax import nnx
+
+    from ..models import MODEL_AXIS, TENSOR_PARALLEL, check_tp
+    from ..plan._xla import laid_out_state
+
+    tp, n = args.tp, args.num_devices
+    if args.model is None or args.model not in TENSOR_PARALLEL:
+        given = f"--model {args.model}" if args.model else "--params"
+        raise ValueError(
+            f"--tp {tp} needs --model with a tensor-parallel plan, one of {TENSOR_PARALLEL} "
+            f"(its per-device bytes are read from the model's own layout), got {given}"
+        )
+    if not isinstance(tp, int) or tp < 1 or not isinstance(n, int) or n < 1:
+        raise ValueError(f"--tp {tp} and --num-devices {n} must be positive integers")
+    if args.shards is not None:
+        raise ValueError(
+            f"--tp {tp} with --shards {args.shards}: the plan lays out HSDP without a model "
+            "axis only; leave out --shards"
+        )
+    if DTYPE_POLICIES[policy].param_dtype is None:
+        raise ValueError(
+            f"--tp {tp} reads jaxdp's step, which keeps no fp32 master copy of "
+            f"half-precision weights: --policy fp32 or bf16, not {policy}"
+        )
+    if n * tp > _MAX_LAID_OUT:
+        raise ValueError(
+            f"--num-devices {n} x --tp {tp} = {n * tp} devices: the plan lays the state out "
+            f"on emulated CPU devices, at most {_MAX_LAID_OUT}"
+        )
+    from .._mesh import data_mesh, emulate_cpu_devices
+
+    # RuntimeError: JAX already started (library use); lay out on the devices there are.
+    with contextlib.suppress(RuntimeError):
+        emulate_cpu_devices(n * tp)  # the CPU backend only
+    import jax
+    import numpy as np
+
+    there = jax.devices()
+    if n * tp > len(there):
+        raise ValueError(
+            f"--num-devices {n} x --tp {tp} = {n * tp} devices, and JAX has started with "
+            f"{len(there)}"
+        )
+    split, whole = _model_spec(args, policy, tp=True), _model_spec(args, policy)
+    check_tp(nnx.eval_shape(split.make), tp)  # whole heads; before any layout
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.sharding.Mesh(
+        np.array(there[: n * tp]).reshape(n, tp), ("data", MODEL_AXIS), axis_types=auto
+    )
+    stage = dict(zero_stage=args.zero_stage)
+    ours = laid_out_state(split, args.optimizer, mesh, model_axes=(MODEL_AXIS,), **stage)
+    plain = laid_out_state(whole, args.optimizer, data_mesh(n), **stage)
+    rows = [
+        ("weights", ours.weights, plain.weights),
+        ("gradients (one micro-batch's)", ours.gradients, plain.gradients),
+        (f"optimizer state ({args.optimizer})", ours.optimizer, plain.optimizer),
+        ("gradient accumulator (fp32)", ours.accumulator, plain.accumulator),
+        ("total", ours.total, plain.total),
+    ]
+    head = f"  {'per device':<32}{f'tp={tp}':>12}{'without':>12}"
+    lines = [f"  {what:<32}{format_bytes(a):>12}{format_bytes(b):>12}" for what, a, b in rows]
+    header = (
+        f"jaxdp plan: {split.describe()}, {policy}, zero_stage={args.zero_stage}, on "
+        f"{n} data rank(s) x tp={tp} ({n * tp} devices: a (data {n}, model {tp}) mesh); "
+        f"without: the same {n} data rank(s), no model axis"
+    )
+    note = (
+        "Read from jaxdp's step laid out on that mesh (Parallel(model_axes=('model',)), "
+        "abstract_state: each leaf's shard, nothing allocated). --tp plans the training "
+        "state only: activations, the batch, stage 3's gathered layer and XLA's buffers "
+        "are not counted, and the options of memory, batch and link are not used."
+    )
+    wrap = functools.partial(textwrap.fill, width=100, break_on_hyphens=False)
+    return "\n\n".join([wrap(header), "\n".join([head, *lines]), wrap(note)])
+
+
+def _model_spec(args: argparse.Namespace, policy: str, *, tp: bool = False) -> Any:
     from ..plan import _xla as xla
 
     kwargs = {}
@@ -301,7 +399,7 @@ def _model_spec(args: argparse.Namespace, policy: str) -> Any:
         if not sep:
             raise ValueError(f"--model-arg={item!r} must be NAME=VALUE with a Python literal VALUE")
     dtype = DTYPE_POLICIES[policy].param_dtype or "float32"
-    return xla.reference_model(args.model, param_dtype=dtype, **kwargs)
+    return xla.reference_model(args.model, param_dtype=dtype, tp=tp, **kwargs)
 
 
 def _compile(spec: Any, plan: MemoryPlan) -> XlaFigures:

@@ -36,12 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from .._forward import merge_model
 from .._layout import BatchSizes, ProcessShare, batch_sizes, epoch_schedule, process_share
-from .._mesh import data_mesh
+from .._mesh import DATA_AXIS, data_mesh
 from .._options import Parallel, Skips
 from .._position import SamplerPosition
 from .._shards import unpad_params
@@ -49,7 +50,7 @@ from .._step import TrainStep, make_train_step
 from .._train_state import TrainState
 from ..checkpoint import CheckpointError, Checkpoints
 from ..data import Batch, DataChangedError, Loader, evaluate
-from ..models import CNN, MLP, ScannedTransformer
+from ..models import CNN, MLP, MODEL_AXIS, ScannedTransformer, with_megatron_plan
 from ._config import GPT_HEADS, GPT_LAYERS, Precision, TrainConfig
 from ._data import Rows, Split, load_digits, load_file
 from ._fits import check_fits
@@ -71,12 +72,14 @@ def build(config: TrainConfig, data: Split | None = None) -> nnx.Module:
 
     ``gpt``: :class:`jaxdp.models.ScannedTransformer`, ``GPT_LAYERS`` blocks stacked
     (one parameter tree at every ZeRO stage) of width ``hidden``, over the 64 pixel
-    tokens, with a head to the classes.
+    tokens, with a head to the classes; with ``tp`` above 1, Megatron's plan over the
+    model axis in its metadata (:func:`jaxdp.models.with_megatron_plan`).
 
     Built in one compiled program (``nnx.jit``), which the run's compilation cache keeps:
     built op by op, each of its initializers compiled a program of its own in every
     process (about 1 CPU s of a launch rank's start)."""
-    return nnx.jit(lambda: _built(config, data))()
+    model = nnx.jit(lambda: _built(config, data))()
+    return with_megatron_plan(model) if config.tp > 1 else model
 
 
 def _built(config: TrainConfig, data: Split | None) -> nnx.Module:
@@ -172,20 +175,14 @@ def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
 
 
 def make_step(config: TrainConfig) -> tuple[TrainStep, BatchSizes]:
-    """The data-parallel step of ``config`` and its batch identity."""
+    """The data-parallel step of ``config`` and its batch identity; with ``tp`` above 1
+    on a ``(data, model)`` mesh of ``num_devices`` data ranks (default: all the devices
+    there are, ``tp`` to a rank) of ``tp`` devices each."""
     if config.precision == "float64" and not jax.config.read("jax_enable_x64"):
         raise ValueError("precision='float64' needs jax_enable_x64 set before training starts")
-    there = jax.devices()
-    if config.num_devices is not None and config.num_devices > len(there):
-        platform = there[0].platform
-        hint = " (--cpu-devices sets how many CPU devices to emulate)" if platform == "cpu" else ""
-        raise ValueError(
-            f"num_devices={config.num_devices} exceeds the {len(there)} {platform} device(s) "
-            f"there are{hint}"
-        )
-    mesh = data_mesh(config.num_devices)
+    mesh = _mesh(config)
     sizes = batch_sizes(
-        num_devices=mesh.devices.size,
+        num_devices=mesh.shape[DATA_AXIS],
         accum_steps=config.accum_steps,
         micro_batch_size=config.micro_batch_size,
     )
@@ -200,10 +197,52 @@ def make_step(config: TrainConfig) -> tuple[TrainStep, BatchSizes]:
             comm_dtype=config.comm_dtype,
             strategy=config.strategy,
             shards=config.shards,
+            model_axes=(MODEL_AXIS,) if config.tp > 1 else (),
         ),
         skips=Skips(nonfinite=config.skip_nonfinite),
     )
     return step, sizes
+
+
+def _mesh(config: TrainConfig) -> Mesh:
+    """A data mesh of ``num_devices``, or with ``tp`` the ``(data, model)`` mesh of
+    ``num_devices`` data ranks of ``tp`` consecutive devices (a rank's devices in one
+    process, as ``jaxdp parity --tp`` lays them); refuses more devices than there are."""
+    there, tp = jax.devices(), config.tp
+    platform = there[0].platform
+    hint = " (--cpu-devices sets how many CPU devices to emulate)" if platform == "cpu" else ""
+    if config.num_devices is not None and config.num_devices * tp > len(there):
+        times = f" x tp={tp}" if tp > 1 else ""
+        raise ValueError(
+            f"num_devices={config.num_devices}{times} exceeds the {len(there)} {platform} "
+            f"device(s) there are{hint}"
+        )
+    if tp == 1:
+        return data_mesh(config.num_devices)
+    if config.num_devices is None and len(there) % tp:
+        raise ValueError(
+            f"tp={tp} must divide the {len(there)} {platform} device(s) there are (without "
+            f"num_devices every device trains, tp to a data rank){hint}"
+        )
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"tp={tp} with {jax.process_count()} processes: jaxdp train's loader and held-out "
+            "evaluation place rows one device per data rank (jaxdp.data takes no model axis "
+            "yet); run --tp in one process"
+        )
+    ranks = config.num_devices or len(there) // tp
+    devices = np.array(there[: ranks * tp]).reshape(ranks, tp)
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return Mesh(devices, (DATA_AXIS, MODEL_AXIS), axis_types=auto)
+
+
+def rows_mesh(mesh: Mesh) -> Mesh:
+    """Where the loader and the held-out evaluation place rows: ``mesh``, or a
+    ``(data, model)`` mesh's first device of each data rank (:mod:`jaxdp.data` takes no
+    model axis yet; the loop copies each call's rows to the rank's other devices)."""
+    if MODEL_AXIS not in mesh.axis_names:
+        return mesh
+    return Mesh(mesh.devices[:, 0], (DATA_AXIS,))  # _mesh's (data, model) order
 
 
 # ---- the run: checked, input pipeline, outputs, state (fresh or restored) --------------
@@ -251,16 +290,22 @@ def prepare(
     """
     data = load(config)
     step, sizes = make_step(config)  # the mesh, the step, the batch identity
-    mesh, share = step.mesh, process_share(step.mesh, sizes)
+    mesh, share = step.mesh, process_share(step.mesh, sizes, model_axes=step.options.model_axes)
     check_fits(config, data, mesh, lambda: build(config, data))  # traced, not built
     lead = share.process_index == 0
     # What the run is, its derived sizes included, said once at its start.
     say(
         f"jaxdp train: {config.data or 'digits'} {config.model.upper()} ({config.precision}) "
-        f"on {sizes.num_devices} "
+        f"on {mesh.devices.size} "
         f"{mesh.devices.flat[0].platform} device(s), {len(data.x_train)} train / "
         f"{len(data.x_test)} held-out images"
     )
+    if config.tp > 1:
+        say(
+            f"tensor parallelism: {sizes.num_devices} data rank(s) of tp={config.tp} devices "
+            "on a model axis, each rank's GPT split over its devices (Megatron's plan: whole "
+            "attention heads and MLP columns, their projections' rows)"
+        )
     if config.data is not None:
         told = "--num-classes" if config.num_classes else "the largest label + 1"
         say(f"classes: {data.num_classes} ({told})")
@@ -274,6 +319,8 @@ def prepare(
         zero = f"zero_stage={config.zero_stage}"
         if config.zero_stage:
             over = f"{sizes.num_devices} device(s)"
+            if config.tp > 1:  # each device's block of its own model shard
+                over = f"{sizes.num_devices} data rank(s)"
             if config.shards and config.shards < sizes.num_devices:
                 over = (
                     f"each of {sizes.num_devices // config.shards} shard groups of "
@@ -293,7 +340,7 @@ def prepare(
     loader = Loader(
         (data.x_train, data.y_train),
         sizes,
-        mesh=mesh,
+        mesh=rows_mesh(mesh),
         path=config.path,
         seed=config.seed,
         epochs=config.last_epoch,
@@ -410,6 +457,9 @@ class Run:
             # a step, never holding a batch it will not train on (the checkpoint's rows).
             try:
                 for batch in self.loader:
+                    if self.loader.mesh is not self.step.mesh:  # rows_mesh's: to each device
+                        rows = NamedSharding(self.step.mesh, P(DATA_AXIS))
+                        batch = batch._replace(data=jax.device_put(batch.data, rows))
                     self.state, metrics = self.step(self.state, batch)  # checks its sizes
                     self.position, self.samples = batch.position, self.loader.samples
                     if batch.emits:
@@ -576,9 +626,14 @@ def held_out_accuracy(
 
     rows = config.accum_steps * config.micro_batch_size  # per device, as in training
 
+    # With a model axis, the parameters whole on each data rank's first device.
+    evaluated = rows_mesh(mesh)
+
     def score(state: TrainState) -> float:
         params, source = (state.params, state.model_state), (data.x_test, data.y_test)
-        return evaluate(correct, params, source, mesh=mesh, batch_size=rows)["accuracy"]
+        if evaluated is not mesh:
+            params = jax.device_put(params, NamedSharding(evaluated, P()))
+        return evaluate(correct, params, source, mesh=evaluated, batch_size=rows)["accuracy"]
 
     return score
 

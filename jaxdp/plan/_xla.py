@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -28,11 +29,12 @@ from jax.sharding import PartitionSpec as P
 
 from .._forward import loss_parts, split_model
 from .._model_state import split_state
+from .._options import Parallel
 from .._shards import resting_size
 from .._stages import stage_layout
 from .._step import make_train_step
 from .._train_state import TrainState
-from ..models import MODELS
+from ..models import MODELS, TENSOR_PARALLEL
 from ._memory import divisors, largest_divisor_at_most
 
 _MAX_COMPILES = 8  # per choice; each is fast (abstract batches) but not free
@@ -108,9 +110,10 @@ class ModelSpec:
 
 
 def reference_model(
-    name: str, *, param_dtype: Any = jnp.float32, seed: int = 0, **kwargs: Any
+    name: str, *, param_dtype: Any = jnp.float32, seed: int = 0, tp: bool = False, **kwargs: Any
 ) -> ModelSpec:
-    """The spec of reference model ``name`` with constructor arguments ``kwargs``.
+    """The spec of reference model ``name`` with constructor arguments ``kwargs``; ``tp``:
+    with its tensor-parallel plan (the models of ``jaxdp.models.TENSOR_PARALLEL``).
 
     Batches follow the reference data: ``linear``/``mlp`` rows of
     ``in_features`` floats, ``cnn`` 8x8 images (the digits) with
@@ -118,12 +121,16 @@ def reference_model(
     """
     if name not in MODELS:
         raise ValueError(f"model={name!r} must be one of {sorted(MODELS)}")
+    if tp and name not in TENSOR_PARALLEL:
+        raise ValueError(
+            f"model={name!r} has no tensor-parallel plan; the models with one: {TENSOR_PARALLEL}"
+        )
     cls, loss = MODELS[name]
     signature = inspect.signature(cls.__init__)
     defaults = {
         k: p.default
         for k, p in signature.parameters.items()
-        if p.default is not inspect.Parameter.empty and k != "param_dtype"
+        if p.default is not inspect.Parameter.empty and k not in ("param_dtype", "tp")
     }
     unknown = sorted(set(kwargs) - set(defaults))
     if unknown:
@@ -137,6 +144,8 @@ def reference_model(
 
     def make() -> nnx.Module:
         extra = {"rngs": nnx.Rngs(seed)} if takes_rngs else {}
+        if tp:
+            extra["tp"] = True
         return cls(**kwargs, param_dtype=param_dtype, **extra)
 
     def batch(rows: int) -> Any:
@@ -428,3 +437,54 @@ def _predict(measured: dict[int, CompiledMemory], usable: float, cap: int) -> in
     if b1 == b0 or t1 <= t0:
         return cap if t1 <= usable else b0 - 1
     return int(min(cap, math.floor(b1 + (usable - t1) * (b1 - b0) / (t1 - t0))))
+
+
+@dataclasses.dataclass(frozen=True)
+class LaidOutState:
+    """Bytes one device holds of a step's training state, read from the step's own layout
+    (``abstract_state``'s shardings: each leaf's shard shape, the most a device holds)."""
+
+    weights: int  # the parameters as they rest (stage 3: the device's blocks)
+    gradients: int  # one micro-batch's, in the parameters' dtype, laid out as they rest
+    optimizer: int  # the optimizer state
+    accumulator: int  # the float32 gradient sums of the accumulation window
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.accumulator
+
+
+def laid_out_state(
+    spec: ModelSpec,
+    optimizer: str,
+    mesh: Mesh,
+    *,
+    zero_stage: int,
+    model_axes: tuple[str, ...] = (),
+) -> LaidOutState:
+    """What one device holds of ``spec``'s training state under ``Parallel(zero_stage=...,
+    model_axes=...)`` on ``mesh``: the step's ``abstract_state`` (nothing is allocated or
+    compiled), each leaf's shard shape times its itemsize. The accumulator is the
+    multisteps path's window, laid out as the fused path's loop carries it. The
+    gradients rest as the parameters do: split over the model axes as the model says,
+    and at stage 3 over the data axis too (a micro-batch's blocks after their
+    reduce-scatter; before it, the gathered layer's whole gradients, not counted)."""
+    step = make_train_step(
+        spec.loss,
+        make_optimizer(optimizer),
+        mesh=mesh,
+        path="multisteps",
+        parallel=Parallel(zero_stage=zero_stage, model_axes=model_axes),
+    )
+    with warnings.catch_warnings():  # stage 3 of a model without a stack says so
+        warnings.filterwarnings("ignore", ".*peak memory is not reduced", UserWarning)
+        state = step.abstract_state(nnx.eval_shape(spec.make))
+
+    def held(tree: Any) -> int:
+        return sum(
+            math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(tree)
+        )
+
+    weights = held(state.params)
+    return LaidOutState(weights, weights, held(state.opt_state), held(state.window.grads))
