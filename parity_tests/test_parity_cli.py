@@ -193,10 +193,6 @@ def test_zero_stage_flags_are_checked_before_either_side_trains(monkeypatch, cap
         (["--zero-stage", "3", "--remat", "some"], "remat='some' must be 'dots', 'full' or the"),
         (["--remat", "full"], "remat='full' needs zero_stage=3"),
         (["--tp", "0"], "tp=0 must be a positive integer"),
-        (
-            ["--tp", "2", "--zero-stage", "3", "--shards", "2"],
-            "tp=2 with shards=2: torch_ref has no HSDP x TP reference yet",
-        ),
         (["--torch-device", "cuda"], "torch_device='cuda' needs one GPU per rank: num_devices=4"),
         ([*port, "--torch-device", "cuda"], "torch_device='cuda' needs one GPU per rank"),
     ]:

@@ -30,12 +30,19 @@ K = 3  # a window: the first K - 1 micro-batches under no_sync (FSDP2's, DDP's)
 # (strategy, num_devices, accum_steps): TP x DDP and TP x FSDP2 on (dp 2, tp 2), and their
 # pin, DDP on the 2 data ranks.
 SPLIT = [(strategy, DATA_RANKS * TP, K) for strategy in ("tp_ddp", "tp_fsdp")]
-RUNS = [*SPLIT, ("ddp", DATA_RANKS, K)]
+# HSDP x TP: (replicate 2, shard 2, tp 2), 8 ranks, against DDP on its 4 data ranks.
+HSDP = ("tp_hsdp", 2 * DATA_RANKS * TP, K)
+RUNS = [*SPLIT, HSDP, ("ddp", DATA_RANKS, K), ("ddp", 2 * DATA_RANKS, K)]
 
 
 def config(strategy: str, num_devices: int, accum_steps: int) -> tr.TrainConfig:
     """test_torch_ref_fsdp.py's DDP run of the cell, with tensor parallelism."""
-    options = {"ddp": {}, "tp_ddp": {"tp": TP}, "tp_fsdp": {"tp": TP, "fsdp": True}}
+    options = {
+        "ddp": {},
+        "tp_ddp": {"tp": TP},
+        "tp_fsdp": {"tp": TP, "fsdp": True},
+        "tp_hsdp": {"tp": TP, "fsdp": True, "shards": 2},
+    }
     return dataclasses.replace(ddp_config("ddp", num_devices, accum_steps), **options[strategy])
 
 
@@ -54,6 +61,12 @@ def runs(torch_batch) -> dict[tuple, tr.Result]:
 def test_tensor_parallel_trajectory_equals_ddp_on_the_data_ranks(runs, key):
     # The clip acts in these runs (OPTIMIZER's comment).
     assert_trajectory_equals_ddp(runs[key], runs[("ddp", DATA_RANKS, K)])
+
+
+def test_hsdp_with_tensor_parallelism_equals_ddp_on_its_data_ranks(runs):
+    """FSDP2's HSDP on the (replicate 2, shard 2) submesh of a (replicate, shard, tp)
+    mesh over the TP-split stack, 8 gloo ranks, equals DDP on its 4 data ranks."""
+    assert_trajectory_equals_ddp(runs[HSDP], runs[("ddp", 2 * DATA_RANKS, K)])
 
 
 def test_each_tp_rank_holds_half_of_every_split_weight(runs):
@@ -83,8 +96,8 @@ def test_tp_options_are_checked_before_any_work():
         (name, value), = option.items()  # fmt: skip
         with pytest.raises(ValueError, match=rf"tp=2 with {name}={value!r} is not built"):
             dataclasses.replace(tp, **option)
-    with pytest.raises(ValueError, match=r"tp=2 with shards=2 is not built"):
-        dataclasses.replace(tp, fsdp=True, shards=2)
+    with pytest.raises(ValueError, match=r"tp=2 with shards=8: shards \(data ranks per shard"):
+        dataclasses.replace(config("tp_ddp", 8, 1), fsdp=True, shards=8)
     # The data ranks read the batch: 4 ranks of tp 2 are 2 data ranks' windows.
     assert tp.data_ranks == 2
     assert tr.steps_per_epoch(tp, NUM_SAMPLES) == tr.steps_per_epoch(

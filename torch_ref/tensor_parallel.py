@@ -102,14 +102,21 @@ def tensor_parallel(
 ) -> TensorParallel:
     """``module`` (on its device, with its initial weights) split by its Megatron plan
     over ``config.tp`` ranks and wrapped for data parallelism over the rest: DDP, or
-    ``shard(module, mesh)`` (torch_ref.train's FSDP2 on the data ranks' mesh)."""
+    ``shard(module, mesh)`` (torch_ref.train's FSDP2 on the data ranks' mesh; with
+    ``config.shards`` below the data ranks HSDP, on the ``("replicate", "shard")``
+    submesh of a ``("replicate", "shard", "tp")`` mesh, torchtitan's layout)."""
     # Imported here: the DDP runs never need them, and DTensor takes seconds to import.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    shape = (config.num_devices // config.tp, config.tp)
-    mesh = init_device_mesh(config.device, shape, mesh_dim_names=("dp", "tp"))
+    ranks = config.num_devices // config.tp
+    if config.shards is not None and config.shards < ranks:  # HSDP over the data ranks
+        shape, names = (ranks // config.shards, config.shards, config.tp), ("replicate", "shard")
+    else:
+        shape, names = (ranks, config.tp), ("dp",)
+    mesh = init_device_mesh(config.device, shape, mesh_dim_names=(*names, "tp"))
+    data = mesh[names] if len(names) > 1 else mesh[names[0]]
     parallelize_module(module, mesh["tp"], MEGATRON_PLANS[config.model](module))
     placed = {
         name: (p.device_mesh, p.placements, p.shape, p.stride())
@@ -117,7 +124,7 @@ def tensor_parallel(
         if isinstance(p, DTensor)
     }
     if shard is not None:  # FSDP2's leaves stay DTensors
-        model, placed = shard(module, mesh["dp"]), {}
+        model, placed = shard(module, data), {}
     else:
-        model = DDP(module, device_mesh=mesh["dp"])
+        model = DDP(module, device_mesh=data)
     return TensorParallel(model, list(module.named_parameters()), placed)

@@ -41,8 +41,10 @@ on the shards. The data, its order and the update are DDP's.
 ``tp=T > 1`` adds tensor parallelism (``torch_ref.tensor_parallel``): the model's
 Megatron plan applied with ``parallelize_module`` over the ``"tp"`` dimension of a
 ``("dp", "tp")`` mesh of ``(num_devices // T, T)``, then DDP or FSDP2 over ``"dp"``
-as above. The ``T`` ranks of a data rank read the same micro-batches (its sampler
-has ``num_replicas=num_devices // T``): the data, its order and the update are
+as above (with ``shards=S``, HSDP: FSDP2 on the ``("replicate", "shard")`` submesh of a
+``(num_devices // T // S, S, T)`` mesh, S data ranks per shard group). The ``T`` ranks
+of a data rank read the same micro-batches (its sampler has
+``num_replicas=num_devices // T``): the data, its order and the update are
 those of DDP on ``num_devices // T`` ranks.
 
 The last, incomplete window of an epoch (``r = micro-batches % K > 0``) follows
@@ -236,14 +238,18 @@ class TrainConfig:
             "comm_hook": self.comm_hook,
             "sync_batchnorm": self.sync_batchnorm,
             "find_unused_parameters": self.find_unused_parameters,
-            "shards": self.shards,
             "loss_reduction": None if self.loss_reduction == "mean" else self.loss_reduction,
         }
         if any(v not in (None, False) for v in alone.values()):
             given = ", ".join(f"{k}={v!r}" for k, v in alone.items() if v not in (None, False))
             raise ValueError(
                 f"tp={self.tp} with {given} is not built: tensor parallelism composes with "
-                "plain DDP or FSDP2 over the data ranks"
+                "plain DDP or FSDP2 (HSDP with shards) over the data ranks"
+            )
+        if self.shards is not None and self.data_ranks % self.shards:
+            raise ValueError(
+                f"tp={self.tp} with shards={self.shards}: shards (data ranks per shard group) "
+                f"must divide the {self.data_ranks} data ranks"
             )
 
     @property
