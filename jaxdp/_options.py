@@ -163,8 +163,10 @@ class Parallel:
     optimizer step. ``()`` (default): a one-axis data mesh. Every leaf rests split over
     the model axes as its metadata says (the parameters, their gradients, the window's
     sums and the optimizer state's leaves of the parameter's tree), and at ZeRO stages 1
-    and 2 over the data axis along a dimension its model split leaves free. Stage 3, HSDP
-    and the legacy pmap strategy do not take a model axis yet.
+    to 3 over the data axis along a dimension its model split leaves free; jaxdp's own
+    collectives run on each device's model shards, over the data axis only. Under HSDP
+    (``shards``) the step's mesh is ``(replica, data, *model_axes)``. The legacy pmap
+    strategy takes no model axis.
 
     ``gather_dtype``: the dtype the parameters travel and compute in (torch FSDP2's
     ``MixedPrecisionPolicy(param_dtype=...)``): ``"bfloat16"`` gathers float32 master
