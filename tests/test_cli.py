@@ -313,7 +313,6 @@ def test_parity_refuses_tp_on_a_model_torch_ref_has_no_plan_for_before_training(
     """jaxdp's transformer has a Megatron plan, torch_ref's not (yet): ``jaxdp parity
     --model transformer --tp 2`` is torch_ref's one-line refusal before either side trains,
     not a traceback after jaxdp's run."""
-    pytest.importorskip("torch")
     monkeypatch.setattr("jaxdp.parity.run_parity", lambda config: pytest.fail("it trained"))
     monkeypatch.setattr("jaxdp._mesh.emulate_cpu_devices", lambda num_devices: None)
     with pytest.raises(SystemExit) as exit_:
