@@ -53,7 +53,6 @@ _CALLEE = re.compile(
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_GROUPS = re.compile(r"replica_groups=(\{\{([\d,]*)\}|\[\d+,(\d+)\]<=)")
 # jax 0.12 prints a mesh and the axes a collective spans: mesh['data'=4] {'data'}.
 # With a device order of its own: mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}.
 _MESH_GROUPS = re.compile(
@@ -303,20 +302,6 @@ class Collective(_Placed):
         return bool(self.products_under)
 
 
-def _group_size(rest: str) -> int:
-    mesh = _MESH_GROUPS.search(rest)
-    if mesh:
-        sizes = dict(_MESH_AXIS.findall(mesh.group(1)))
-        spanned = re.findall(r"'([^']+)'", mesh.group(2))
-        return math.prod(int(sizes[a]) for a in spanned if a in sizes)
-    found = _GROUPS.search(rest)
-    if not found:
-        return 1
-    if found.group(3):
-        return int(found.group(3))
-    return len([d for d in found.group(2).split(",") if d])
-
-
 _LISTED = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
 _IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _DEVICE_IDS = re.compile(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)")
@@ -390,7 +375,8 @@ def collectives(compiled_or_hlo: Any) -> list[Collective]:
             (size, shapes), under = windows[i.name]
         elif started in windows:  # in a collective fusion: in flight until its done
             under = windows[started][1]
-        devices = _group_size(rests.get(i.name, ""))
+        groups = _groups(rests.get(i.name, ""))
+        devices = len(next(iter(groups))) if groups else 1
         size = size * devices if kind == "reduce-scatter" else size
         found.append(
             Collective(
@@ -403,7 +389,7 @@ def collectives(compiled_or_hlo: Any) -> list[Collective]:
                 i.executions,
                 asynchronous=started in windows,
                 products_under=under,
-                groups=_groups(rests.get(i.name, "")),
+                groups=groups,
             )
         )
     return found

@@ -523,8 +523,8 @@ def gathered_loss(
         which = [i for i, d in enumerate(up_front) if d is not None]
         for i, h in enumerate(handed):
             if h is not None and i not in stacked:  # all-reduced whole, as it is done
-                one = (h.route, (None,), (tuple(models[i]),))
-                leaves[i] = _routed(*one, (leaves[i],), (h.sums,), (h.sink,))[0]
+                model = (tuple(models[i]),)
+                leaves[i] = _routed(h.route, (None,), model, (leaves[i],), (h.sums,), (h.sink,))[0]
         if which:
             # Tied to this micro-batch's inputs: the parameters do not change within a
             # window, so XLA hoisted the gather out of the micro-batch loop and kept the

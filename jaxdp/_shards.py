@@ -728,9 +728,7 @@ class ShardPlan:
         if not self.split:
             return tree
         leaves = self._split_leaves(tree)
-        specs = [
-            merged(spec(d, self.axis_name), m) for d, m in zip(self.dims, self.model, strict=True)
-        ]
+        specs = self.treedef.flatten_up_to(self.rest_specs())
         # check_vma=False: the all-gather's result is the same on every device, which
         # jax 0.10 cannot express without a private function (all_gather_invariant).
         # Manual over the model axes too: each device gathers its own model shards.

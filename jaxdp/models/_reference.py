@@ -404,8 +404,8 @@ class ResidualBlock(nnx.Module):
 
     def __init__(self, d_model: int, *, rngs: nnx.Rngs, param_dtype: Any, tp: bool = False):
         kw = dict(rngs=rngs, param_dtype=param_dtype)
-        col, row = ((None, MODEL_AXIS), (MODEL_AXIS,)), ((MODEL_AXIS, None), (None,))
-        (fc_kernel, fc_bias), (proj_kernel, proj_bias) = (col, row) if tp else ((None,) * 2,) * 2
+        plan = (_COLUMN, _ROW) if tp else ((None,) * 2,) * 2
+        (fc_kernel, fc_bias), (proj_kernel, proj_bias) = plan
         self.norm = _layer_norm(d_model, **kw)
         self.fc = nnx.Linear(
             d_model,
