@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ._mesh import psum
 from ._shards import (
     compress,
     decompress,
@@ -450,7 +451,7 @@ def _routed_backward(route, dims, models, residuals, cotangents):
 
     def reduced(grads: list[Any]) -> list[Any]:
         if route.kind == "psum" and not route.packed:
-            summed = jax.lax.psum([compress(g, route.wire, route.n) for g in grads], route.axes)
+            summed = psum([compress(g, route.wire, route.n) for g in grads], route.axes)
             return [
                 decompress(x, g.dtype, route.wire, route.n)
                 for x, g in zip(summed, grads, strict=True)

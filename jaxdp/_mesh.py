@@ -157,3 +157,17 @@ def mark_varying(tree: Any, axis_name: str | tuple[str, ...] = DATA_AXIS) -> Any
     w.r.t. the unmarked (invariant) values JAX would psum the gradient itself.
     """
     return jax.lax.pcast(tree, axis_name, to="varying")
+
+
+def psum(tree: Any, axes: str | tuple[str, ...]) -> Any:
+    """``jax.lax.psum`` of ``tree`` over the mesh axes ``axes``: jaxdp's reductions over
+    its data axes. Over axes of one device in all on a mesh of more (a data axis of size 1
+    beside a model axis: tensor parallelism alone) the sum is each value itself, marked
+    invariant over ``axes`` by an all-gather of one device. jax lowers no manual region
+    for manual axes of one device, and XLA's SPMD partitioner refuses the all-reduce that
+    ``psum`` lowers to outside one while a model axis splits the program ("Cross-partition
+    allreduce must be in (partial) manual partitioning mode", jax 0.10 and 0.12)."""
+    mesh = jax.sharding.get_abstract_mesh()  # empty under pmap
+    if jax.lax.axis_size(axes) > 1 or mesh.empty or mesh.size == 1:
+        return jax.lax.psum(tree, axes)
+    return jax.tree.map(lambda x: jax.lax.all_gather(x, axes, to="invarying")[0], tree)

@@ -45,7 +45,7 @@ from ._forward import check_aux, loss_parts, micro_forward
 from ._frozen import combine, split_trainable, trainable_mask
 from ._guards import check_params_layout, check_state_layout, check_window_layout
 from ._layers import Gather, Route, Stack, gather, gathered_loss
-from ._mesh import mark_varying
+from ._mesh import mark_varying, psum
 from ._mesh_map import is_spec, mesh_map, to_varying
 from ._model_kinds import linen_batch_norms
 from ._model_state import configure, device0, from_wire, split_state
@@ -579,7 +579,7 @@ def reduce(
         r, blocks = plan.mesh.shape[plan.replica_axis], plan.blocks(grads)
         sent = [not d for d in plan.blocks(plan.treedef.unflatten(done))]
         summed = iter(
-            jax.lax.psum(
+            psum(
                 [compress(x, wire, r) for x, s in zip(blocks, sent, strict=True) if s],
                 plan.replica_axis,
             )
@@ -600,7 +600,7 @@ def reduce(
         if grouped:  # every replica group holds them now: counted once
             squares = jnp.where(jax.lax.axis_index(plan.replica_axis) == 0, squares, 0)
         payload.append(squares)
-    summed = jax.lax.psum(tuple(payload), axes)
+    summed = psum(tuple(payload), axes)
     received = iter([decompress(x, d, wire, n) for x, d in zip(summed[0], dtypes, strict=True)])
     whole = [x if d else next(received) for x, d in zip(whole, done, strict=True)]
     squares = _squares(whole, dtype)

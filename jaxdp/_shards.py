@@ -43,7 +43,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._mesh import mark_varying
+from ._mesh import mark_varying, psum
 from ._stages import SplitRule, StageLayout
 
 
@@ -360,7 +360,7 @@ def packed_psum(wholes: Any, axis_name: Any, num_devices: int, wire: Any = None)
         dtype = wholes[group[0]].dtype
         flat = [wholes[i].reshape(-1) for i in group]
         buffer = compress(jnp.concatenate(flat), wire, num_devices)
-        summed = decompress(jax.lax.psum(buffer, axis_name), dtype, wire, num_devices)
+        summed = decompress(psum(buffer, axis_name), dtype, wire, num_devices)
         bounds = np.cumsum([f.size for f in flat])[:-1]
         for i, part in zip(group, jnp.split(summed, bounds), strict=True):
             out[i] = part.reshape(wholes[i].shape)

@@ -311,7 +311,8 @@ def cells():
 # XLA's (HSDP: (replica 2, shard 2, model 2)). Each stage (0 to 3) and HSDP on both paths,
 # N of 4 and 2 (HSDP: 4) and K of 1 and 4
 # each met by every stage and path, and every (N, K) met; the clip reads the norm of
-# leaves split over both axes.
+# leaves split over both axes. And N of 1 on both paths, at stages 0 and 3: tensor
+# parallelism alone (jax lowers no manual region for a data axis of one device).
 TP_WORKLOAD = ("megatron", "adamw_clip")
 TP_CELLS = [  # (placement, path, num_devices, accum_steps)
     ("stage_0", "fused", 4, 4),
@@ -324,6 +325,9 @@ TP_CELLS = [  # (placement, path, num_devices, accum_steps)
     ("stage_3", "multisteps", 4, 1),
     ("hsdp", "fused", 4, 1),
     ("hsdp", "multisteps", 4, 4),
+    # One data rank: tensor parallelism alone, the data axis of size 1.
+    ("stage_0", "fused", 1, 4),
+    ("stage_3", "multisteps", 1, 4),
 ]
 
 
@@ -535,7 +539,7 @@ def test_the_grid_meets_every_kind_of_cell():
     }
     # Tensor parallelism: stages 0 to 3 and HSDP on both paths each, over data axes of 4
     # and 2 (HSDP: 4 in shard groups of 2), K of 1 and 4 and both spellings (each met by
-    # every stage and every path), every (N, K).
+    # every stage and every path), every (N, K); one data rank on both paths.
     tp = [c for c in every if c["model_axis"] > 1]
     assert {(c["placement"], c["path"]) for c in tp} == {
         (p, path) for p in PLACEMENTS for path in PATHS
@@ -543,12 +547,17 @@ def test_the_grid_meets_every_kind_of_cell():
     assert values("shards", [c for c in tp if c["placement"] == "hsdp"]) == {2}
     for column in ("placement", "path"):
         for v in values(column, tp):
-            mine = [c for c in tp if c[column] == v]
+            mine = [c for c in tp if c[column] == v and c["num_devices"] > 1]
             assert values("num_devices", mine) == ({4} if v == "hsdp" else {2, 4}), v
             assert values("accum_steps", mine) == set(ACCUM_STEPS), v
             assert values("spelling", mine) == set(SPELLINGS), v
     assert {(c["num_devices"], c["accum_steps"]) for c in tp} == {
         (n, k) for n in (2, 4) for k in ACCUM_STEPS
+    } | {(1, 4)}
+    alone = [c for c in tp if c["num_devices"] == 1]
+    assert {(c["placement"], c["path"]) for c in alone} == {
+        ("stage_0", "fused"),
+        ("stage_3", "multisteps"),
     }
     assert {(c["model"], c["optimizer"]) for c in tp} == {TP_WORKLOAD}
     for p in PLACEMENTS:
