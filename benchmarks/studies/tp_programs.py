@@ -6,7 +6,7 @@ XLA:GPU for H100 topologies on a CPU machine (``jaxdp.testing.gpu_mesh``), fused
 Run from a checkout (jax's CUDA plugin: ``.venv-newest``)::
 
     JAX_PLATFORMS=cpu .venv-newest/bin/python benchmarks/studies/tp_programs.py \
-        [--cells 1x1x8:2 1x1x8:4 1x2x8:8] [--stage 0] [--layers 12] [--out FILE.json]
+        [--cells 1x1x8:2 1x1x8:4 1x1x8:8 1x2x8:8] [--stage 0] [--layers 12] [--out FILE.json]
 
 Prints one JSON line per cell (``topology:model``; the model axis within a host, the
 devices of a host consecutive): the gradients' collectives over the data groups (their
@@ -31,7 +31,10 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the checkout
 
 
-def measure(topology: str, model_size: int, *, stage: int, layers: int, k: int = 4) -> dict:
+def program(topology: str, model_size: int, *, stage: int = 0, layers: int = 12, k: int = 4):
+    """``(compiled, abstract state, batch, mesh, compile CPU s)`` of the cell: GPT-2 small
+    (``layers`` blocks) with its Megatron plan on the ``(data, model)`` mesh of
+    ``topology``'s GPUs, the model axis of ``model_size`` within a host."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -41,11 +44,10 @@ def measure(topology: str, model_size: int, *, stage: int, layers: int, k: int =
 
     import jaxdp
     from benchmarks.harness import gpu
-    from jaxdp.plan import compiled_memory
-    from jaxdp.testing import collectives, gpu_mesh
+    from jaxdp.testing import gpu_mesh
 
     cfg = dataclasses.replace(gpu.GPT2_SMALL, n_layer=layers)
-    with jax.enable_x64(False):
+    with jax.enable_x64(False):  # as a user's script runs: jax's default 32-bit types
         devices = np.array(gpu_mesh(topology).devices).reshape(-1, model_size)
         mesh = Mesh(devices, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
         step = jaxdp.make_train_step(
@@ -62,9 +64,31 @@ def measure(topology: str, model_size: int, *, stage: int, layers: int, k: int =
         start = time.process_time()
         compiled = step.compile(state, batch)
         seconds = time.process_time() - start
-    data_size, found = devices.shape[0], collectives(compiled)
+    return compiled, state, batch, mesh, seconds
+
+
+def mesh_groups(mesh) -> tuple[frozenset, frozenset]:
+    """``(data groups, model groups)`` of a ``(data, model)`` mesh as a compiled program's
+    replica groups name them (``Collective.groups``): each device by its place in the
+    mesh, a data group a column, a model group a row."""
+    import numpy as np
+
+    places = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    return frozenset(map(tuple, places.T.tolist())), frozenset(map(tuple, places.tolist()))
+
+
+def measure(topology: str, model_size: int, *, stage: int, layers: int, k: int = 4) -> dict:
+    import jax
+
+    from jaxdp.plan import compiled_memory
+    from jaxdp.testing import collectives
+
+    compiled, state, _, mesh, seconds = program(
+        topology, model_size, stage=stage, layers=layers, k=k
+    )
+    found, (data, model) = collectives(compiled), mesh_groups(mesh)
     kind = "all-reduce" if stage == 0 else "reduce-scatter"
-    grads = [c for c in found if c.devices == data_size and c.kind == kind]
+    grads = [c for c in found if c.groups == data and c.kind == kind]
     tied = math.prod(state.params["wte"]["embedding"].shape) * 4
 
     def shares(cs: list) -> dict:
@@ -81,7 +105,7 @@ def measure(topology: str, model_size: int, *, stage: int, layers: int, k: int =
     memory = compiled_memory(compiled)
     return {
         "cell": f"{topology}:{model_size}",
-        "data x model": f"{data_size} x {model_size}",
+        "data x model": " x ".join(map(str, mesh.devices.shape)),
         "stage": stage,
         "layers": layers,
         "K": k,
@@ -89,12 +113,11 @@ def measure(topology: str, model_size: int, *, stage: int, layers: int, k: int =
         "data_gradients": shares(grads),
         "data_gradients_but_the_tied_embedding": shares(rest),
         "model_groups": {
-            kind: shares([c for c in found if c.devices == model_size and c.kind == kind])
-            for kind in sorted({c.kind for c in found if c.devices == model_size})
+            kind: shares([c for c in found if c.groups == model and c.kind == kind])
+            for kind in sorted({c.kind for c in found if c.groups == model})
         },
         "other_groups": sorted(
-            {(c.kind, c.devices) for c in found}
-            - {(c.kind, c.devices) for c in found if c.devices in (data_size, model_size)}
+            {(c.kind, c.devices) for c in found if c.groups not in (data, model)}
         ),
         "replica_groups": sorted(set(re.findall(r"replica_groups=(\S+?),? ", compiled.as_text()))),
         "param_bytes_per_device": sum(
@@ -107,7 +130,7 @@ def measure(topology: str, model_size: int, *, stage: int, layers: int, k: int =
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cells", nargs="+", default=["1x1x8:2", "1x1x8:4", "1x2x8:8"])
+    p.add_argument("--cells", nargs="+", default=["1x1x8:2", "1x1x8:4", "1x1x8:8", "1x2x8:8"])
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--out", type=pathlib.Path)
