@@ -3,8 +3,9 @@ without a GPU (issue 49, item 5): GPT-2 small with Megatron's plan in
 its metadata (``benchmarks.harness.gpu.nnx_model(tp=True)``: ``qkv`` and ``fc``
 column-split, ``proj`` and ``fc_proj`` row-split, the tied embedding and the norms whole)
 trained with ``Parallel(model_axes=("model",))`` on a ``(data, model)`` mesh, the model
-axis of 8 within each host and the data axis of 2 across them, stage 0, fused, K = 4 (``benchmarks/studies/tp_programs.py``, whose
-table of every cell is BENCHMARKS.md's, section 9).
+axis of 8 within each host and the data axis of 2 across them, stage 0, fused, K = 4
+(``benchmarks/studies/tp_programs.py``, whose table of every cell is BENCHMARKS.md's,
+section 9).
 
 Read from the scheduled program by each collective's device groups:
 - the gradients cross the data groups once per step: all-reduces after the micro-batch
