@@ -77,9 +77,16 @@ def mesh_groups(mesh) -> tuple[frozenset, frozenset]:
     return frozenset(map(tuple, places.T.tolist())), frozenset(map(tuple, places.tolist()))
 
 
-def measure(topology: str, model_size: int, *, stage: int, layers: int, k: int = 4) -> dict:
+def per_device(tree) -> int:
+    """Bytes one device holds of ``tree``'s abstract leaves, by their shardings."""
     import jax
 
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def measure(topology: str, model_size: int, *, stage: int, layers: int, k: int = 4) -> dict:
     from jaxdp.plan import compiled_memory
     from jaxdp.testing import collectives
 
@@ -120,10 +127,7 @@ def measure(topology: str, model_size: int, *, stage: int, layers: int, k: int =
             {(c.kind, c.devices) for c in found if c.groups not in (data, model)}
         ),
         "replica_groups": sorted(set(re.findall(r"replica_groups=(\S+?),? ", compiled.as_text()))),
-        "param_bytes_per_device": sum(
-            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-            for x in jax.tree.leaves(state.params)
-        ),
+        "param_bytes_per_device": per_device(state.params),
         "peak_gib": round(memory.peak / 2**30, 2) if memory.peak else None,
     }
 

@@ -29,7 +29,7 @@ import math
 import jax
 import pytest
 
-from benchmarks.studies.tp_programs import mesh_groups, program
+from benchmarks.studies.tp_programs import mesh_groups, per_device, program
 from jaxdp.plan import compiled_memory
 from jaxdp.testing import collectives
 
@@ -51,13 +51,6 @@ def compiled_cell(topology: str, model: int):
     if (topology, model) not in _PROGRAMS:
         _PROGRAMS[topology, model] = program(topology, model, k=K)[:4]
     return _PROGRAMS[topology, model]
-
-
-def per_device(tree) -> int:
-    """Bytes one device holds of ``tree``'s abstract leaves, by their shardings."""
-    return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
-    )
 
 
 @pytest.mark.parametrize(("topology", "model"), CELLS, ids=IDS)
